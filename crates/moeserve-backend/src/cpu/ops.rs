@@ -1,0 +1,103 @@
+//! Element-wise and row-wise kernels: RMSNorm, SwiGLU, softmax, RoPE, residual add.
+//!
+//! These are memory-light next to the matmuls; they stay scalar code the compiler vectorises.
+
+use crate::Weight;
+
+/// `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * w` for every row `r` of `x: [rows, w.len()]`.
+///
+/// HF: `hidden_states * torch.rsqrt(variance + self.variance_epsilon)` then `self.weight * ...`.
+pub fn rms_norm(x: &[f32], w: &Weight, eps: f32, out: &mut [f32]) {
+    let h = w.numel();
+    let w = w.to_f32_vec();
+    for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let var = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for ((o, v), g) in or.iter_mut().zip(xr).zip(&w) {
+            *o = g * (v * inv);
+        }
+    }
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`, SwiGLU's activation (`act_fn(w1(x)) * w3(x)` in Mixtral).
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Numerically stable softmax of one row, in place.
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// `a += b`, the residual connection.
+pub fn add_assign(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+}
+
+/// Inverse frequencies of rotary embeddings, computed in f32 as HF's default rope init does:
+/// `1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))`.
+pub fn rope_inv_freq(head_dim: usize, rope_theta: f64) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / head_dim as f32;
+            1.0f32 / (rope_theta.powf(exponent as f64) as f32)
+        })
+        .collect()
+}
+
+/// Rotates every head of `x: [num_heads, head_dim]` at `position` (HF's `rotate_half` layout:
+/// the first and second halves of a head form the pairs).
+pub fn apply_rope(x: &mut [f32], head_dim: usize, position: usize, inv_freq: &[f32]) {
+    let half = head_dim / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, f) in inv_freq.iter().enumerate() {
+            let angle = (position as f32 * f) as f64;
+            let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
+            let (a, b) = (head[i], head[i + half]);
+            head[i] = a * cos - b * sin;
+            head[i + half] = b * cos + a * sin;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_sums_to_one_and_keeps_order() {
+        let mut x = vec![1.0, 3.0, 2.0, -1e9];
+        softmax_in_place(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[1] > x[2] && x[2] > x[0] && x[3] == 0.0);
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity_and_preserves_norm() {
+        let inv = rope_inv_freq(8, 10000.0);
+        let orig: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.7).collect();
+        let mut x = orig.clone();
+        apply_rope(&mut x, 8, 0, &inv);
+        assert_eq!(x, orig);
+        apply_rope(&mut x, 8, 37, &inv);
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((norm(&x) - norm(&orig)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn rms_norm_of_constant_row_is_weight() {
+        let w = Weight::from_f32(vec![4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let mut out = vec![0.0; 4];
+        rms_norm(&[2.0; 4], &w, 0.0, &mut out);
+        assert_eq!(out, vec![1.0, 2.0, 3.0, 4.0]);
+    }
+}

@@ -1,0 +1,30 @@
+//! Devices, weight storage and compute kernels.
+//!
+//! The model crate describes *what* to compute; this crate owns *how*: weight bytes (memory-mapped
+//! or owned), and the CPU kernels (a scalar reference plus ISA-specific variants chosen once at
+//! start-up). Model code never names an instruction set.
+
+pub mod cpu;
+mod weight;
+
+pub use weight::{Weight, WeightBytes, WeightData};
+
+/// Errors raised by backends.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("{op}: expected shape {expected:?}, got {got:?}")]
+    ShapeMismatch {
+        op: &'static str,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("{op}: byte length {len} does not match shape {shape:?} of {dtype}")]
+    ByteLength {
+        op: &'static str,
+        len: usize,
+        shape: Vec<usize>,
+        dtype: moeserve_core::DType,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;

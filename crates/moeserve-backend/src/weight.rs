@@ -1,0 +1,151 @@
+//! Weight tensors: a dtype, a shape and bytes that are either a view into a memory-mapped
+//! checkpoint or an owned, aligned buffer.
+//!
+//! Views are zero-copy; a tensor whose offset in the file is not aligned to its element size is
+//! copied once at load into an owned buffer, so kernels can always reinterpret the bytes.
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use moeserve_core::DType;
+
+use crate::{BackendError, Result};
+
+/// The bytes behind a [`Weight`].
+#[derive(Clone)]
+pub enum WeightBytes {
+    /// `map[start..end]` of a memory-mapped file.
+    Mapped { map: Arc<Mmap>, start: usize, end: usize },
+    /// An owned buffer; `u64` words guarantee alignment for every element type.
+    Owned { words: Arc<Vec<u64>>, len: usize },
+}
+
+impl WeightBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            WeightBytes::Mapped { map, start, end } => &map[*start..*end],
+            WeightBytes::Owned { words, len } => &bytemuck::cast_slice(words.as_slice())[..*len],
+        }
+    }
+
+    /// Copies `bytes` into an aligned owned buffer.
+    pub fn owned(bytes: &[u8]) -> Self {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        WeightBytes::Owned { words: Arc::new(words), len: bytes.len() }
+    }
+}
+
+/// A read-only tensor of weights, row-major.
+#[derive(Clone)]
+pub struct Weight {
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: WeightBytes,
+}
+
+impl std::fmt::Debug for Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Weight({}, {:?})", self.dtype, self.shape)
+    }
+}
+
+impl Weight {
+    /// Wraps `bytes`; copies them into an owned buffer when they are misaligned for `dtype`.
+    pub fn new(dtype: DType, shape: Vec<usize>, bytes: WeightBytes) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        let len = bytes.as_slice().len();
+        if len != numel * dtype.size_in_bytes() {
+            return Err(BackendError::ByteLength { op: "Weight::new", len, shape, dtype });
+        }
+        let aligned = (bytes.as_slice().as_ptr() as usize) % dtype.size_in_bytes() == 0;
+        let bytes = if aligned { bytes } else { WeightBytes::owned(bytes.as_slice()) };
+        Ok(Weight { dtype, shape, bytes })
+    }
+
+    /// An owned f32 tensor, used for small derived weights and in tests.
+    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Self> {
+        Weight::new(DType::F32, shape, WeightBytes::owned(bytemuck::cast_slice(values)))
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.bytes.as_slice().len()
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        self.bytes.as_slice()
+    }
+
+    /// The elements, typed; alignment was established in [`Weight::new`].
+    pub fn data(&self) -> WeightData<'_> {
+        let b = self.bytes.as_slice();
+        match self.dtype {
+            DType::F32 => WeightData::F32(bytemuck::cast_slice(b)),
+            DType::F16 => WeightData::F16(bytemuck::cast_slice(b)),
+            DType::BF16 => WeightData::BF16(bytemuck::cast_slice(b)),
+        }
+    }
+
+    /// Element `i` of the flattened tensor as f32 (slow; for small tensors and tests).
+    pub fn get_f32(&self, i: usize) -> f32 {
+        match self.data() {
+            WeightData::F32(v) => v[i],
+            WeightData::F16(v) => v[i].to_f32(),
+            WeightData::BF16(v) => v[i].to_f32(),
+        }
+    }
+
+    /// The whole tensor widened to f32.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.numel()];
+        crate::cpu::convert::widen_into(self.data(), &mut out);
+        out
+    }
+
+    /// Checks that the tensor has `expected` shape.
+    pub fn expect_shape(&self, op: &'static str, expected: &[usize]) -> Result<()> {
+        if self.shape != expected {
+            return Err(BackendError::ShapeMismatch {
+                op,
+                expected: expected.to_vec(),
+                got: self.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Typed view of a weight's elements.
+#[derive(Clone, Copy)]
+pub enum WeightData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl WeightData<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            WeightData::F32(v) => v.len(),
+            WeightData::F16(v) => v.len(),
+            WeightData::BF16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

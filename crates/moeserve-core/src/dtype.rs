@@ -1,0 +1,64 @@
+//! Element types of stored tensors.
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of a weight or activation tensor as stored in a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The name used by safetensors headers and `torch_dtype` in config.json.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+        }
+    }
+
+    /// Parses names as they appear in HF configs and on the command line
+    /// (`bfloat16`, `bf16`, `float16`, `f16`, `half`, `float32`, `f32`, `float`).
+    pub fn parse(name: &str) -> Option<DType> {
+        match name.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Some(DType::BF16),
+            "f16" | "float16" | "half" => Some(DType::F16),
+            "f32" | "float32" | "float" => Some(DType::F32),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hf_and_short_names() {
+        assert_eq!(DType::parse("bfloat16"), Some(DType::BF16));
+        assert_eq!(DType::parse("F16"), Some(DType::F16));
+        assert_eq!(DType::parse("float32"), Some(DType::F32));
+        assert_eq!(DType::parse("int8"), None);
+    }
+}

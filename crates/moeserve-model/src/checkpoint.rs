@@ -1,0 +1,200 @@
+//! HF checkpoints in safetensors format: `model.safetensors`, or shards listed by
+//! `model.safetensors.index.json`, memory-mapped; tensors are looked up by hub name.
+//!
+//! Files are validated when opened (header, offsets, file length) so a truncated download is
+//! reported at start-up with its path, not as a crash in the middle of a forward pass.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use moeserve_backend::{Weight, WeightBytes};
+use moeserve_core::DType;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+
+use crate::{ModelError, Result};
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Where one tensor lives.
+#[derive(Clone, Debug)]
+struct TensorEntry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// The memory-mapped tensors of one checkpoint directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    files: Vec<(PathBuf, Arc<Mmap>)>,
+    tensors: HashMap<String, TensorEntry>,
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors` or the shards named in `dir/model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join(INDEX_FILE);
+        let file_names = if index_path.exists() {
+            shard_names(&index_path)?
+        } else if dir.join(SINGLE_FILE).exists() {
+            vec![SINGLE_FILE.to_string()]
+        } else {
+            return Err(ModelError::config(
+                dir,
+                format!("no {SINGLE_FILE} or {INDEX_FILE} in the model directory"),
+            ));
+        };
+        let mut checkpoint = Checkpoint { dir: dir.to_path_buf(), files: Vec::new(), tensors: HashMap::new() };
+        for name in file_names {
+            checkpoint.add_file(&dir.join(name))?;
+        }
+        Ok(checkpoint)
+    }
+
+    fn add_file(&mut self, path: &Path) -> Result<()> {
+        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        // SAFETY: the checkpoint is opened read-only; like every mmap-based loader (vLLM, candle)
+        // we assume nobody truncates the file while the server runs.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        let file_index = self.files.len();
+        let parsed = SafeTensors::deserialize(&map[..])
+            .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
+        let base = map.as_ptr() as usize;
+        for (name, view) in parsed.tensors() {
+            let start = view.data().as_ptr() as usize - base;
+            let entry = TensorEntry {
+                file: file_index,
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                start,
+                end: start + view.data().len(),
+            };
+            self.tensors.insert(name, entry);
+        }
+        self.files.push((path.to_path_buf(), Arc::new(map)));
+        Ok(())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The tensor `name`, checked to have `expected_shape` and a float dtype; zero-copy.
+    pub fn weight(&self, name: &str, expected_shape: &[usize]) -> Result<Weight> {
+        let entry = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor { path: self.dir.clone(), name: name.to_string() })?;
+        let path = &self.files[entry.file].0;
+        if entry.shape != expected_shape {
+            return Err(ModelError::TensorShape {
+                path: path.clone(),
+                name: name.to_string(),
+                expected: expected_shape.to_vec(),
+                got: entry.shape.clone(),
+            });
+        }
+        let dtype = match entry.dtype {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(ModelError::UnsupportedDType {
+                    path: path.clone(),
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        let bytes = WeightBytes::Mapped { map: self.files[entry.file].1.clone(), start: entry.start, end: entry.end };
+        Ok(Weight::new(dtype, entry.shape.clone(), bytes)?)
+    }
+}
+
+/// The distinct shard file names of an index, in a stable order.
+fn shard_names(index_path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index_path).map_err(|e| ModelError::io(index_path, e))?;
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::config(index_path, format!("invalid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| ModelError::config(index_path, "missing object `weight_map`"))?;
+    let mut files = BTreeMap::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| ModelError::config(index_path, format!("weight_map[{tensor:?}] is not a file name")))?;
+        if file.contains('/') || file.contains("..") {
+            return Err(ModelError::config(index_path, format!("shard name {file:?} must be a plain file name")));
+        }
+        files.insert(file.to_string(), ());
+    }
+    Ok(files.into_keys().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_single(dir: &Path, tensors: &[(&str, Dtype, Vec<usize>)]) {
+        let datas: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, dt, shape)| vec![0u8; shape.iter().product::<usize>() * dt.bitsize() / 8])
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+            .iter()
+            .zip(&datas)
+            .map(|((n, dt, shape), d)| (n.to_string(), safetensors::tensor::TensorView::new(*dt, shape.clone(), d).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(SINGLE_FILE)).unwrap();
+    }
+
+    #[test]
+    fn loads_weight_and_checks_shape_and_dtype() {
+        let dir = tempfile::tempdir().unwrap();
+        write_single(dir.path(), &[("a", Dtype::BF16, vec![2, 3]), ("b", Dtype::I64, vec![4])]);
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let w = ckpt.weight("a", &[2, 3]).unwrap();
+        assert_eq!((w.dtype(), w.shape()), (DType::BF16, &[2usize, 3][..]));
+        let msg = ckpt.weight("a", &[3, 2]).unwrap_err().to_string();
+        assert!(msg.contains("`a` has shape [2, 3], expected [3, 2]"), "{msg}");
+        let msg = ckpt.weight("b", &[4]).unwrap_err().to_string();
+        assert!(msg.contains("unsupported dtype I64"), "{msg}");
+        let msg = ckpt.weight("c", &[1]).unwrap_err().to_string();
+        assert!(msg.contains("missing tensor `c`"), "{msg}");
+    }
+
+    #[test]
+    fn truncated_file_is_reported_with_path() {
+        let dir = tempfile::tempdir().unwrap();
+        write_single(dir.path(), &[("a", Dtype::F32, vec![64])]);
+        let path = dir.path().join(SINGLE_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+        let msg = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(msg.contains("model.safetensors") && msg.contains("invalid safetensors"), "{msg}");
+    }
+
+    #[test]
+    fn empty_directory_says_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let msg = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(msg.contains("no model.safetensors"), "{msg}");
+    }
+}

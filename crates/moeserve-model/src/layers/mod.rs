@@ -1,0 +1,3 @@
+//! Dense building blocks of a decoder layer.
+
+pub mod attention;

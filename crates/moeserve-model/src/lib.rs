@@ -1,0 +1,26 @@
+//! Model loading and the forward pass.
+//!
+//! - `config`: HF `config.json` for Mixtral-class models.
+//! - `checkpoint`: safetensors (single file or sharded), memory-mapped, with hub tensor names.
+//! - `tokenizer`, `chat_template`, `generation_config`: text in and out.
+//! - `gguf` and `convert`: reading GGUF files and upcycling dense Llama models into Mixtral.
+//! - `writer` and `presets`: writing HF-format checkpoints, random presets for tests and benches.
+//! - `models::mixtral`: the forward pass over a varlen batch with a paged KV cache.
+
+pub mod batch;
+pub mod chat_template;
+pub mod checkpoint;
+pub mod config;
+pub mod convert;
+mod error;
+pub mod generation_config;
+pub mod gguf;
+pub mod kv_cache;
+pub mod layers;
+pub mod moe;
+pub mod models;
+pub mod presets;
+pub mod tokenizer;
+pub mod writer;
+
+pub use error::{ModelError, Result};

@@ -1,0 +1,172 @@
+//! `MixtralForCausalLM`: embedding → N × (RMSNorm → attention → residual → RMSNorm → sparse
+//! MoE → residual) → RMSNorm → lm_head. Follows HF `modeling_mixtral.py`; every activation is
+//! f32, weights stay in their stored dtype and are widened inside the kernels.
+
+use std::path::Path;
+
+use moeserve_backend::{Weight, cpu};
+
+use crate::batch::{BatchLimits, ForwardBatch};
+use crate::checkpoint::Checkpoint;
+use crate::config::MixtralConfig;
+use crate::kv_cache::{KvCacheLayout, PagedKvCache};
+use crate::layers::attention::{Attention, AttentionStep};
+use crate::moe::SparseMoe;
+use crate::{ModelError, Result};
+
+struct DecoderLayer {
+    input_layernorm: Weight,
+    self_attn: Attention,
+    post_attention_layernorm: Weight,
+    block_sparse_moe: SparseMoe,
+}
+
+/// A loaded Mixtral model; immutable, shared by all steps.
+pub struct MixtralModel {
+    config: MixtralConfig,
+    embed_tokens: Weight,
+    layers: Vec<DecoderLayer>,
+    norm: Weight,
+    /// `embed_tokens` again when the embeddings are tied.
+    lm_head: Weight,
+}
+
+/// Which positions get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// The last step token of every sequence (what sampling needs): `[num_sequences, vocab]`.
+    LastTokens,
+    /// Every step token: `[num_tokens, vocab]`.
+    AllTokens,
+}
+
+/// Intermediate values recorded for reference tests.
+#[derive(Debug, Default)]
+pub struct ForwardTrace {
+    /// Per layer: the residual stream after the layer, `[num_tokens, hidden]`.
+    pub layer_outputs: Vec<Vec<f32>>,
+    /// Per layer: router logits, `[num_tokens, num_experts]`.
+    pub router_logits: Vec<Vec<f32>>,
+}
+
+/// Options of one forward pass.
+pub struct ForwardOptions<'a> {
+    pub logits: LogitsFor,
+    pub trace: Option<&'a mut ForwardTrace>,
+}
+
+impl Default for ForwardOptions<'_> {
+    fn default() -> Self {
+        ForwardOptions { logits: LogitsFor::LastTokens, trace: None }
+    }
+}
+
+impl MixtralModel {
+    /// Loads `dir/config.json` and the safetensors weights of `dir`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = MixtralConfig::from_dir(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        Self::from_checkpoint(config, &ckpt)
+    }
+
+    pub fn from_checkpoint(config: MixtralConfig, ckpt: &Checkpoint) -> Result<Self> {
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let embed_tokens = ckpt.weight("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.clone()
+        } else {
+            ckpt.weight("lm_head.weight", &[v, h])?
+        };
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| {
+                let p = format!("model.layers.{l}");
+                Ok(DecoderLayer {
+                    input_layernorm: ckpt.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
+                    self_attn: Attention::load(ckpt, &format!("{p}.self_attn"), &config)?,
+                    post_attention_layernorm: ckpt.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                    block_sparse_moe: SparseMoe::load(ckpt, &format!("{p}.block_sparse_moe"), &config)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = ckpt.weight("model.norm.weight", &[h])?;
+        Ok(MixtralModel { config, embed_tokens, layers, norm, lm_head })
+    }
+
+    pub fn config(&self) -> &MixtralConfig {
+        &self.config
+    }
+
+    /// A KV cache layout for this model with `num_blocks` blocks of `block_size` tokens.
+    pub fn kv_layout(&self, num_blocks: usize, block_size: usize) -> KvCacheLayout {
+        KvCacheLayout {
+            num_layers: self.config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            kv_dim: self.config.kv_dim(),
+        }
+    }
+
+    /// Bytes of all weights (tied embeddings counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let mut total = self.embed_tokens.size_in_bytes() + self.norm.size_in_bytes();
+        if !self.config.tie_word_embeddings {
+            total += self.lm_head.size_in_bytes();
+        }
+        for layer in &self.layers {
+            total += layer.input_layernorm.size_in_bytes() + layer.post_attention_layernorm.size_in_bytes();
+            total += layer.self_attn.weights().iter().map(|w| w.size_in_bytes()).sum::<usize>();
+            let moe = &layer.block_sparse_moe;
+            total += moe.gate.size_in_bytes();
+            total += moe.experts.iter().map(|e| e.w1.size_in_bytes() + e.w2.size_in_bytes() + e.w3.size_in_bytes()).sum::<usize>();
+        }
+        total
+    }
+
+    /// Runs one step: writes the step tokens' keys/values into `kv` and returns logits
+    /// (`[num_sequences or num_tokens, vocab]`, see [`LogitsFor`]).
+    pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut PagedKvCache, opts: ForwardOptions<'_>) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let layout = *kv.layout();
+        if layout.num_layers != c.num_hidden_layers || layout.kv_dim != c.kv_dim() {
+            return Err(ModelError::InvalidInput { message: format!("KV cache layout {layout:?} does not fit the model") });
+        }
+        let places = batch.places(&BatchLimits {
+            vocab_size: c.vocab_size,
+            max_position_embeddings: c.max_position_embeddings,
+            block_size: layout.block_size,
+            num_blocks: layout.num_blocks,
+        })?;
+        let (t, h) = (batch.num_tokens(), c.hidden_size);
+        let mut trace = opts.trace;
+        let mut hidden = vec![0.0; t * h]; // [num_tokens, hidden]: the residual stream
+        for (row, id) in hidden.chunks_exact_mut(h).zip(batch.token_ids) {
+            cpu::convert::widen_row(self.embed_tokens.data(), *id as usize, row);
+        }
+        let mut normed = vec![0.0; t * h];
+        let mut delta = vec![0.0; t * h];
+        for (l, layer) in self.layers.iter().enumerate() {
+            cpu::rms_norm(&hidden, &layer.input_layernorm, c.rms_norm_eps, &mut normed);
+            let step = AttentionStep { layer: l, batch, places: &places, x: &normed };
+            layer.self_attn.forward(&step, kv, &mut delta);
+            cpu::add_assign(&mut hidden, &delta);
+            cpu::rms_norm(&hidden, &layer.post_attention_layernorm, c.rms_norm_eps, &mut normed);
+            let router_logits = layer.block_sparse_moe.router_logits(&normed, t);
+            layer.block_sparse_moe.forward(&normed, &router_logits, &mut delta);
+            cpu::add_assign(&mut hidden, &delta);
+            if let Some(trace) = trace.as_deref_mut() {
+                trace.layer_outputs.push(hidden.clone());
+                trace.router_logits.push(router_logits);
+            }
+        }
+        let rows: Vec<usize> = match opts.logits {
+            LogitsFor::AllTokens => (0..t).collect(),
+            LogitsFor::LastTokens => batch.sequences.iter().map(|s| s.query_start + s.query_len - 1).collect(),
+        };
+        let selected: Vec<f32> = rows.iter().flat_map(|r| &hidden[r * h..(r + 1) * h]).copied().collect();
+        let mut final_normed = vec![0.0; selected.len()];
+        cpu::rms_norm(&selected, &self.norm, c.rms_norm_eps, &mut final_normed);
+        let mut logits = vec![0.0; rows.len() * c.vocab_size];
+        cpu::matmul_wt(&final_normed, rows.len(), &self.lm_head, &mut logits);
+        Ok(logits)
+    }
+}

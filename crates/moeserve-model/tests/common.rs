@@ -1,0 +1,120 @@
+//! Helpers shared by the model's integration tests: fixture paths, reference files, and a
+//! single-sequence greedy loop over the paged cache.
+
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::path::{Path, PathBuf};
+
+use moeserve_model::batch::{ForwardBatch, SequenceSlice};
+use moeserve_model::kv_cache::PagedKvCache;
+use moeserve_model::models::{ForwardOptions, LogitsFor, MixtralModel};
+use serde::Deserialize;
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ReferencePrompt {
+    pub prompt_ids: Vec<u32>,
+    pub greedy_ids: Vec<u32>,
+    pub greedy_logprobs: Vec<f32>,
+    #[serde(default)]
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Reference {
+    pub prompts: Vec<ReferencePrompt>,
+}
+
+pub fn read_reference(dir: &Path) -> Reference {
+    let path = dir.join("reference.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// f32 tensors of `expected.safetensors` by name.
+pub fn read_expected(dir: &Path) -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("expected.safetensors")).expect("expected.safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid expected.safetensors");
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+    logits.iter().map(|l| l - lse).collect()
+}
+
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in xs.iter().enumerate() {
+        if *x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// One greedy step's outcome.
+pub struct Step {
+    pub token: u32,
+    pub logprobs: Vec<f32>,
+}
+
+/// A single sequence decoding over a private paged cache (block ids in order).
+pub struct SoloSequence<'m> {
+    pub model: &'m MixtralModel,
+    pub cache: PagedKvCache,
+    pub block_size: usize,
+    pub tokens: Vec<u32>,
+    pub computed: usize,
+}
+
+impl<'m> SoloSequence<'m> {
+    pub fn new(model: &'m MixtralModel, max_len: usize, block_size: usize) -> Self {
+        let cache = PagedKvCache::new(model.kv_layout(max_len.div_ceil(block_size), block_size));
+        SoloSequence { model, cache, block_size, tokens: Vec::new(), computed: 0 }
+    }
+
+    /// Appends `new` and runs them through the model; returns the logits of the last one.
+    pub fn feed(&mut self, new: &[u32]) -> Vec<f32> {
+        self.tokens.extend_from_slice(new);
+        let table: Vec<u32> = (0..self.tokens.len().div_ceil(self.block_size) as u32).collect();
+        let seqs = [SequenceSlice {
+            query_start: 0,
+            query_len: new.len(),
+            context_len: self.tokens.len(),
+            block_table: &table,
+        }];
+        let batch = ForwardBatch { token_ids: new, sequences: &seqs };
+        let logits = self
+            .model
+            .forward(&batch, &mut self.cache, ForwardOptions { logits: LogitsFor::LastTokens, trace: None })
+            .expect("forward");
+        self.computed = self.tokens.len();
+        logits
+    }
+
+    /// Greedy decoding of `n` tokens after `prompt`.
+    pub fn greedy(&mut self, prompt: &[u32], n: usize) -> Vec<Step> {
+        let mut logits = self.feed(prompt);
+        let mut steps = Vec::new();
+        for i in 0..n {
+            let token = argmax(&logits);
+            steps.push(Step { token, logprobs: log_softmax(&logits) });
+            if i + 1 < n {
+                logits = self.feed(&[token]);
+            }
+        }
+        steps
+    }
+}
