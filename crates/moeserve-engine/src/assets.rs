@@ -1,0 +1,76 @@
+//! Everything loaded from a model directory: weights, tokenizer, chat template, eos ids.
+
+use std::path::Path;
+
+use moeserve_model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
+use moeserve_model::generation_config::GenerationConfig;
+use moeserve_model::models::MixtralModel;
+use moeserve_model::tokenizer::Tokenizer;
+
+use crate::request::Prompt;
+use crate::{EngineError, Result};
+
+/// A model directory, loaded.
+pub struct ModelAssets {
+    pub model: MixtralModel,
+    /// `None` for checkpoints without tokenizer.json (prompts must then be token ids).
+    pub tokenizer: Option<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub generation_config: GenerationConfig,
+}
+
+impl ModelAssets {
+    pub fn load(dir: &Path) -> Result<Self> {
+        let model = MixtralModel::load(dir)?;
+        let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+        Ok(ModelAssets {
+            model,
+            tokenizer,
+            chat_template: ChatTemplate::from_dir(dir)?,
+            generation_config: GenerationConfig::from_dir(dir)?,
+        })
+    }
+
+    fn tokenizer(&self, field: &'static str) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| EngineError::InvalidRequest {
+            field,
+            message: "the model has no tokenizer.json; send token ids instead".to_string(),
+        })
+    }
+
+    /// The prompt's token ids: text is tokenized as is (no special tokens added, as vLLM does
+    /// for models whose tokenizer adds none); chat messages go through the chat template.
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        let ids = match prompt {
+            Prompt::TokenIds(ids) => ids.clone(),
+            Prompt::Text(text) => self.tokenizer("prompt")?.encode_with_special_tokens(text)?,
+            Prompt::Chat(messages) => {
+                let text = self.render_chat(messages)?;
+                self.tokenizer("messages")?.encode(&text)?
+            }
+        };
+        let vocab = self.model.config().vocab_size;
+        if ids.is_empty() {
+            return Err(EngineError::InvalidRequest { field: "prompt", message: "the prompt is empty".to_string() });
+        }
+        if let Some(bad) = ids.iter().find(|id| **id as usize >= vocab) {
+            return Err(EngineError::InvalidRequest {
+                field: "prompt",
+                message: format!("token id {bad} is out of the vocabulary (size {vocab})"),
+            });
+        }
+        Ok(ids)
+    }
+
+    /// Renders chat messages with the model's template, ending with the assistant's turn.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        let template = self.chat_template.as_ref().ok_or_else(|| EngineError::InvalidRequest {
+            field: "messages",
+            message: "the model has no chat template".to_string(),
+        })?;
+        if messages.is_empty() {
+            return Err(EngineError::InvalidRequest { field: "messages", message: "no messages given".to_string() });
+        }
+        Ok(template.render(messages, &RenderOptions { add_generation_prompt: true })?)
+    }
+}

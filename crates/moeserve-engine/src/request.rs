@@ -1,0 +1,44 @@
+//! What a caller asks the engine for, and what it gets back.
+
+use moeserve_core::SamplingParams;
+use moeserve_model::chat_template::ChatMessage;
+use serde::Serialize;
+
+/// A prompt as a client gives it.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    Text(String),
+    TokenIds(Vec<u32>),
+    /// Rendered with the model's chat template (assistant turn opened).
+    Chat(Vec<ChatMessage>),
+}
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+}
+
+/// Why a sequence stopped, named as in OpenAI's `finish_reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An eos / stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the model's context length.
+    Length,
+}
+
+/// The result of one finished request.
+#[derive(Clone, Debug, Serialize)]
+pub struct GenerateOutput {
+    pub prompt_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// Logprob of each chosen token under the model's full softmax.
+    pub logprobs: Vec<f32>,
+    /// Per generated position, the top alternatives `(id, logprob)` when logprobs were asked for.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    pub finish_reason: FinishReason,
+}
