@@ -1,0 +1,126 @@
+//! Engine configuration shared by the CLI, the TOML config file and the engine, each validated
+//! once at start-up. Names and defaults follow vLLM's engine arguments.
+
+use serde::{Deserialize, Serialize};
+
+/// A configuration value outside its allowed range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid `{field}`: {message}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+fn invalid(field: &'static str, message: String) -> Result<(), ConfigError> {
+    Err(ConfigError { field, message })
+}
+
+/// Paged KV cache settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Tokens per KV block (`--block-size`, 8–256).
+    pub block_size: usize,
+    /// Bytes for the KV cache (`--kv-cache-memory`); `None` = a share of free memory.
+    pub kv_cache_memory: Option<u64>,
+    /// Reuse full blocks across requests with a common prefix (`--enable-prefix-caching`).
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig { block_size: 16, kv_cache_memory: None, enable_prefix_caching: true }
+    }
+}
+
+impl CacheConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(8..=256).contains(&self.block_size) {
+            return invalid("block_size", format!("must be in 8..=256, got {}", self.block_size));
+        }
+        if self.kv_cache_memory == Some(0) {
+            return invalid("kv_cache_memory", "must be more than 0 bytes".to_string());
+        }
+        Ok(())
+    }
+}
+
+/// Continuous-batching settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// Most sequences in one step (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Token budget of one step (`--max-num-batched-tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Split long prompts across steps, after the running decodes (`--enable-chunked-prefill`).
+    pub enable_chunked_prefill: bool,
+    /// Longest prompt + output (`--max-model-len`); `None` = the model's context.
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            enable_chunked_prefill: true,
+            max_model_len: None,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_num_seqs == 0 {
+            return invalid("max_num_seqs", "must be at least 1".to_string());
+        }
+        if self.max_num_batched_tokens == 0 {
+            return invalid("max_num_batched_tokens", "must be at least 1".to_string());
+        }
+        if self.max_model_len == Some(0) {
+            return invalid("max_model_len", "must be at least 1".to_string());
+        }
+        if !self.enable_chunked_prefill
+            && let Some(len) = self.max_model_len
+            && len > self.max_num_batched_tokens
+        {
+            return invalid(
+                "max_num_batched_tokens",
+                format!(
+                    "without chunked prefill it must be at least max_model_len ({len}), got {}",
+                    self.max_num_batched_tokens
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        CacheConfig::default().validate().unwrap();
+        SchedulerConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn block_size_out_of_range_is_named() {
+        let c = CacheConfig { block_size: 4, ..Default::default() };
+        assert_eq!(c.validate().unwrap_err().field, "block_size");
+    }
+
+    #[test]
+    fn unchunked_prefill_needs_budget_for_a_whole_prompt() {
+        let c = SchedulerConfig {
+            enable_chunked_prefill: false,
+            max_model_len: Some(4096),
+            max_num_batched_tokens: 2048,
+            ..Default::default()
+        };
+        assert_eq!(c.validate().unwrap_err().field, "max_num_batched_tokens");
+    }
+}
