@@ -1,0 +1,88 @@
+"""Generate moeserve's committed reference fixtures under tests/fixtures/.
+
+What it makes (the file formats are a contract with the Rust tests):
+  A. mixtral-{swa,tied,gqa,sharded}/  tiny random HF Mixtral checkpoints (hub tensor
+     names, bf16/f16/f32, one file or 3 shards) + reference.json (24 greedy tokens,
+     logprobs, top-5 per step for 3 prompts), expected.safetensors (per-layer residual
+     outputs, raw router logits, logits for the 40-token prompt), manifest.json.
+     See mixtral_cases.py.
+  B. llama-tiny-gguf/  a tiny dense Llama GGUF (Q8_0 embeddings, Q4_1 matrices, F32
+     norms, q/k permuted like llama.cpp's convert_hf_to_gguf.py) carrying the real
+     SmolLM2 tokenizer metadata, with reference.json, expected.safetensors (logits of
+     prompt 0), tokenizer_cases.json and chat_cases.json. See llama_gguf.py.
+  C. gguf-blocks/  raw Q4_1 / Q8_0 blocks from the real SmolLM2 GGUF and their
+     gguf.quants dequantization. See llama_gguf.py.
+  D. smolmoe-demo/reference.json  greedy chat references of the dense SmolLM2-135M
+     (GGUF dequantized, rounded to bf16) that the upcycled demo MoE must reproduce.
+     See smollm_demo.py.
+
+How to run (from the repository root, CPU only, ~5 minutes):
+    python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
+    .venv-ref/bin/python tests/reference/generate.py            # everything
+    .venv-ref/bin/python tests/reference/generate.py --only mixtral gguf-blocks
+
+Determinism: every RNG is seeded, torch runs single-threaded with
+torch.use_deterministic_algorithms(True), JSON is written with a stable layout
+and no timestamps, so rerunning with the pinned versions reproduces the files.
+Every float reference is computed in float32 from exactly the stored weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from ref_common import FIXTURES_DIR, script_sha256, set_determinism, versions  # noqa: E402
+
+GLOBAL_SEED = 1234
+SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to regenerate")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    set_determinism(GLOBAL_SEED)
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    hf_logging.set_verbosity_error()
+    provenance = {"versions": versions(), "script_sha256": script_sha256()}
+    for section in SECTIONS:
+        if section not in args.only:
+            continue
+        started = time.time()
+        print(f"[{section}]")
+        set_determinism(GLOBAL_SEED)
+        if section == "mixtral":
+            import mixtral_cases  # noqa: PLC0415
+
+            for case in mixtral_cases.CASES:
+                mixtral_cases.generate_case(case, FIXTURES_DIR, provenance)
+        elif section == "llama-tiny-gguf":
+            import llama_gguf  # noqa: PLC0415
+
+            llama_gguf.generate_llama_tiny(FIXTURES_DIR / "llama-tiny-gguf", provenance)
+        elif section == "gguf-blocks":
+            import llama_gguf  # noqa: PLC0415
+
+            llama_gguf.generate_gguf_blocks(FIXTURES_DIR / "gguf-blocks", provenance)
+        elif section == "smolmoe-demo":
+            import smollm_demo  # noqa: PLC0415
+
+            smollm_demo.generate_smolmoe_reference(FIXTURES_DIR / "smolmoe-demo", provenance)
+        print(f"[{section}] done in {time.time() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
