@@ -16,7 +16,11 @@ use crate::{BackendError, Result};
 #[derive(Clone)]
 pub enum WeightBytes {
     /// `map[start..end]` of a memory-mapped file.
-    Mapped { map: Arc<Mmap>, start: usize, end: usize },
+    Mapped {
+        map: Arc<Mmap>,
+        start: usize,
+        end: usize,
+    },
     /// An owned buffer; `u64` words guarantee alignment for every element type.
     Owned { words: Arc<Vec<u64>>, len: usize },
 }
@@ -33,7 +37,10 @@ impl WeightBytes {
     pub fn owned(bytes: &[u8]) -> Self {
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-        WeightBytes::Owned { words: Arc::new(words), len: bytes.len() }
+        WeightBytes::Owned {
+            words: Arc::new(words),
+            len: bytes.len(),
+        }
     }
 }
 
@@ -57,16 +64,33 @@ impl Weight {
         let numel: usize = shape.iter().product();
         let len = bytes.as_slice().len();
         if len != numel * dtype.size_in_bytes() {
-            return Err(BackendError::ByteLength { op: "Weight::new", len, shape, dtype });
+            return Err(BackendError::ByteLength {
+                op: "Weight::new",
+                len,
+                shape,
+                dtype,
+            });
         }
         let aligned = (bytes.as_slice().as_ptr() as usize) % dtype.size_in_bytes() == 0;
-        let bytes = if aligned { bytes } else { WeightBytes::owned(bytes.as_slice()) };
-        Ok(Weight { dtype, shape, bytes })
+        let bytes = if aligned {
+            bytes
+        } else {
+            WeightBytes::owned(bytes.as_slice())
+        };
+        Ok(Weight {
+            dtype,
+            shape,
+            bytes,
+        })
     }
 
     /// An owned f32 tensor, used for small derived weights and in tests.
     pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Self> {
-        Weight::new(DType::F32, shape, WeightBytes::owned(bytemuck::cast_slice(values)))
+        Weight::new(
+            DType::F32,
+            shape,
+            WeightBytes::owned(bytemuck::cast_slice(values)),
+        )
     }
 
     pub fn dtype(&self) -> DType {

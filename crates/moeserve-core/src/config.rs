@@ -29,14 +29,21 @@ pub struct CacheConfig {
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { block_size: 16, kv_cache_memory: None, enable_prefix_caching: true }
+        CacheConfig {
+            block_size: 16,
+            kv_cache_memory: None,
+            enable_prefix_caching: true,
+        }
     }
 }
 
 impl CacheConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(8..=256).contains(&self.block_size) {
-            return invalid("block_size", format!("must be in 8..=256, got {}", self.block_size));
+            return invalid(
+                "block_size",
+                format!("must be in 8..=256, got {}", self.block_size),
+            );
         }
         if self.kv_cache_memory == Some(0) {
             return invalid("kv_cache_memory", "must be more than 0 bytes".to_string());
@@ -109,7 +116,10 @@ mod tests {
 
     #[test]
     fn block_size_out_of_range_is_named() {
-        let c = CacheConfig { block_size: 4, ..Default::default() };
+        let c = CacheConfig {
+            block_size: 4,
+            ..Default::default()
+        };
         assert_eq!(c.validate().unwrap_err().field, "block_size");
     }
 

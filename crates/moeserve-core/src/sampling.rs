@@ -83,7 +83,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<(), SamplingParamsError> {
         let err = |field, message: String| Err(SamplingParamsError { field, message });
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return err("temperature", format!("must be a finite number >= 0, got {}", self.temperature));
+            return err(
+                "temperature",
+                format!("must be a finite number >= 0, got {}", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return err("top_p", format!("must be in (0, 1], got {}", self.top_p));
@@ -97,12 +100,18 @@ impl SamplingParams {
         if let Some(k) = self.logprobs
             && k > MAX_LOGPROBS
         {
-            return err("logprobs", format!("must be at most {MAX_LOGPROBS}, got {k}"));
+            return err(
+                "logprobs",
+                format!("must be at most {MAX_LOGPROBS}, got {k}"),
+            );
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return err(
                 "repetition_penalty",
-                format!("must be a finite number > 0, got {}", self.repetition_penalty),
+                format!(
+                    "must be a finite number > 0, got {}",
+                    self.repetition_penalty
+                ),
             );
         }
         for (field, value) in [
@@ -132,11 +141,20 @@ mod tests {
 
     #[test]
     fn out_of_range_fields_are_named() {
-        let p = SamplingParams { top_p: 0.0, ..Default::default() };
+        let p = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        };
         assert_eq!(p.validate().unwrap_err().field, "top_p");
-        let p = SamplingParams { temperature: f32::NAN, ..Default::default() };
+        let p = SamplingParams {
+            temperature: f32::NAN,
+            ..Default::default()
+        };
         assert_eq!(p.validate().unwrap_err().field, "temperature");
-        let p = SamplingParams { max_tokens: 0, ..Default::default() };
+        let p = SamplingParams {
+            max_tokens: 0,
+            ..Default::default()
+        };
         assert_eq!(p.validate().unwrap_err().field, "max_tokens");
     }
 }

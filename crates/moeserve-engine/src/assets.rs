@@ -22,7 +22,11 @@ pub struct ModelAssets {
 impl ModelAssets {
     pub fn load(dir: &Path) -> Result<Self> {
         let model = MixtralModel::load(dir)?;
-        let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+        let tokenizer = if dir.join("tokenizer.json").exists() {
+            Some(Tokenizer::from_dir(dir)?)
+        } else {
+            None
+        };
         Ok(ModelAssets {
             model,
             tokenizer,
@@ -32,10 +36,12 @@ impl ModelAssets {
     }
 
     fn tokenizer(&self, field: &'static str) -> Result<&Tokenizer> {
-        self.tokenizer.as_ref().ok_or_else(|| EngineError::InvalidRequest {
-            field,
-            message: "the model has no tokenizer.json; send token ids instead".to_string(),
-        })
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidRequest {
+                field,
+                message: "the model has no tokenizer.json; send token ids instead".to_string(),
+            })
     }
 
     /// The prompt's token ids: text is tokenized as is (no special tokens added, as vLLM does
@@ -51,7 +57,10 @@ impl ModelAssets {
         };
         let vocab = self.model.config().vocab_size;
         if ids.is_empty() {
-            return Err(EngineError::InvalidRequest { field: "prompt", message: "the prompt is empty".to_string() });
+            return Err(EngineError::InvalidRequest {
+                field: "prompt",
+                message: "the prompt is empty".to_string(),
+            });
         }
         if let Some(bad) = ids.iter().find(|id| **id as usize >= vocab) {
             return Err(EngineError::InvalidRequest {
@@ -64,13 +73,24 @@ impl ModelAssets {
 
     /// Renders chat messages with the model's template, ending with the assistant's turn.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
-        let template = self.chat_template.as_ref().ok_or_else(|| EngineError::InvalidRequest {
-            field: "messages",
-            message: "the model has no chat template".to_string(),
-        })?;
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidRequest {
+                field: "messages",
+                message: "the model has no chat template".to_string(),
+            })?;
         if messages.is_empty() {
-            return Err(EngineError::InvalidRequest { field: "messages", message: "no messages given".to_string() });
+            return Err(EngineError::InvalidRequest {
+                field: "messages",
+                message: "no messages given".to_string(),
+            });
         }
-        Ok(template.render(messages, &RenderOptions { add_generation_prompt: true })?)
+        Ok(template.render(
+            messages,
+            &RenderOptions {
+                add_generation_prompt: true,
+            },
+        )?)
     }
 }

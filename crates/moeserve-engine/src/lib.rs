@@ -4,13 +4,21 @@
 //! - `request`: prompts, requests and outputs.
 //! - `sampler`: per-request sampling (vLLM semantics).
 //! - `output`: per-sequence stop conditions and incremental text.
-//! - `generate`: one request on its own KV cache, the reference path.
+//! - `kv_cache`: paged KV block bookkeeping with prefix caching.
+//! - `scheduler`: continuous batching with chunked prefill and preemption (pure, synchronous).
+//! - `engine_core`: one step = one batched forward pass; `offline`: the batch API on top.
+//! - `stats`: engine statistics.
 
 pub mod assets;
+pub mod engine_core;
 mod error;
-pub mod generate;
+pub mod handle;
+pub mod kv_cache;
+pub mod offline;
 pub mod output;
 pub mod request;
 pub mod sampler;
+pub mod scheduler;
+pub mod stats;
 
 pub use error::{EngineError, Result};

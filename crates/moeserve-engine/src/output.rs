@@ -7,9 +7,9 @@
 use moeserve_core::SamplingParams;
 use moeserve_model::tokenizer::{IncrementalDecoder, SpecialTokens, StopChecker, Tokenizer};
 
+use crate::Result;
 use crate::request::{FinishReason, GenerateOutput};
 use crate::sampler::SampleOutput;
-use crate::Result;
 
 /// The growing output of one sequence.
 pub struct SequenceOutput {
@@ -42,9 +42,17 @@ pub struct OutputContext<'a> {
 }
 
 impl SequenceOutput {
-    pub fn new(prompt_ids: Vec<u32>, params: &SamplingParams, ctx: &OutputContext<'_>) -> Result<Self> {
+    pub fn new(
+        prompt_ids: Vec<u32>,
+        params: &SamplingParams,
+        ctx: &OutputContext<'_>,
+    ) -> Result<Self> {
         let decoder = match ctx.tokenizer {
-            Some(t) => Some(IncrementalDecoder::after_prompt(t.clone(), &prompt_ids, SpecialTokens::Skip)?),
+            Some(t) => Some(IncrementalDecoder::after_prompt(
+                t.clone(),
+                &prompt_ids,
+                SpecialTokens::Skip,
+            )?),
             None => None,
         };
         let mut stop_token_ids = params.stop_token_ids.clone();
@@ -85,10 +93,12 @@ impl SequenceOutput {
         let stop_token = self.stop_token_ids.contains(&token);
         let mut update = TokenUpdate::default();
         // A stop token ends the text without appearing in it.
-        if !stop_token && let Some(decoder) = self.decoder.as_mut() {
-            let mut new_text = decoder.push(token)?.unwrap_or_default();
-            let at_end = self.token_ids.len() >= self.max_tokens;
-            if at_end {
+        if let Some(decoder) = self.decoder.as_mut() {
+            let mut new_text = match stop_token {
+                true => String::new(),
+                false => decoder.push(token)?.unwrap_or_default(),
+            };
+            if stop_token || self.token_ids.len() >= self.max_tokens {
                 new_text.push_str(&decoder.flush()?.unwrap_or_default());
             }
             let stopped = self.stop.push(&new_text);

@@ -1,10 +1,11 @@
 //! The engine's generation path against the transformers fixtures and the demo model.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
-use moeserve_engine::generate::generate;
+use moeserve_engine::offline::generate_one;
 use moeserve_engine::request::{FinishReason, GenerateRequest, Prompt};
 use moeserve_model::chat_template::ChatMessage;
 use serde::Deserialize;
@@ -36,13 +37,24 @@ fn read_reference(path: &Path) -> Reference {
 
 #[test]
 fn greedy_generation_matches_transformers_on_fixtures() {
-    for case in ["mixtral-swa", "mixtral-tied", "mixtral-gqa", "mixtral-sharded"] {
+    for case in [
+        "mixtral-swa",
+        "mixtral-tied",
+        "mixtral-gqa",
+        "mixtral-sharded",
+    ] {
         let dir = repo_root().join("tests/fixtures").join(case);
-        let assets = ModelAssets::load(&dir).unwrap();
+        let assets = Arc::new(ModelAssets::load(&dir).unwrap());
         for want in read_reference(&dir.join("reference.json")).prompts {
-            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(want.greedy_ids.len()) };
-            let request = GenerateRequest { prompt: Prompt::TokenIds(want.prompt_ids.clone()), params };
-            let out = generate(&assets, &request).unwrap();
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(want.greedy_ids.len())
+            };
+            let request = GenerateRequest {
+                prompt: Prompt::TokenIds(want.prompt_ids.clone()),
+                params,
+            };
+            let out = generate_one(assets.clone(), request).unwrap();
             assert_eq!(out.token_ids, want.greedy_ids, "{case}");
             assert_eq!(out.finish_reason, FinishReason::Length);
             for (got, want) in out.logprobs.iter().zip(&want.greedy_logprobs) {
@@ -55,10 +67,24 @@ fn greedy_generation_matches_transformers_on_fixtures() {
 #[test]
 fn seeded_sampling_is_reproducible_and_seed_dependent() {
     let dir = repo_root().join("tests/fixtures/mixtral-swa");
-    let assets = ModelAssets::load(&dir).unwrap();
+    let assets = Arc::new(ModelAssets::load(&dir).unwrap());
     let run = |seed| {
-        let params = SamplingParams { temperature: 1.0, seed: Some(seed), max_tokens: 24, ignore_eos: true, ..Default::default() };
-        generate(&assets, &GenerateRequest { prompt: Prompt::TokenIds(vec![5, 6, 7]), params }).unwrap().token_ids
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens: 24,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        generate_one(
+            assets.clone(),
+            GenerateRequest {
+                prompt: Prompt::TokenIds(vec![5, 6, 7]),
+                params,
+            },
+        )
+        .unwrap()
+        .token_ids
     };
     assert_eq!(run(7), run(7));
     assert_ne!(run(7), run(8));
@@ -67,13 +93,26 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
 #[test]
 fn over_long_request_is_refused_with_limit_and_length() {
     let dir = repo_root().join("tests/fixtures/mixtral-swa");
-    let assets = ModelAssets::load(&dir).unwrap();
+    let assets = Arc::new(ModelAssets::load(&dir).unwrap());
     let max = assets.model.config().max_position_embeddings;
-    let request = GenerateRequest { prompt: Prompt::TokenIds(vec![5; max - 4]), params: SamplingParams::greedy(10) };
-    let msg = generate(&assets, &request).unwrap_err().to_string();
-    assert!(msg.contains(&format!("maximum context length is {max} tokens")), "{msg}");
-    let request = GenerateRequest { prompt: Prompt::TokenIds(vec![100_000]), params: SamplingParams::greedy(1) };
-    let msg = generate(&assets, &request).unwrap_err().to_string();
+    let request = GenerateRequest {
+        prompt: Prompt::TokenIds(vec![5; max - 4]),
+        params: SamplingParams::greedy(10),
+    };
+    let msg = generate_one(assets.clone(), request)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains(&format!("maximum context length is {max} tokens")),
+        "{msg}"
+    );
+    let request = GenerateRequest {
+        prompt: Prompt::TokenIds(vec![100_000]),
+        params: SamplingParams::greedy(1),
+    };
+    let msg = generate_one(assets.clone(), request)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("out of the vocabulary"), "{msg}");
 }
 
@@ -86,8 +125,12 @@ fn demo_model_matches_dense_smollm2() {
     let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
-    assert!(dir.join("config.json").exists(), "{} is missing: run models/smolmoe-8x135m.sh", dir.display());
-    let assets = ModelAssets::load(&dir).unwrap();
+    assert!(
+        dir.join("config.json").exists(),
+        "{} is missing: run models/smolmoe-8x135m.sh",
+        dir.display()
+    );
+    let assets = Arc::new(ModelAssets::load(&dir).unwrap());
     let reference = read_reference(&repo_root().join("tests/fixtures/smolmoe-demo/reference.json"));
     let mut worst = 0.0f32;
     for want in reference.prompts {
@@ -95,9 +138,17 @@ fn demo_model_matches_dense_smollm2() {
             prompt: Prompt::Chat(want.messages.clone()),
             params: SamplingParams::greedy(want.greedy_ids.len()),
         };
-        let out = generate(&assets, &request).unwrap();
-        assert_eq!(out.prompt_ids, want.prompt_ids, "prompt ids of {:?}", want.messages);
-        assert_eq!(out.token_ids, want.greedy_ids, "greedy tokens of {:?}: got {:?}", want.messages, out.text);
+        let out = generate_one(assets.clone(), request).unwrap();
+        assert_eq!(
+            out.prompt_ids, want.prompt_ids,
+            "prompt ids of {:?}",
+            want.messages
+        );
+        assert_eq!(
+            out.token_ids, want.greedy_ids,
+            "greedy tokens of {:?}: got {:?}",
+            want.messages, out.text
+        );
         if let Some(text) = &want.text {
             assert_eq!(&out.text, text);
         }

@@ -53,8 +53,13 @@ impl ForwardBatch<'_> {
         let bad = |message: String| Err(ModelError::InvalidInput { message });
         let mut places = Vec::with_capacity(self.token_ids.len());
         for (s, seq) in self.sequences.iter().enumerate() {
-            if seq.query_start != places.len() || seq.query_len == 0 || seq.query_len > seq.context_len {
-                return bad(format!("sequence {s}: query range does not follow the previous sequence"));
+            if seq.query_start != places.len()
+                || seq.query_len == 0
+                || seq.query_len > seq.context_len
+            {
+                return bad(format!(
+                    "sequence {s}: query range does not follow the previous sequence"
+                ));
             }
             if seq.context_len > limits.max_position_embeddings {
                 return bad(format!(
@@ -63,18 +68,39 @@ impl ForwardBatch<'_> {
                 ));
             }
             if seq.block_table.len() * limits.block_size < seq.context_len {
-                return bad(format!("sequence {s}: block table too short for {} tokens", seq.context_len));
+                return bad(format!(
+                    "sequence {s}: block table too short for {} tokens",
+                    seq.context_len
+                ));
             }
-            if let Some(b) = seq.block_table.iter().find(|b| **b as usize >= limits.num_blocks) {
+            if let Some(b) = seq
+                .block_table
+                .iter()
+                .find(|b| **b as usize >= limits.num_blocks)
+            {
                 return bad(format!("sequence {s}: block id {b} is outside the cache"));
             }
-            places.extend((0..seq.query_len).map(|i| TokenPlace { sequence: s, position: seq.first_position() + i }));
+            places.extend((0..seq.query_len).map(|i| TokenPlace {
+                sequence: s,
+                position: seq.first_position() + i,
+            }));
         }
         if places.len() != self.token_ids.len() {
-            return bad(format!("{} tokens given, sequences cover {}", self.token_ids.len(), places.len()));
+            return bad(format!(
+                "{} tokens given, sequences cover {}",
+                self.token_ids.len(),
+                places.len()
+            ));
         }
-        if let Some(t) = self.token_ids.iter().find(|t| **t as usize >= limits.vocab_size) {
-            return bad(format!("token id {t} is out of the vocabulary (size {})", limits.vocab_size));
+        if let Some(t) = self
+            .token_ids
+            .iter()
+            .find(|t| **t as usize >= limits.vocab_size)
+        {
+            return bad(format!(
+                "token id {t} is out of the vocabulary (size {})",
+                limits.vocab_size
+            ));
         }
         Ok(places)
     }
@@ -93,31 +119,74 @@ pub struct BatchLimits {
 mod tests {
     use super::*;
 
-    const LIMITS: BatchLimits = BatchLimits { vocab_size: 10, max_position_embeddings: 64, block_size: 4, num_blocks: 8 };
+    const LIMITS: BatchLimits = BatchLimits {
+        vocab_size: 10,
+        max_position_embeddings: 64,
+        block_size: 4,
+        num_blocks: 8,
+    };
 
     #[test]
     fn places_follow_context_lengths() {
         let seqs = [
-            SequenceSlice { query_start: 0, query_len: 2, context_len: 2, block_table: &[0] },
-            SequenceSlice { query_start: 2, query_len: 1, context_len: 6, block_table: &[1, 2] },
+            SequenceSlice {
+                query_start: 0,
+                query_len: 2,
+                context_len: 2,
+                block_table: &[0],
+            },
+            SequenceSlice {
+                query_start: 2,
+                query_len: 1,
+                context_len: 6,
+                block_table: &[1, 2],
+            },
         ];
-        let batch = ForwardBatch { token_ids: &[1, 2, 3], sequences: &seqs };
+        let batch = ForwardBatch {
+            token_ids: &[1, 2, 3],
+            sequences: &seqs,
+        };
         let places = batch.places(&LIMITS).unwrap();
-        assert_eq!(places[2], TokenPlace { sequence: 1, position: 5 });
+        assert_eq!(
+            places[2],
+            TokenPlace {
+                sequence: 1,
+                position: 5
+            }
+        );
     }
 
     #[test]
     fn out_of_vocabulary_token_is_refused() {
-        let seqs = [SequenceSlice { query_start: 0, query_len: 1, context_len: 1, block_table: &[0] }];
-        let batch = ForwardBatch { token_ids: &[10], sequences: &seqs };
+        let seqs = [SequenceSlice {
+            query_start: 0,
+            query_len: 1,
+            context_len: 1,
+            block_table: &[0],
+        }];
+        let batch = ForwardBatch {
+            token_ids: &[10],
+            sequences: &seqs,
+        };
         let msg = batch.places(&LIMITS).unwrap_err().to_string();
-        assert!(msg.contains("token id 10 is out of the vocabulary"), "{msg}");
+        assert!(
+            msg.contains("token id 10 is out of the vocabulary"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn short_block_table_is_refused() {
-        let seqs = [SequenceSlice { query_start: 0, query_len: 1, context_len: 5, block_table: &[0] }];
-        let batch = ForwardBatch { token_ids: &[1], sequences: &seqs };
+        let seqs = [SequenceSlice {
+            query_start: 0,
+            query_len: 1,
+            context_len: 5,
+            block_table: &[0],
+        }];
+        let batch = ForwardBatch {
+            token_ids: &[1],
+            sequences: &seqs,
+        };
         assert!(batch.places(&LIMITS).is_err());
     }
 }

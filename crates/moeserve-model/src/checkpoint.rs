@@ -51,7 +51,11 @@ impl Checkpoint {
                 format!("no {SINGLE_FILE} or {INDEX_FILE} in the model directory"),
             ));
         };
-        let mut checkpoint = Checkpoint { dir: dir.to_path_buf(), files: Vec::new(), tensors: HashMap::new() };
+        let mut checkpoint = Checkpoint {
+            dir: dir.to_path_buf(),
+            files: Vec::new(),
+            tensors: HashMap::new(),
+        };
         for name in file_names {
             checkpoint.add_file(&dir.join(name))?;
         }
@@ -64,8 +68,10 @@ impl Checkpoint {
         // we assume nobody truncates the file while the server runs.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
         let file_index = self.files.len();
-        let parsed = SafeTensors::deserialize(&map[..])
-            .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
+        let parsed = SafeTensors::deserialize(&map[..]).map_err(|e| ModelError::Safetensors {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
         let base = map.as_ptr() as usize;
         for (name, view) in parsed.tensors() {
             let start = view.data().as_ptr() as usize - base;
@@ -99,7 +105,10 @@ impl Checkpoint {
         let entry = self
             .tensors
             .get(name)
-            .ok_or_else(|| ModelError::MissingTensor { path: self.dir.clone(), name: name.to_string() })?;
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.dir.clone(),
+                name: name.to_string(),
+            })?;
         let path = &self.files[entry.file].0;
         if entry.shape != expected_shape {
             return Err(ModelError::TensorShape {
@@ -121,7 +130,11 @@ impl Checkpoint {
                 });
             }
         };
-        let bytes = WeightBytes::Mapped { map: self.files[entry.file].1.clone(), start: entry.start, end: entry.end };
+        let bytes = WeightBytes::Mapped {
+            map: self.files[entry.file].1.clone(),
+            start: entry.start,
+            end: entry.end,
+        };
         Ok(Weight::new(dtype, entry.shape.clone(), bytes)?)
     }
 }
@@ -137,11 +150,17 @@ fn shard_names(index_path: &Path) -> Result<Vec<String>> {
         .ok_or_else(|| ModelError::config(index_path, "missing object `weight_map`"))?;
     let mut files = BTreeMap::new();
     for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| ModelError::config(index_path, format!("weight_map[{tensor:?}] is not a file name")))?;
+        let file = file.as_str().ok_or_else(|| {
+            ModelError::config(
+                index_path,
+                format!("weight_map[{tensor:?}] is not a file name"),
+            )
+        })?;
         if file.contains('/') || file.contains("..") {
-            return Err(ModelError::config(index_path, format!("shard name {file:?} must be a plain file name")));
+            return Err(ModelError::config(
+                index_path,
+                format!("shard name {file:?} must be a plain file name"),
+            ));
         }
         files.insert(file.to_string(), ());
     }
@@ -160,7 +179,12 @@ mod tests {
         let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
             .iter()
             .zip(&datas)
-            .map(|((n, dt, shape), d)| (n.to_string(), safetensors::tensor::TensorView::new(*dt, shape.clone(), d).unwrap()))
+            .map(|((n, dt, shape), d)| {
+                (
+                    n.to_string(),
+                    safetensors::tensor::TensorView::new(*dt, shape.clone(), d).unwrap(),
+                )
+            })
             .collect();
         safetensors::serialize_to_file(views, None, &dir.join(SINGLE_FILE)).unwrap();
     }
@@ -168,12 +192,18 @@ mod tests {
     #[test]
     fn loads_weight_and_checks_shape_and_dtype() {
         let dir = tempfile::tempdir().unwrap();
-        write_single(dir.path(), &[("a", Dtype::BF16, vec![2, 3]), ("b", Dtype::I64, vec![4])]);
+        write_single(
+            dir.path(),
+            &[("a", Dtype::BF16, vec![2, 3]), ("b", Dtype::I64, vec![4])],
+        );
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         let w = ckpt.weight("a", &[2, 3]).unwrap();
         assert_eq!((w.dtype(), w.shape()), (DType::BF16, &[2usize, 3][..]));
         let msg = ckpt.weight("a", &[3, 2]).unwrap_err().to_string();
-        assert!(msg.contains("`a` has shape [2, 3], expected [3, 2]"), "{msg}");
+        assert!(
+            msg.contains("`a` has shape [2, 3], expected [3, 2]"),
+            "{msg}"
+        );
         let msg = ckpt.weight("b", &[4]).unwrap_err().to_string();
         assert!(msg.contains("unsupported dtype I64"), "{msg}");
         let msg = ckpt.weight("c", &[1]).unwrap_err().to_string();
@@ -188,7 +218,10 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
         let msg = Checkpoint::open(dir.path()).err().unwrap().to_string();
-        assert!(msg.contains("model.safetensors") && msg.contains("invalid safetensors"), "{msg}");
+        assert!(
+            msg.contains("model.safetensors") && msg.contains("invalid safetensors"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -61,14 +61,18 @@ impl MixtralConfig {
             intermediate_size: fields.usize("intermediate_size")?,
             num_hidden_layers: fields.usize("num_hidden_layers")?,
             num_attention_heads,
-            num_key_value_heads: fields.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads),
+            num_key_value_heads: fields
+                .opt_usize("num_key_value_heads")?
+                .unwrap_or(num_attention_heads),
             head_dim,
             num_local_experts: fields.usize("num_local_experts")?,
             num_experts_per_tok: fields.usize("num_experts_per_tok")?,
             rms_norm_eps: fields.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
             rope_theta: fields.rope_theta()?,
             sliding_window: fields.opt_usize("sliding_window")?,
-            max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(4096 * 32),
+            max_position_embeddings: fields
+                .opt_usize("max_position_embeddings")?
+                .unwrap_or(4096 * 32),
             tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             dtype: fields.dtype(),
         };
@@ -100,7 +104,10 @@ impl MixtralConfig {
             ));
         }
         if self.head_dim % 2 != 0 {
-            return bad(format!("`head_dim` ({}) must be even for rotary embeddings", self.head_dim));
+            return bad(format!(
+                "`head_dim` ({}) must be even for rotary embeddings",
+                self.head_dim
+            ));
         }
         if self.num_experts_per_tok > self.num_local_experts {
             return bad(format!(
@@ -139,8 +146,12 @@ impl ConfigFields<'_> {
     fn check_architecture(&self) -> Result<()> {
         let archs = self.json.get("architectures").and_then(Value::as_array);
         let model_type = self.json.get("model_type").and_then(Value::as_str);
-        let found: Vec<&str> = archs.map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
-        if found.contains(&"MixtralForCausalLM") || (found.is_empty() && model_type == Some("mixtral")) {
+        let found: Vec<&str> = archs
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if found.contains(&"MixtralForCausalLM")
+            || (found.is_empty() && model_type == Some("mixtral"))
+        {
             return Ok(());
         }
         let found = if found.is_empty() {
@@ -158,15 +169,17 @@ impl ConfigFields<'_> {
     fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.json.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.err(format!("field `{key}` must be a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                self.err(format!(
+                    "field `{key}` must be a non-negative integer, got {v}"
+                ))
+            }),
         }
     }
 
     fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| self.err(format!("missing field `{key}`")))
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(format!("missing field `{key}`")))
     }
 
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
@@ -198,20 +211,27 @@ impl ConfigFields<'_> {
             if let Some(kind) = params.get("rope_type").and_then(Value::as_str)
                 && kind != "default"
             {
-                return Err(self.err(format!("rope_parameters.rope_type {kind:?} is not supported (only \"default\")")));
+                return Err(self.err(format!(
+                    "rope_parameters.rope_type {kind:?} is not supported (only \"default\")"
+                )));
             }
             return params
                 .get("rope_theta")
                 .and_then(Value::as_f64)
-                .ok_or_else(|| self.err("field `rope_parameters.rope_theta` must be a number".to_string()));
+                .ok_or_else(|| {
+                    self.err("field `rope_parameters.rope_theta` must be a number".to_string())
+                });
         }
         Ok(1e6)
     }
 
     fn dtype(&self) -> Option<DType> {
-        ["torch_dtype", "dtype"]
-            .iter()
-            .find_map(|k| self.json.get(*k).and_then(Value::as_str).and_then(DType::parse))
+        ["torch_dtype", "dtype"].iter().find_map(|k| {
+            self.json
+                .get(*k)
+                .and_then(Value::as_str)
+                .and_then(DType::parse)
+        })
     }
 }
 
@@ -239,7 +259,10 @@ mod tests {
 
     #[test]
     fn reads_rope_theta_from_rope_parameters() {
-        let text = BASE.replace(r#""rope_theta":10000.0,"#, r#""rope_parameters":{"rope_theta":5e5,"rope_type":"default"},"#);
+        let text = BASE.replace(
+            r#""rope_theta":10000.0,"#,
+            r#""rope_parameters":{"rope_theta":5e5,"rope_type":"default"},"#,
+        );
         assert_eq!(parse(&text).unwrap().rope_theta, 5e5);
     }
 
@@ -247,20 +270,31 @@ mod tests {
     fn missing_field_is_named_with_path() {
         let text = BASE.replace(r#""hidden_size":16,"#, "");
         let msg = parse(&text).unwrap_err().to_string();
-        assert!(msg.contains("dir/config.json") && msg.contains("missing field `hidden_size`"), "{msg}");
+        assert!(
+            msg.contains("dir/config.json") && msg.contains("missing field `hidden_size`"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn other_architecture_is_refused() {
         let text = BASE.replace("MixtralForCausalLM", "BertModel");
         let msg = parse(&text).unwrap_err().to_string();
-        assert!(msg.contains("BertModel") && msg.contains("not supported"), "{msg}");
+        assert!(
+            msg.contains("BertModel") && msg.contains("not supported"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn wrong_type_and_inconsistent_heads_are_refused() {
-        let msg = parse(&BASE.replace(r#""vocab_size":32"#, r#""vocab_size":"big""#)).unwrap_err().to_string();
-        assert!(msg.contains("`vocab_size` must be a non-negative integer"), "{msg}");
+        let msg = parse(&BASE.replace(r#""vocab_size":32"#, r#""vocab_size":"big""#))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("`vocab_size` must be a non-negative integer"),
+            "{msg}"
+        );
         let msg = parse(&BASE.replace(r#""num_key_value_heads":2"#, r#""num_key_value_heads":3"#))
             .unwrap_err()
             .to_string();

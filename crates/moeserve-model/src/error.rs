@@ -55,10 +55,16 @@ pub type Result<T> = std::result::Result<T, ModelError>;
 
 impl ModelError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ModelError::Io { path: path.into(), source }
+        ModelError::Io {
+            path: path.into(),
+            source,
+        }
     }
 
     pub fn config(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        ModelError::Config { path: path.into(), message: message.into() }
+        ModelError::Config {
+            path: path.into(),
+            message: message.into(),
+        }
     }
 }

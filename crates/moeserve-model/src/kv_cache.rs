@@ -40,7 +40,11 @@ pub struct PagedKvCache {
 impl PagedKvCache {
     pub fn new(layout: KvCacheLayout) -> Self {
         let len = layout.num_layers * layout.num_slots() * layout.kv_dim;
-        PagedKvCache { layout, k: vec![0.0; len], v: vec![0.0; len] }
+        PagedKvCache {
+            layout,
+            k: vec![0.0; len],
+            v: vec![0.0; len],
+        }
     }
 
     pub fn layout(&self) -> &KvCacheLayout {
@@ -82,7 +86,12 @@ mod tests {
 
     #[test]
     fn rows_written_to_a_slot_are_read_back_per_layer() {
-        let layout = KvCacheLayout { num_layers: 2, num_blocks: 3, block_size: 4, kv_dim: 2 };
+        let layout = KvCacheLayout {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 4,
+            kv_dim: 2,
+        };
         let mut cache = PagedKvCache::new(layout);
         cache.write(1, 5, &[1.0, 2.0], &[3.0, 4.0]);
         assert_eq!(cache.key(1, 5), &[1.0, 2.0]);

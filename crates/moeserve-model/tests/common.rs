@@ -42,7 +42,11 @@ pub fn read_expected(dir: &Path) -> std::collections::HashMap<String, (Vec<usize
         .into_iter()
         .map(|(name, view)| {
             assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
             (name, (view.shape().to_vec(), values))
         })
         .collect()
@@ -50,7 +54,12 @@ pub fn read_expected(dir: &Path) -> std::collections::HashMap<String, (Vec<usize
 
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let lse = max
+        + logits
+            .iter()
+            .map(|l| ((l - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
     logits.iter().map(|l| l - lse).collect()
 }
 
@@ -82,7 +91,13 @@ pub struct SoloSequence<'m> {
 impl<'m> SoloSequence<'m> {
     pub fn new(model: &'m MixtralModel, max_len: usize, block_size: usize) -> Self {
         let cache = PagedKvCache::new(model.kv_layout(max_len.div_ceil(block_size), block_size));
-        SoloSequence { model, cache, block_size, tokens: Vec::new(), computed: 0 }
+        SoloSequence {
+            model,
+            cache,
+            block_size,
+            tokens: Vec::new(),
+            computed: 0,
+        }
     }
 
     /// Appends `new` and runs them through the model; returns the logits of the last one.
@@ -95,10 +110,20 @@ impl<'m> SoloSequence<'m> {
             context_len: self.tokens.len(),
             block_table: &table,
         }];
-        let batch = ForwardBatch { token_ids: new, sequences: &seqs };
+        let batch = ForwardBatch {
+            token_ids: new,
+            sequences: &seqs,
+        };
         let logits = self
             .model
-            .forward(&batch, &mut self.cache, ForwardOptions { logits: LogitsFor::LastTokens, trace: None })
+            .forward(
+                &batch,
+                &mut self.cache,
+                ForwardOptions {
+                    logits: LogitsFor::LastTokens,
+                    trace: None,
+                },
+            )
             .expect("forward");
         self.computed = self.tokens.len();
         logits
@@ -110,7 +135,10 @@ impl<'m> SoloSequence<'m> {
         let mut steps = Vec::new();
         for i in 0..n {
             let token = argmax(&logits);
-            steps.push(Step { token, logprobs: log_softmax(&logits) });
+            steps.push(Step {
+                token,
+                logprobs: log_softmax(&logits),
+            });
             if i + 1 < n {
                 logits = self.feed(&[token]);
             }

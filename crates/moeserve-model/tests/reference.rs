@@ -15,12 +15,21 @@ const LOGPROB_TOLERANCE: f32 = 1e-4;
 /// Largest |Δ| for hidden states and logits, relative to the tensor's largest magnitude.
 const ACTIVATION_TOLERANCE: f32 = 1e-4;
 
-const MIXTRAL_CASES: [&str; 4] = ["mixtral-swa", "mixtral-tied", "mixtral-gqa", "mixtral-sharded"];
+const MIXTRAL_CASES: [&str; 4] = [
+    "mixtral-swa",
+    "mixtral-tied",
+    "mixtral-gqa",
+    "mixtral-sharded",
+];
 
 fn max_rel_diff(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+        / scale
 }
 
 /// Compares layer by layer so a failure names the first bad layer.
@@ -31,25 +40,52 @@ fn check_layers(case: &str) {
     let expected = read_expected(&dir);
     let prompt = &reference.prompts[2].prompt_ids;
     let block_size = 16;
-    let mut cache = PagedKvCache::new(model.kv_layout(prompt.len().div_ceil(block_size), block_size));
+    let mut cache =
+        PagedKvCache::new(model.kv_layout(prompt.len().div_ceil(block_size), block_size));
     let table: Vec<u32> = (0..prompt.len().div_ceil(block_size) as u32).collect();
-    let seqs = [SequenceSlice { query_start: 0, query_len: prompt.len(), context_len: prompt.len(), block_table: &table }];
+    let seqs = [SequenceSlice {
+        query_start: 0,
+        query_len: prompt.len(),
+        context_len: prompt.len(),
+        block_table: &table,
+    }];
     let mut trace = ForwardTrace::default();
     let logits = model
         .forward(
-            &ForwardBatch { token_ids: prompt, sequences: &seqs },
+            &ForwardBatch {
+                token_ids: prompt,
+                sequences: &seqs,
+            },
             &mut cache,
-            ForwardOptions { logits: LogitsFor::AllTokens, trace: Some(&mut trace) },
+            ForwardOptions {
+                logits: LogitsFor::AllTokens,
+                trace: Some(&mut trace),
+            },
         )
         .unwrap();
     for l in 0..model.config().num_hidden_layers {
-        let d = max_rel_diff(&trace.router_logits[l], &expected[&format!("router_logits.{l}")].1);
-        assert!(d < ACTIVATION_TOLERANCE, "{case}: router logits of layer {l} differ by {d}");
-        let d = max_rel_diff(&trace.layer_outputs[l], &expected[&format!("layer_output.{l}")].1);
-        assert!(d < ACTIVATION_TOLERANCE, "{case}: output of layer {l} differs by {d}");
+        let d = max_rel_diff(
+            &trace.router_logits[l],
+            &expected[&format!("router_logits.{l}")].1,
+        );
+        assert!(
+            d < ACTIVATION_TOLERANCE,
+            "{case}: router logits of layer {l} differ by {d}"
+        );
+        let d = max_rel_diff(
+            &trace.layer_outputs[l],
+            &expected[&format!("layer_output.{l}")].1,
+        );
+        assert!(
+            d < ACTIVATION_TOLERANCE,
+            "{case}: output of layer {l} differs by {d}"
+        );
     }
     let d = max_rel_diff(&logits, &expected["logits"].1);
-    assert!(d < ACTIVATION_TOLERANCE, "{case}: final logits differ by {d}");
+    assert!(
+        d < ACTIVATION_TOLERANCE,
+        "{case}: final logits differ by {d}"
+    );
 }
 
 /// Identical greedy tokens; chosen and top-5 logprobs within tolerance.
@@ -61,15 +97,24 @@ pub fn check_greedy(case: &str, dir: &std::path::Path, model: &MixtralModel) -> 
         let mut seq = SoloSequence::new(model, want.prompt_ids.len() + n, 16);
         let steps = seq.greedy(&want.prompt_ids, n);
         let got: Vec<u32> = steps.iter().map(|s| s.token).collect();
-        assert_eq!(got, want.greedy_ids, "{case} prompt {p}: greedy tokens differ");
+        assert_eq!(
+            got, want.greedy_ids,
+            "{case} prompt {p}: greedy tokens differ"
+        );
         for (i, step) in steps.iter().enumerate() {
             let d = (step.logprobs[got[i] as usize] - want.greedy_logprobs[i]).abs();
             worst = worst.max(d);
-            assert!(d < LOGPROB_TOLERANCE, "{case} prompt {p} token {i}: logprob differs by {d}");
+            assert!(
+                d < LOGPROB_TOLERANCE,
+                "{case} prompt {p} token {i}: logprob differs by {d}"
+            );
             for (id, lp) in want.top_logprobs.get(i).into_iter().flatten() {
                 let d = (step.logprobs[*id as usize] - lp).abs();
                 worst = worst.max(d);
-                assert!(d < LOGPROB_TOLERANCE, "{case} prompt {p} token {i}: top logprob of {id} differs by {d}");
+                assert!(
+                    d < LOGPROB_TOLERANCE,
+                    "{case} prompt {p} token {i}: top logprob of {id} differs by {d}"
+                );
             }
         }
     }
@@ -109,7 +154,12 @@ fn incremental_decode_equals_full_recompute() {
                 logits = incremental.feed(&[next]);
                 let mut fresh = SoloSequence::new(&model, incremental.tokens.len(), block_size);
                 let recomputed = fresh.feed(&incremental.tokens);
-                assert_eq!(logits, recomputed, "{case} block size {block_size} at {} tokens", incremental.tokens.len());
+                assert_eq!(
+                    logits,
+                    recomputed,
+                    "{case} block size {block_size} at {} tokens",
+                    incremental.tokens.len()
+                );
             }
         }
     }
@@ -139,16 +189,30 @@ fn upcycled_gguf_matches_dense_transformers() {
     let prompt = &read_reference(&dir).prompts[0].prompt_ids;
     let mut cache = PagedKvCache::new(model.kv_layout(prompt.len(), 1));
     let table: Vec<u32> = (0..prompt.len() as u32).collect();
-    let seqs = [SequenceSlice { query_start: 0, query_len: prompt.len(), context_len: prompt.len(), block_table: &table }];
+    let seqs = [SequenceSlice {
+        query_start: 0,
+        query_len: prompt.len(),
+        context_len: prompt.len(),
+        block_table: &table,
+    }];
     let logits = model
         .forward(
-            &ForwardBatch { token_ids: prompt, sequences: &seqs },
+            &ForwardBatch {
+                token_ids: prompt,
+                sequences: &seqs,
+            },
             &mut cache,
-            ForwardOptions { logits: LogitsFor::AllTokens, trace: None },
+            ForwardOptions {
+                logits: LogitsFor::AllTokens,
+                trace: None,
+            },
         )
         .unwrap();
     let d = max_rel_diff(&logits, &read_expected(&dir)["logits"].1);
-    assert!(d < ACTIVATION_TOLERANCE, "upcycled logits differ from the dense ones by {d}");
+    assert!(
+        d < ACTIVATION_TOLERANCE,
+        "upcycled logits differ from the dense ones by {d}"
+    );
     let worst = check_greedy("llama-tiny-gguf upcycled", &dir, &model);
     eprintln!("llama-tiny-gguf upcycled: max |Δlogprob| = {worst:e}");
 }

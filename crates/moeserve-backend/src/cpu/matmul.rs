@@ -24,8 +24,18 @@ unsafe impl Sync for OutPtr {}
 pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.shape()[0], w.shape()[1]);
     assert_eq!(w.shape().len(), 2, "matmul_wt: weight must be 2-D");
-    assert_eq!(x.len(), m * k, "matmul_wt: x has {} elements, want {m}×{k}", x.len());
-    assert_eq!(out.len(), m * n, "matmul_wt: out has {} elements, want {m}×{n}", out.len());
+    assert_eq!(
+        x.len(),
+        m * k,
+        "matmul_wt: x has {} elements, want {m}×{k}",
+        x.len()
+    );
+    assert_eq!(
+        out.len(),
+        m * n,
+        "matmul_wt: out has {} elements, want {m}×{n}",
+        out.len()
+    );
     let isa = isa();
     let data = w.data();
     let out_ptr = OutPtr(out.as_mut_ptr());
@@ -64,7 +74,9 @@ mod tests {
     fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
             .map(|i| {
-                let h = (i as u32).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(40503));
+                let h = (i as u32)
+                    .wrapping_mul(2654435761)
+                    .wrapping_add(seed.wrapping_mul(40503));
                 ((h >> 8) as f32 / (1u32 << 24) as f32) - 0.5
             })
             .collect()
@@ -73,8 +85,14 @@ mod tests {
     fn weight_of(dtype: DType, shape: Vec<usize>, values: &[f32]) -> Weight {
         let bytes: Vec<u8> = match dtype {
             DType::F32 => bytemuck::cast_slice(values).to_vec(),
-            DType::F16 => values.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
-            DType::BF16 => values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::BF16 => values
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
         };
         Weight::new(dtype, shape, crate::WeightBytes::owned(&bytes)).unwrap()
     }
@@ -91,7 +109,10 @@ mod tests {
                 let mut want = vec![0.0; m * n];
                 reference::matmul_wt(&x, m, &w.to_f32_vec(), n, &mut want);
                 for (a, b) in out.iter().zip(&want) {
-                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{dtype} {m}x{n}x{k}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{dtype} {m}x{n}x{k}: {a} vs {b}"
+                    );
                 }
             }
         }

@@ -10,7 +10,7 @@ mod ops;
 pub mod reference;
 
 pub use matmul::matmul_wt;
-pub use ops::{add_assign, rms_norm, rope_inv_freq, apply_rope, silu_mul, softmax_in_place};
+pub use ops::{add_assign, apply_rope, rms_norm, rope_inv_freq, silu_mul, softmax_in_place};
 
 use std::sync::OnceLock;
 
@@ -44,7 +44,9 @@ fn detect_isa() -> Isa {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
             return Isa::Avx512;
         }
     }

@@ -8,11 +8,11 @@
 use moeserve_backend::{Weight, cpu};
 use rayon::prelude::*;
 
+use crate::Result;
 use crate::batch::{ForwardBatch, TokenPlace};
 use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
 use crate::kv_cache::{PagedKvCache, slot_of};
-use crate::Result;
 
 /// The attention weights of one layer plus the shapes they imply.
 pub struct Attention {
@@ -54,7 +54,10 @@ impl Attention {
     /// `x: [num_tokens, hidden]` (already normed) → `out: [num_tokens, hidden]`.
     pub fn forward(&self, step: &AttentionStep<'_>, kv: &mut PagedKvCache, out: &mut [f32]) {
         let t = step.places.len();
-        let (qd, kvd) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
+        let (qd, kvd) = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        );
         let mut q = vec![0.0; t * qd]; // [num_tokens, num_heads * head_dim]
         let mut k = vec![0.0; t * kvd]; // [num_tokens, num_kv_heads * head_dim]
         let mut v = vec![0.0; t * kvd];
@@ -63,20 +66,45 @@ impl Attention {
         cpu::matmul_wt(step.x, t, &self.v_proj, &mut v);
         let block_size = kv.layout().block_size;
         for (i, place) in step.places.iter().enumerate() {
-            cpu::apply_rope(&mut q[i * qd..(i + 1) * qd], self.head_dim, place.position, &self.inv_freq);
-            cpu::apply_rope(&mut k[i * kvd..(i + 1) * kvd], self.head_dim, place.position, &self.inv_freq);
+            cpu::apply_rope(
+                &mut q[i * qd..(i + 1) * qd],
+                self.head_dim,
+                place.position,
+                &self.inv_freq,
+            );
+            cpu::apply_rope(
+                &mut k[i * kvd..(i + 1) * kvd],
+                self.head_dim,
+                place.position,
+                &self.inv_freq,
+            );
             let table = step.batch.sequences[place.sequence].block_table;
             let slot = slot_of(table, block_size, place.position);
-            kv.write(step.layer, slot, &k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
+            kv.write(
+                step.layer,
+                slot,
+                &k[i * kvd..(i + 1) * kvd],
+                &v[i * kvd..(i + 1) * kvd],
+            );
         }
         let mut attn = vec![0.0; t * qd]; // [num_tokens, num_heads * head_dim]
         let kv = &*kv;
-        attn.par_chunks_mut(qd).zip(q.par_chunks(qd)).zip(step.places.par_iter()).for_each(
-            |((o, q), place)| {
+        attn.par_chunks_mut(qd)
+            .zip(q.par_chunks(qd))
+            .zip(step.places.par_iter())
+            .for_each(|((o, q), place)| {
                 let table = step.batch.sequences[place.sequence].block_table;
-                self.attend_one_token(AttendOne { layer: step.layer, q, place: *place, table, kv }, o)
-            },
-        );
+                self.attend_one_token(
+                    AttendOne {
+                        layer: step.layer,
+                        q,
+                        place: *place,
+                        table,
+                        kv,
+                    },
+                    o,
+                )
+            });
         cpu::matmul_wt(&attn, t, &self.o_proj, out);
     }
 
@@ -90,7 +118,9 @@ impl Attention {
             None => 0,
         };
         let block_size = a.kv.layout().block_size;
-        let slots: Vec<usize> = (first..=a.place.position).map(|p| slot_of(a.table, block_size, p)).collect();
+        let slots: Vec<usize> = (first..=a.place.position)
+            .map(|p| slot_of(a.table, block_size, p))
+            .collect();
         let mut scores = vec![0.0f32; slots.len()];
         for h in 0..self.num_heads {
             let kvh = h / group;

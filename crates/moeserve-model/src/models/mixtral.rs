@@ -57,7 +57,10 @@ pub struct ForwardOptions<'a> {
 
 impl Default for ForwardOptions<'_> {
     fn default() -> Self {
-        ForwardOptions { logits: LogitsFor::LastTokens, trace: None }
+        ForwardOptions {
+            logits: LogitsFor::LastTokens,
+            trace: None,
+        }
     }
 }
 
@@ -83,13 +86,24 @@ impl MixtralModel {
                 Ok(DecoderLayer {
                     input_layernorm: ckpt.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
                     self_attn: Attention::load(ckpt, &format!("{p}.self_attn"), &config)?,
-                    post_attention_layernorm: ckpt.weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                    block_sparse_moe: SparseMoe::load(ckpt, &format!("{p}.block_sparse_moe"), &config)?,
+                    post_attention_layernorm: ckpt
+                        .weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                    block_sparse_moe: SparseMoe::load(
+                        ckpt,
+                        &format!("{p}.block_sparse_moe"),
+                        &config,
+                    )?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = ckpt.weight("model.norm.weight", &[h])?;
-        Ok(MixtralModel { config, embed_tokens, layers, norm, lm_head })
+        Ok(MixtralModel {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
     }
 
     pub fn config(&self) -> &MixtralConfig {
@@ -113,22 +127,39 @@ impl MixtralModel {
             total += self.lm_head.size_in_bytes();
         }
         for layer in &self.layers {
-            total += layer.input_layernorm.size_in_bytes() + layer.post_attention_layernorm.size_in_bytes();
-            total += layer.self_attn.weights().iter().map(|w| w.size_in_bytes()).sum::<usize>();
+            total += layer.input_layernorm.size_in_bytes()
+                + layer.post_attention_layernorm.size_in_bytes();
+            total += layer
+                .self_attn
+                .weights()
+                .iter()
+                .map(|w| w.size_in_bytes())
+                .sum::<usize>();
             let moe = &layer.block_sparse_moe;
             total += moe.gate.size_in_bytes();
-            total += moe.experts.iter().map(|e| e.w1.size_in_bytes() + e.w2.size_in_bytes() + e.w3.size_in_bytes()).sum::<usize>();
+            total += moe
+                .experts
+                .iter()
+                .map(|e| e.w1.size_in_bytes() + e.w2.size_in_bytes() + e.w3.size_in_bytes())
+                .sum::<usize>();
         }
         total
     }
 
     /// Runs one step: writes the step tokens' keys/values into `kv` and returns logits
     /// (`[num_sequences or num_tokens, vocab]`, see [`LogitsFor`]).
-    pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut PagedKvCache, opts: ForwardOptions<'_>) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut PagedKvCache,
+        opts: ForwardOptions<'_>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let layout = *kv.layout();
         if layout.num_layers != c.num_hidden_layers || layout.kv_dim != c.kv_dim() {
-            return Err(ModelError::InvalidInput { message: format!("KV cache layout {layout:?} does not fit the model") });
+            return Err(ModelError::InvalidInput {
+                message: format!("KV cache layout {layout:?} does not fit the model"),
+            });
         }
         let places = batch.places(&BatchLimits {
             vocab_size: c.vocab_size,
@@ -146,12 +177,24 @@ impl MixtralModel {
         let mut delta = vec![0.0; t * h];
         for (l, layer) in self.layers.iter().enumerate() {
             cpu::rms_norm(&hidden, &layer.input_layernorm, c.rms_norm_eps, &mut normed);
-            let step = AttentionStep { layer: l, batch, places: &places, x: &normed };
+            let step = AttentionStep {
+                layer: l,
+                batch,
+                places: &places,
+                x: &normed,
+            };
             layer.self_attn.forward(&step, kv, &mut delta);
             cpu::add_assign(&mut hidden, &delta);
-            cpu::rms_norm(&hidden, &layer.post_attention_layernorm, c.rms_norm_eps, &mut normed);
+            cpu::rms_norm(
+                &hidden,
+                &layer.post_attention_layernorm,
+                c.rms_norm_eps,
+                &mut normed,
+            );
             let router_logits = layer.block_sparse_moe.router_logits(&normed, t);
-            layer.block_sparse_moe.forward(&normed, &router_logits, &mut delta);
+            layer
+                .block_sparse_moe
+                .forward(&normed, &router_logits, &mut delta);
             cpu::add_assign(&mut hidden, &delta);
             if let Some(trace) = trace.as_deref_mut() {
                 trace.layer_outputs.push(hidden.clone());
@@ -160,9 +203,17 @@ impl MixtralModel {
         }
         let rows: Vec<usize> = match opts.logits {
             LogitsFor::AllTokens => (0..t).collect(),
-            LogitsFor::LastTokens => batch.sequences.iter().map(|s| s.query_start + s.query_len - 1).collect(),
+            LogitsFor::LastTokens => batch
+                .sequences
+                .iter()
+                .map(|s| s.query_start + s.query_len - 1)
+                .collect(),
         };
-        let selected: Vec<f32> = rows.iter().flat_map(|r| &hidden[r * h..(r + 1) * h]).copied().collect();
+        let selected: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| &hidden[r * h..(r + 1) * h])
+            .copied()
+            .collect();
         let mut final_normed = vec![0.0; selected.len()];
         cpu::rms_norm(&selected, &self.norm, c.rms_norm_eps, &mut final_normed);
         let mut logits = vec![0.0; rows.len() * c.vocab_size];

@@ -8,9 +8,9 @@
 use moeserve_backend::{Weight, cpu};
 
 use super::router::{Routing, route_top_k};
+use crate::Result;
 use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
-use crate::Result;
 
 /// One expert's SwiGLU MLP.
 pub struct Expert {
@@ -43,7 +43,10 @@ impl ExpertGroups {
     /// Counting sort of the (token, expert) pairs by expert.
     fn from_routing(routing: &Routing, num_experts: usize) -> Self {
         let mut counts = vec![0usize; num_experts + 1];
-        routing.expert_ids.iter().for_each(|e| counts[*e as usize + 1] += 1);
+        routing
+            .expert_ids
+            .iter()
+            .for_each(|e| counts[*e as usize + 1] += 1);
         for e in 0..num_experts {
             counts[e + 1] += counts[e];
         }
@@ -57,14 +60,22 @@ impl ExpertGroups {
             weights[*at] = *w;
             *at += 1;
         }
-        ExpertGroups { offsets, tokens, weights }
+        ExpertGroups {
+            offsets,
+            tokens,
+            weights,
+        }
     }
 }
 
 impl SparseMoe {
     /// Loads `{prefix}.gate.weight` and `{prefix}.experts.{e}.w{1,2,3}.weight`.
     pub fn load(ckpt: &Checkpoint, prefix: &str, config: &MixtralConfig) -> Result<Self> {
-        let (h, i, n) = (config.hidden_size, config.intermediate_size, config.num_local_experts);
+        let (h, i, n) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_local_experts,
+        );
         let experts = (0..n)
             .map(|e| {
                 let p = format!("{prefix}.experts.{e}");
@@ -108,7 +119,11 @@ impl SparseMoe {
                 continue;
             }
             let rows = &groups.tokens[range.clone()];
-            let gathered: Vec<f32> = rows.iter().flat_map(|t| &x[t * hidden..(t + 1) * hidden]).copied().collect();
+            let gathered: Vec<f32> = rows
+                .iter()
+                .flat_map(|t| &x[t * hidden..(t + 1) * hidden])
+                .copied()
+                .collect();
             let y = &mut expert_out[range.start * hidden..range.end * hidden];
             expert.forward(&gathered, rows.len(), y);
         }
@@ -139,7 +154,11 @@ mod tests {
 
     #[test]
     fn groups_pairs_by_expert_in_token_order() {
-        let routing = Routing { top_k: 2, expert_ids: vec![2, 0, 0, 2, 1, 2], weights: vec![0.6, 0.4, 0.7, 0.3, 0.5, 0.5] };
+        let routing = Routing {
+            top_k: 2,
+            expert_ids: vec![2, 0, 0, 2, 1, 2],
+            weights: vec![0.6, 0.4, 0.7, 0.3, 0.5, 0.5],
+        };
         let g = ExpertGroups::from_routing(&routing, 3);
         assert_eq!(g.offsets, vec![0, 2, 3, 6]);
         assert_eq!(g.tokens, vec![0, 1, 2, 0, 1, 2]);

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
-use moeserve_engine::generate::generate;
+use moeserve_engine::offline::generate_one;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
 use moeserve_model::chat_template::ChatMessage;
 use serde::Serialize;
@@ -18,7 +18,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// Prompt text (with --chat: the user message).
-    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
@@ -63,7 +67,10 @@ struct JsonOutput<'a> {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let start = Instant::now();
-    let assets = ModelAssets::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let assets = std::sync::Arc::new(
+        ModelAssets::load(&args.model)
+            .with_context(|| format!("loading {}", args.model.display()))?,
+    );
     eprintln!(
         "loaded {} in {:.2} s ({:.2} GB of weights, kernels: {})",
         args.model.display(),
@@ -88,7 +95,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let start = Instant::now();
-    let output = generate(&assets, &GenerateRequest { prompt, params })?;
+    let output = generate_one(assets.clone(), GenerateRequest { prompt, params })?;
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
         "{} prompt + {} generated tokens in {secs:.2} s ({:.1} tokens/s), finish reason {:?}",
@@ -98,7 +105,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         output.finish_reason
     );
     if args.json {
-        println!("{}", serde_json::to_string(&json_output(&output, args.logprobs.is_some()))?);
+        println!(
+            "{}",
+            serde_json::to_string(&json_output(&output, args.logprobs.is_some()))?
+        );
     } else {
         println!("{}", output.text);
     }

@@ -12,7 +12,11 @@ use moeserve_model::presets::{MakeModelOptions, Preset, make_model};
 #[derive(Debug, Args)]
 pub struct MakeModelArgs {
     /// A random preset (mixtral-tiny, mixtral-bench-1b, mixtral-8x7b-2l).
-    #[arg(long, conflicts_with = "from_gguf", required_unless_present = "from_gguf")]
+    #[arg(
+        long,
+        conflicts_with = "from_gguf",
+        required_unless_present = "from_gguf"
+    )]
     preset: Option<String>,
     /// A dense llama-architecture GGUF to upcycle (every expert a copy of its MLP).
     #[arg(long)]
@@ -39,7 +43,8 @@ pub struct MakeModelArgs {
 pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     if let Some(gguf) = args.from_gguf {
-        let dtype = DType::parse(&args.dtype).with_context(|| format!("unknown --dtype {:?}", args.dtype))?;
+        let dtype = DType::parse(&args.dtype)
+            .with_context(|| format!("unknown --dtype {:?}", args.dtype))?;
         let report = upcycle_gguf(&UpcycleOptions {
             gguf,
             out: args.out.clone(),
@@ -51,9 +56,15 @@ pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {
         })?;
         eprintln!("{report}");
     } else if let Some(name) = args.preset {
-        let preset = Preset::from_name(&name)?;
-        make_model(&MakeModelOptions { preset, out: args.out.clone(), seed: args.seed })?;
+        let preset = Preset::from_name(&name)
+            .with_context(|| format!("unknown preset {name:?} (presets: {})", Preset::names()))?;
+        let made = make_model(&MakeModelOptions {
+            preset,
+            out: args.out.clone(),
+            seed: args.seed,
+        })?;
+        eprintln!("{made}");
     }
-    eprintln!("wrote {} in {:.1} s", args.out.display(), start.elapsed().as_secs_f64());
+    eprintln!("done in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }

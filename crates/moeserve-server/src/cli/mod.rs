@@ -7,7 +7,11 @@ mod make_model;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "moeserve", version, about = "A serving engine for mixture-of-experts language models")]
+#[command(
+    name = "moeserve",
+    version,
+    about = "A serving engine for mixture-of-experts language models"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -1,0 +1,305 @@
+//! The synchronous engine loop body: admit requests, run one scheduled step as one batched
+//! forward pass over all its tokens, sample per request, report what happened.
+//!
+//! Everything here is plain data and functions; the async [`crate::handle::Engine`] drives it
+//! from its own thread, the offline [`crate::offline::LlmEngine`] from the caller's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use moeserve_core::{CacheConfig, RequestId, SamplingParams, SchedulerConfig};
+use moeserve_model::batch::{ForwardBatch, SequenceSlice};
+use moeserve_model::kv_cache::PagedKvCache;
+use moeserve_model::models::ForwardOptions;
+
+use crate::assets::ModelAssets;
+use crate::kv_cache::{KvCacheConfig, KvCacheManager};
+use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
+use crate::request::{GenerateOutput, GenerateRequest};
+use crate::sampler::{SampleOutput, SamplerState};
+use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
+use crate::stats::EngineStats;
+use crate::{EngineError, Result};
+
+/// Settings of one engine.
+#[derive(Clone, Debug, Default)]
+pub struct EngineConfig {
+    pub cache: CacheConfig,
+    pub scheduler: SchedulerConfig,
+}
+
+/// What happened to one request in a step.
+#[derive(Clone, Debug)]
+pub enum RequestEvent {
+    /// A new token (its text may be empty while a character or stop string is incomplete).
+    Token {
+        id: RequestId,
+        sample: SampleOutput,
+        update: TokenUpdate,
+    },
+    /// The request is done; its blocks are already free.
+    Finished {
+        id: RequestId,
+        output: GenerateOutput,
+    },
+    /// The request failed on its own (e.g. NaN logits); others are unaffected.
+    Failed { id: RequestId, error: String },
+}
+
+struct RequestState {
+    params: SamplingParams,
+    sampler: SamplerState,
+    output: SequenceOutput,
+}
+
+/// Model, KV storage, scheduler and per-request state.
+pub struct EngineCore {
+    assets: Arc<ModelAssets>,
+    kv_storage: PagedKvCache,
+    scheduler: Scheduler,
+    states: HashMap<RequestId, RequestState>,
+    next_id: u64,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    pub fn new(assets: Arc<ModelAssets>, config: &EngineConfig) -> Result<Self> {
+        config.cache.validate().map_err(config_error)?;
+        config.scheduler.validate().map_err(config_error)?;
+        let model = &assets.model;
+        let limits =
+            SchedulerLimits::new(&config.scheduler, model.config().max_position_embeddings);
+        let block_size = config.cache.block_size;
+        let bytes_per_block = model.kv_layout(1, block_size).bytes_per_token() * block_size;
+        let budget = config
+            .cache
+            .kv_cache_memory
+            .unwrap_or_else(default_kv_cache_bytes);
+        // More blocks than every sequence at full length could use would be wasted memory.
+        let useful = limits.max_num_seqs * limits.max_model_len.div_ceil(block_size);
+        let num_blocks = ((budget / bytes_per_block as u64) as usize).min(useful);
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidRequest {
+                field: "kv_cache_memory",
+                message: format!("{budget} bytes hold no block of {bytes_per_block} bytes"),
+            });
+        }
+        let kv = KvCacheManager::new(KvCacheConfig {
+            num_blocks,
+            block_size,
+            enable_prefix_caching: config.cache.enable_prefix_caching,
+        });
+        let stats = EngineStats {
+            num_kv_blocks: num_blocks,
+            kv_cache_bytes: (num_blocks * bytes_per_block) as u64,
+            max_concurrency_at_max_len: num_blocks as f64
+                / limits.max_model_len.div_ceil(block_size) as f64,
+            max_model_len: limits.max_model_len,
+            ..EngineStats::default()
+        };
+        Ok(EngineCore {
+            kv_storage: PagedKvCache::new(model.kv_layout(num_blocks, block_size)),
+            scheduler: Scheduler::new(limits, kv),
+            assets,
+            states: HashMap::new(),
+            next_id: 0,
+            stats,
+        })
+    }
+
+    pub fn assets(&self) -> &Arc<ModelAssets> {
+        &self.assets
+    }
+
+    /// Validates and queues a request; refuses it at once when it could never be served.
+    pub fn add_request(&mut self, request: GenerateRequest) -> Result<RequestId> {
+        request.params.validate()?;
+        let prompt_ids = self.assets.prompt_ids(&request.prompt)?;
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let max_model_len = self.scheduler.limits().max_model_len;
+        let ctx = OutputContext {
+            tokenizer: self.assets.tokenizer.as_ref(),
+            eos_token_ids: &self.assets.generation_config.eos_token_ids,
+            max_new_tokens: max_model_len.saturating_sub(prompt_ids.len()),
+        };
+        let output = SequenceOutput::new(prompt_ids.clone(), &request.params, &ctx)?;
+        self.scheduler
+            .add_request(id, prompt_ids, request.params.max_tokens)?;
+        let sampler = SamplerState::new(&request.params);
+        self.states.insert(
+            id,
+            RequestState {
+                params: request.params,
+                sampler,
+                output,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Drops a request (cancelled or disconnected); its blocks are freed at once.
+    pub fn abort(&mut self, id: RequestId) {
+        self.scheduler.finish(id);
+        self.states.remove(&id);
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished()
+    }
+
+    /// Runs one step. Returns no events when nothing could be scheduled.
+    pub fn step(&mut self) -> Result<Vec<RequestEvent>> {
+        let started = Instant::now();
+        let plan = self.scheduler.schedule();
+        self.stats.num_preemptions += plan.preempted.len() as u64;
+        if plan.is_empty() {
+            self.refresh_stats();
+            return Ok(Vec::new());
+        }
+        let logits = self.forward(&plan)?;
+        self.scheduler.update_from_output(&plan);
+        let vocab = self.assets.model.config().vocab_size;
+        let mut events = Vec::new();
+        for (row, s) in plan.scheduled.iter().enumerate() {
+            if s.samples {
+                self.sample_one(s.id, &logits[row * vocab..(row + 1) * vocab], &mut events);
+            }
+        }
+        self.stats.num_steps += 1;
+        self.stats.num_batched_tokens += plan.num_batched_tokens() as u64;
+        self.stats.last_step_seconds = started.elapsed().as_secs_f64();
+        self.refresh_stats();
+        Ok(events)
+    }
+
+    /// One forward pass over every scheduled token of the step.
+    fn forward(&mut self, plan: &SchedulerOutput) -> Result<Vec<f32>> {
+        let mut token_ids = Vec::with_capacity(plan.num_batched_tokens());
+        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(plan.scheduled.len());
+        for s in &plan.scheduled {
+            let req = self
+                .scheduler
+                .request(s.id)
+                .expect("scheduled request is known");
+            token_ids.extend_from_slice(
+                &req.token_ids[s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens],
+            );
+            tables.push(
+                self.scheduler
+                    .block_table(s.id)
+                    .iter()
+                    .map(|b| b.0)
+                    .collect(),
+            );
+        }
+        let mut start = 0;
+        let sequences: Vec<SequenceSlice> = plan
+            .scheduled
+            .iter()
+            .zip(&tables)
+            .map(|(s, table)| {
+                let slice = SequenceSlice {
+                    query_start: start,
+                    query_len: s.num_new_tokens,
+                    context_len: s.num_computed_tokens + s.num_new_tokens,
+                    block_table: table,
+                };
+                start += s.num_new_tokens;
+                slice
+            })
+            .collect();
+        let batch = ForwardBatch {
+            token_ids: &token_ids,
+            sequences: &sequences,
+        };
+        Ok(self
+            .assets
+            .model
+            .forward(&batch, &mut self.kv_storage, ForwardOptions::default())?)
+    }
+
+    fn sample_one(&mut self, id: RequestId, logits: &[f32], events: &mut Vec<RequestEvent>) {
+        let state = self
+            .states
+            .get_mut(&id)
+            .expect("scheduled request has state");
+        let sampled = state.sampler.sample(
+            logits,
+            &state.params,
+            state.output.prompt_ids(),
+            state.output.token_ids(),
+        );
+        let sample = match sampled {
+            Ok(sample) => sample,
+            Err(e) => {
+                self.abort(id);
+                events.push(RequestEvent::Failed {
+                    id,
+                    error: e.to_string(),
+                });
+                return;
+            }
+        };
+        let update = match state.output.push(sample.clone()) {
+            Ok(update) => update,
+            Err(e) => {
+                self.abort(id);
+                events.push(RequestEvent::Failed {
+                    id,
+                    error: e.to_string(),
+                });
+                return;
+            }
+        };
+        self.stats.generation_tokens += 1;
+        self.scheduler.append_token(id, sample.token_id);
+        let finished = update.finished;
+        events.push(RequestEvent::Token { id, sample, update });
+        if let Some(reason) = finished {
+            self.scheduler.finish(id);
+            let state = self.states.remove(&id).expect("finished request has state");
+            events.push(RequestEvent::Finished {
+                id,
+                output: state.output.into_output(reason),
+            });
+        }
+    }
+
+    fn refresh_stats(&mut self) {
+        let kv = self.scheduler.kv();
+        self.stats.num_running = self.scheduler.num_running();
+        self.stats.num_waiting = self.scheduler.num_waiting();
+        self.stats.kv_cache_usage = kv.usage();
+        let prefix = kv.stats();
+        self.stats.prefix_cache_queries = prefix.queries;
+        self.stats.prefix_cache_hits = prefix.hits;
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+}
+
+fn config_error(e: moeserve_core::ConfigError) -> EngineError {
+    EngineError::InvalidRequest {
+        field: e.field,
+        message: e.message,
+    }
+}
+
+/// Without `--kv-cache-memory`: a quarter of the available memory, at most 4 GiB (vLLM's CPU
+/// backend defaults to 4 GiB).
+fn default_kv_cache_bytes() -> u64 {
+    const CAP: u64 = 4 << 30;
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kib| kib * 1024)
+        });
+    available.map_or(CAP, |bytes| (bytes / 4).min(CAP))
+}

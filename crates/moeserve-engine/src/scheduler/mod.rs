@@ -1,0 +1,285 @@
+//! Continuous batching, one step at a time (after vLLM v1's scheduler, at nano-vllm's size).
+//!
+//! Each step: running requests first, in admission order, get the tokens they still need
+//! (decodes get one; a prompt being prefilled in chunks gets the next chunk) within the token
+//! budget; when the cache has no block for one, the most recently admitted running request is
+//! preempted (its blocks freed, to be recomputed later) until it fits. Then waiting requests are
+//! admitted first-come first-served, reusing cached prefix blocks, while sequences, budget and
+//! blocks last. A request that can never fit is refused when it is added.
+
+mod output;
+mod request;
+
+use std::collections::{HashMap, VecDeque};
+
+use moeserve_core::{BlockId, RequestId, SchedulerConfig};
+
+pub use output::{ScheduledRequest, SchedulerOutput};
+pub use request::SchedRequest;
+
+use crate::kv_cache::{AllocationRequest, KvCacheManager};
+
+/// Why a request was refused at admission.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    #[error(
+        "this model's maximum context length is {max_model_len} tokens, but the request has \
+         {prompt_len} prompt tokens and asks for {max_tokens} more ({} in all)",
+        prompt_len + max_tokens
+    )]
+    ContextTooLong {
+        max_model_len: usize,
+        prompt_len: usize,
+        max_tokens: usize,
+    },
+    #[error(
+        "the request needs {needed} KV blocks for {tokens} tokens but the cache has only {available}"
+    )]
+    CacheTooSmall {
+        tokens: usize,
+        needed: usize,
+        available: usize,
+    },
+    #[error("request {0} is already known")]
+    DuplicateId(RequestId),
+}
+
+/// Scheduler settings with the model's limits resolved.
+#[derive(Clone, Debug)]
+pub struct SchedulerLimits {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub enable_chunked_prefill: bool,
+    pub max_model_len: usize,
+}
+
+impl SchedulerLimits {
+    pub fn new(config: &SchedulerConfig, model_context_len: usize) -> Self {
+        SchedulerLimits {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            enable_chunked_prefill: config.enable_chunked_prefill,
+            max_model_len: config
+                .max_model_len
+                .unwrap_or(model_context_len)
+                .min(model_context_len),
+        }
+    }
+}
+
+/// Waiting and running requests and the KV blocks they hold.
+pub struct Scheduler {
+    limits: SchedulerLimits,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, SchedRequest>,
+    /// Front is served first; preempted requests go back to the front.
+    waiting: VecDeque<RequestId>,
+    /// In admission order; the back is preempted first.
+    running: Vec<RequestId>,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(limits: SchedulerLimits, kv: KvCacheManager) -> Self {
+        Scheduler {
+            limits,
+            kv,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+        }
+    }
+
+    /// Queues a request, or refuses it when it could never be served.
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        prompt_ids: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<(), AdmissionError> {
+        if self.requests.contains_key(&id) {
+            return Err(AdmissionError::DuplicateId(id));
+        }
+        let (prompt_len, max_model_len) = (prompt_ids.len(), self.limits.max_model_len);
+        if prompt_len + max_tokens > max_model_len {
+            return Err(AdmissionError::ContextTooLong {
+                max_model_len,
+                prompt_len,
+                max_tokens,
+            });
+        }
+        let tokens = prompt_len + max_tokens;
+        if !self.kv.can_ever_fit(tokens) {
+            return Err(AdmissionError::CacheTooSmall {
+                tokens,
+                needed: self.kv.blocks_needed(tokens),
+                available: self.kv.num_blocks(),
+            });
+        }
+        self.requests
+            .insert(id, SchedRequest::new(id, prompt_ids, max_tokens));
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Decides the next step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.limits.max_num_batched_tokens;
+        self.schedule_running(&mut budget, &mut out);
+        if out.preempted.is_empty() {
+            self.schedule_waiting(&mut budget, &mut out);
+        }
+        out
+    }
+
+    fn schedule_running(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+        let mut index = 0;
+        while index < self.running.len() && *budget > 0 {
+            let id = self.running[index];
+            let req = &self.requests[&id];
+            let num_new = req.num_uncomputed_tokens().min(*budget);
+            if num_new == 0 {
+                index += 1;
+                continue;
+            }
+            let allocation = AllocationRequest {
+                token_ids: &req.token_ids,
+                num_computed_tokens: req.num_computed_tokens,
+                num_new_tokens: num_new,
+                new_computed_blocks: &[],
+            };
+            if self.kv.allocate_slots(id, allocation).is_some() {
+                out.scheduled.push(self.scheduled(id, num_new));
+                *budget -= num_new;
+                index += 1;
+                continue;
+            }
+            // No room: preempt from the back (the most recently admitted) and retry this one.
+            let victim = self
+                .running
+                .pop()
+                .expect("running holds at least the current request");
+            self.preempt(victim);
+            out.preempted.push(victim);
+            if victim == id {
+                break;
+            }
+        }
+    }
+
+    fn schedule_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+        while let Some(&id) = self.waiting.front() {
+            if *budget == 0 || self.running.len() >= self.limits.max_num_seqs {
+                break;
+            }
+            let req = &self.requests[&id];
+            let (cached_blocks, num_cached) = self.kv.computed_blocks(&req.token_ids);
+            let remaining = req.token_ids.len() - num_cached;
+            if !self.limits.enable_chunked_prefill && remaining > *budget {
+                break;
+            }
+            let num_new = remaining.min(*budget);
+            let allocation = AllocationRequest {
+                token_ids: &req.token_ids,
+                num_computed_tokens: num_cached,
+                num_new_tokens: num_new,
+                new_computed_blocks: &cached_blocks,
+            };
+            if self.kv.allocate_slots(id, allocation).is_none() {
+                break;
+            }
+            self.waiting.pop_front();
+            self.requests
+                .get_mut(&id)
+                .expect("waiting request is known")
+                .num_computed_tokens = num_cached;
+            self.running.push(id);
+            out.scheduled.push(self.scheduled(id, num_new));
+            *budget -= num_new;
+        }
+    }
+
+    fn scheduled(&self, id: RequestId, num_new_tokens: usize) -> ScheduledRequest {
+        let req = &self.requests[&id];
+        ScheduledRequest {
+            id,
+            num_computed_tokens: req.num_computed_tokens,
+            num_new_tokens,
+            samples: req.num_computed_tokens + num_new_tokens == req.token_ids.len(),
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        self.kv.free(id);
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("preempted request is known");
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        self.num_preemptions += 1;
+        self.waiting.push_front(id);
+    }
+
+    /// Marks the step's tokens as computed (their keys and values are now in the cache).
+    pub fn update_from_output(&mut self, out: &SchedulerOutput) {
+        for s in &out.scheduled {
+            if let Some(req) = self.requests.get_mut(&s.id) {
+                req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens;
+            }
+        }
+    }
+
+    /// Appends a sampled token to a running request.
+    pub fn append_token(&mut self, id: RequestId, token: u32) {
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.token_ids.push(token);
+        }
+    }
+
+    /// Removes a request (finished or cancelled) and frees its blocks at once.
+    pub fn finish(&mut self, id: RequestId) -> Option<SchedRequest> {
+        let req = self.requests.remove(&id)?;
+        self.running.retain(|r| *r != id);
+        self.waiting.retain(|r| *r != id);
+        self.kv.free(id);
+        Some(req)
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&SchedRequest> {
+        self.requests.get(&id)
+    }
+
+    pub fn block_table(&self, id: RequestId) -> &[BlockId] {
+        self.kv.block_table(id)
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    pub fn limits(&self) -> &SchedulerLimits {
+        &self.limits
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,40 @@
+//! A request as the scheduler sees it: its tokens and how many of them are in the KV cache.
+
+use moeserve_core::RequestId;
+
+/// Scheduling state of one request. All tokens (prompt, then output) live in `token_ids`;
+/// `num_computed_tokens` of them have keys and values in the cache. There is no prefill or
+/// decode phase: each step computes some of the rest, as vLLM v1 does.
+#[derive(Clone, Debug)]
+pub struct SchedRequest {
+    pub id: RequestId,
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    pub num_computed_tokens: usize,
+    /// Largest number of tokens the request may reach (prompt + max_tokens).
+    pub max_total_tokens: usize,
+    /// Times this request was preempted (its cache dropped, to be recomputed).
+    pub num_preemptions: usize,
+}
+
+impl SchedRequest {
+    pub fn new(id: RequestId, prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
+        SchedRequest {
+            id,
+            num_prompt_tokens: prompt_ids.len(),
+            max_total_tokens: prompt_ids.len() + max_tokens,
+            token_ids: prompt_ids,
+            num_computed_tokens: 0,
+            num_preemptions: 0,
+        }
+    }
+
+    /// Tokens not yet in the cache.
+    pub fn num_uncomputed_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_computed_tokens
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+}

@@ -1,0 +1,26 @@
+//! Engine statistics for logs, /metrics and the dashboard; a plain snapshot, cheap to copy.
+
+use serde::Serialize;
+
+/// A snapshot of the engine's state and its monotonic counters.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    /// Fraction of KV blocks in use.
+    pub kv_cache_usage: f32,
+    pub num_kv_blocks: usize,
+    pub kv_cache_bytes: u64,
+    pub max_model_len: usize,
+    /// How many requests of `max_model_len` tokens the cache holds at once.
+    pub max_concurrency_at_max_len: f64,
+    /// Prompt tokens looked up in the prefix cache / found there.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub num_preemptions: u64,
+    pub num_steps: u64,
+    /// Tokens run through the model (prompt chunks and decodes).
+    pub num_batched_tokens: u64,
+    pub generation_tokens: u64,
+    pub last_step_seconds: f64,
+}
