@@ -1,16 +1,20 @@
-//! `moeserve generate`: one prompt through the engine, printed as text or as one JSON object.
+//! `moeserve generate`: one prompt, or a JSONL file of prompts run together through the engine
+//! (the offline batch API); printed as text or as one JSON object per prompt, in input order.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
-use moeserve_engine::offline::generate_one;
-use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::offline::LlmEngine;
+use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
 use moeserve_model::chat_template::ChatMessage;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+use super::engine_args::EngineArgs;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -18,17 +22,17 @@ pub struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// Prompt text (with --chat: the user message).
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
+    #[arg(long, group = "input")]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', group = "input")]
     prompt_ids: Option<Vec<u32>>,
-    /// Wrap the prompt as a user message in the model's chat template.
-    #[arg(long, requires = "prompt")]
+    /// A JSONL file, one request per line: {"prompt": "..."} or {"prompt_ids": [...]}, optionally
+    /// with max_tokens, temperature, top_p, top_k, seed, ignore_eos, logprobs.
+    #[arg(long, group = "input")]
+    prompts_file: Option<PathBuf>,
+    /// Wrap text prompts as a user message in the model's chat template.
+    #[arg(long)]
     chat: bool,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -48,12 +52,29 @@ pub struct GenerateArgs {
     /// Report the top K alternatives of every generated token.
     #[arg(long)]
     logprobs: Option<usize>,
-    /// Print one JSON object instead of the text.
+    /// Print one JSON object per prompt instead of the text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
-/// The `--json` output.
+/// One line of `--prompts-file`; absent fields take the command-line values.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PromptLine {
+    prompt: Option<String>,
+    prompt_ids: Option<Vec<u32>>,
+    max_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<usize>,
+    seed: Option<u64>,
+    ignore_eos: Option<bool>,
+    logprobs: Option<usize>,
+}
+
+/// The `--json` output of one request.
 #[derive(Serialize)]
 struct JsonOutput<'a> {
     prompt_ids: &'a [u32],
@@ -62,15 +83,13 @@ struct JsonOutput<'a> {
     logprobs: &'a [f32],
     #[serde(skip_serializing_if = "Option::is_none")]
     top_logprobs: Option<&'a [Vec<(u32, f32)>]>,
-    finish_reason: moeserve_engine::request::FinishReason,
+    finish_reason: FinishReason,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let start = Instant::now();
-    let assets = std::sync::Arc::new(
-        ModelAssets::load(&args.model)
-            .with_context(|| format!("loading {}", args.model.display()))?,
-    );
+    let assets = ModelAssets::load(&args.model)
+        .with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
         "loaded {} in {:.2} s ({:.2} GB of weights, kernels: {})",
         args.model.display(),
@@ -78,13 +97,75 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         assets.model.weight_bytes() as f64 / 1e9,
         moeserve_backend::cpu::isa()
     );
-    let prompt = match (args.prompt, args.prompt_ids) {
-        (Some(text), _) if args.chat => Prompt::Chat(vec![ChatMessage::new("user", text)]),
-        (Some(text), _) => Prompt::Text(text),
-        (None, Some(ids)) => Prompt::TokenIds(ids),
-        (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),
-    };
-    let params = SamplingParams {
+    let requests = requests(&args)?;
+    let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config())?;
+    let stats = engine.core().stats();
+    eprintln!(
+        "KV cache: {} blocks of {} tokens ({:.2} GB), max concurrency at {} tokens: {:.1}",
+        stats.num_kv_blocks,
+        args.engine.block_size,
+        stats.kv_cache_bytes as f64 / 1e9,
+        stats.max_model_len,
+        stats.max_concurrency_at_max_len
+    );
+    let progress = indicatif::ProgressBar::new(requests.len() as u64);
+    if requests.len() == 1 {
+        progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let start = Instant::now();
+    let results = engine.generate(requests, |done, _| progress.set_position(done as u64));
+    progress.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    let generated: usize = results.iter().flatten().map(|o| o.token_ids.len()).sum();
+    eprintln!(
+        "{} requests, {generated} generated tokens in {secs:.2} s ({:.1} tokens/s)",
+        results.len(),
+        generated as f64 / secs
+    );
+    let mut failed = 0;
+    for (i, result) in results.iter().enumerate() {
+        match result {
+            Ok(output) => print_output(output, &args, i, results.len())?,
+            Err(e) => {
+                failed += 1;
+                if args.json {
+                    println!("{}", serde_json::json!({ "error": e.to_string() }));
+                } else {
+                    eprintln!("request {i}: error: {e}");
+                }
+            }
+        }
+    }
+    anyhow::ensure!(failed == 0, "{failed} of {} requests failed", results.len());
+    Ok(())
+}
+
+fn print_output(
+    output: &GenerateOutput,
+    args: &GenerateArgs,
+    index: usize,
+    total: usize,
+) -> anyhow::Result<()> {
+    if args.json {
+        let json = JsonOutput {
+            prompt_ids: &output.prompt_ids,
+            token_ids: &output.token_ids,
+            text: &output.text,
+            logprobs: &output.logprobs,
+            top_logprobs: args.logprobs.map(|_| output.top_logprobs.as_slice()),
+            finish_reason: output.finish_reason,
+        };
+        println!("{}", serde_json::to_string(&json)?);
+    } else if total == 1 {
+        println!("{}", output.text);
+    } else {
+        println!("--- {index} ---\n{}", output.text);
+    }
+    Ok(())
+}
+
+fn default_params(args: &GenerateArgs) -> SamplingParams {
+    SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
         top_k: args.top_k,
@@ -93,35 +174,62 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         ignore_eos: args.ignore_eos,
         logprobs: args.logprobs,
         ..SamplingParams::default()
-    };
-    let start = Instant::now();
-    let output = generate_one(assets.clone(), GenerateRequest { prompt, params })?;
-    let secs = start.elapsed().as_secs_f64();
-    eprintln!(
-        "{} prompt + {} generated tokens in {secs:.2} s ({:.1} tokens/s), finish reason {:?}",
-        output.prompt_ids.len(),
-        output.token_ids.len(),
-        output.token_ids.len() as f64 / secs,
-        output.finish_reason
-    );
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&json_output(&output, args.logprobs.is_some()))?
-        );
-    } else {
-        println!("{}", output.text);
     }
-    Ok(())
 }
 
-fn json_output(output: &GenerateOutput, with_top: bool) -> JsonOutput<'_> {
-    JsonOutput {
-        prompt_ids: &output.prompt_ids,
-        token_ids: &output.token_ids,
-        text: &output.text,
-        logprobs: &output.logprobs,
-        top_logprobs: with_top.then_some(output.top_logprobs.as_slice()),
-        finish_reason: output.finish_reason,
+fn text_prompt(text: String, chat: bool) -> Prompt {
+    match chat {
+        true => Prompt::Chat(vec![ChatMessage::new("user", text)]),
+        false => Prompt::Text(text),
     }
+}
+
+fn requests(args: &GenerateArgs) -> anyhow::Result<Vec<GenerateRequest>> {
+    let params = default_params(args);
+    if let Some(path) = &args.prompts_file {
+        return read_prompts_file(path, &params, args.chat);
+    }
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (Some(text), _) => text_prompt(text.clone(), args.chat),
+        (None, Some(ids)) => Prompt::TokenIds(ids.clone()),
+        (None, None) => anyhow::bail!("give --prompt, --prompt-ids or --prompts-file"),
+    };
+    Ok(vec![GenerateRequest { prompt, params }])
+}
+
+fn read_prompts_file(
+    path: &Path,
+    defaults: &SamplingParams,
+    chat: bool,
+) -> anyhow::Result<Vec<GenerateRequest>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut requests = Vec::new();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let at = || format!("{}:{}", path.display(), n + 1);
+        let line: PromptLine = serde_json::from_str(line).with_context(at)?;
+        let prompt = match (line.prompt, line.prompt_ids) {
+            (Some(text), None) => text_prompt(text, chat),
+            (None, Some(ids)) => Prompt::TokenIds(ids),
+            _ => anyhow::bail!("{}: give exactly one of \"prompt\" or \"prompt_ids\"", at()),
+        };
+        let d = defaults;
+        let params = SamplingParams {
+            max_tokens: line.max_tokens.unwrap_or(d.max_tokens),
+            temperature: line.temperature.unwrap_or(d.temperature),
+            top_p: line.top_p.unwrap_or(d.top_p),
+            top_k: line.top_k.unwrap_or(d.top_k),
+            seed: line.seed.or(d.seed),
+            ignore_eos: line.ignore_eos.unwrap_or(d.ignore_eos),
+            logprobs: line.logprobs.or(d.logprobs),
+            ..d.clone()
+        };
+        requests.push(GenerateRequest { prompt, params });
+    }
+    anyhow::ensure!(!requests.is_empty(), "{} holds no requests", path.display());
+    Ok(requests)
 }

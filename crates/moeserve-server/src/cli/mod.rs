@@ -1,6 +1,7 @@
 //! Command-line arguments, one module per subcommand; flag names follow vLLM where the concept
 //! is the same.
 
+mod engine_args;
 mod generate;
 mod make_model;
 

@@ -1,0 +1,94 @@
+//! Engine flags shared by `generate` and `serve`, named as vLLM's engine arguments.
+
+use clap::Args;
+use moeserve_core::{CacheConfig, SchedulerConfig};
+use moeserve_engine::engine_core::EngineConfig;
+
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Most sequences in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV-cache block (8–256).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache size, e.g. 4GiB, 512MiB, 2GB (default: a quarter of free memory, at most 4 GiB).
+    #[arg(long, value_parser = parse_size)]
+    pub kv_cache_memory: Option<u64>,
+    /// Longest prompt + output (default: the model's context length).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Split long prompts across steps after the running decodes (on by default).
+    #[arg(long, overrides_with = "no_enable_chunked_prefill")]
+    pub enable_chunked_prefill: bool,
+    #[arg(long, hide = true)]
+    pub no_enable_chunked_prefill: bool,
+    /// Reuse KV blocks across requests with a common prefix (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    #[arg(long, hide = true)]
+    pub no_enable_prefix_caching: bool,
+}
+
+impl EngineArgs {
+    pub fn to_config(&self) -> EngineConfig {
+        EngineConfig {
+            cache: CacheConfig {
+                block_size: self.block_size,
+                kv_cache_memory: self.kv_cache_memory,
+                enable_prefix_caching: !self.no_enable_prefix_caching,
+            },
+            scheduler: SchedulerConfig {
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                enable_chunked_prefill: !self.no_enable_chunked_prefill,
+                max_model_len: self.max_model_len,
+            },
+        }
+    }
+}
+
+/// Parses `4GiB`, `512MiB`, `2GB`, `1024` (bytes), case-insensitively.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size like 4GiB or 512MiB"))?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ));
+        }
+    };
+    Ok((value * scale as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("512mib"), Ok(512 << 20));
+        assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert!(parse_size("4XB").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("lots").is_err());
+    }
+}
