@@ -71,7 +71,7 @@ impl Weight {
                 dtype,
             });
         }
-        let aligned = (bytes.as_slice().as_ptr() as usize) % dtype.size_in_bytes() == 0;
+        let aligned = (bytes.as_slice().as_ptr() as usize).is_multiple_of(dtype.size_in_bytes());
         let bytes = if aligned {
             bytes
         } else {

@@ -26,7 +26,7 @@ fn prompts(n: usize, vocab: u32) -> Vec<Vec<u32>> {
         .map(|r| {
             let len = 1 + (r * 13) % 37;
             let own = (0..len as u32).map(|i| 3 + (i * 31 + r as u32 * 17) % (vocab - 3));
-            if r % 3 == 0 {
+            if r.is_multiple_of(3) {
                 shared.iter().copied().chain(own).collect()
             } else {
                 own.collect()
@@ -38,7 +38,7 @@ fn prompts(n: usize, vocab: u32) -> Vec<Vec<u32>> {
 fn params(r: usize) -> SamplingParams {
     // Half greedy, half seeded sampling; lengths differ so sequences leave at different steps.
     let max_tokens = 6 + (r * 5) % 19;
-    if r % 2 == 0 {
+    if r.is_multiple_of(2) {
         SamplingParams {
             ignore_eos: true,
             ..SamplingParams::greedy(max_tokens)

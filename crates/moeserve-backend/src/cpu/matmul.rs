@@ -20,6 +20,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// A method (not a field access) so closures capture the whole `Sync` wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `out[i, j] = Σ_k x[i, k] · w[j, k]` for `x: [m, k]`, `w: [n, k]`, `out: [m, n]`.
 pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.shape()[0], w.shape()[1]);
@@ -40,7 +47,6 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let data = w.data();
     let out_ptr = OutPtr(out.as_mut_ptr());
     let row_block = |rows: std::ops::Range<usize>| {
-        let out_ptr = out_ptr;
         for j in rows {
             for i in 0..m {
                 let xi = &x[i * k..(i + 1) * k];
@@ -50,7 +56,7 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                     WeightData::BF16(d) => dot_bf16(isa, &d[j * k..(j + 1) * k], xi),
                 };
                 // SAFETY: `i * n + j < m * n = out.len()`, and only this task writes column j.
-                unsafe { *out_ptr.0.add(i * n + j) = v };
+                unsafe { *out_ptr.get().add(i * n + j) = v };
             }
         }
     };
