@@ -16,7 +16,7 @@ use moeserve_model::models::ForwardOptions;
 use crate::assets::ModelAssets;
 use crate::kv_cache::{KvCacheConfig, KvCacheManager};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
-use crate::request::{GenerateOutput, GenerateRequest};
+use crate::request::{GenerateOutput, GenerateRequest, RequestTimings};
 use crate::sampler::{SampleOutput, SamplerState};
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
 use crate::stats::EngineStats;
@@ -51,6 +51,29 @@ struct RequestState {
     params: SamplingParams,
     sampler: SamplerState,
     output: SequenceOutput,
+    clock: RequestClock,
+}
+
+/// When a request reached each phase.
+struct RequestClock {
+    arrived: Instant,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl RequestClock {
+    fn timings(&self, finished: Instant) -> RequestTimings {
+        let scheduled = self.first_scheduled.unwrap_or(finished);
+        let first_token = self.first_token.unwrap_or(finished);
+        let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
+        RequestTimings {
+            queue_seconds: secs(self.arrived, scheduled),
+            prefill_seconds: secs(scheduled, first_token),
+            decode_seconds: secs(first_token, finished),
+            time_to_first_token_seconds: secs(self.arrived, first_token),
+            e2e_seconds: secs(self.arrived, finished),
+        }
+    }
 }
 
 /// Model, KV storage, scheduler and per-request state.
@@ -134,6 +157,7 @@ impl EngineCore {
                 params: request.params,
                 sampler,
                 output,
+                clock: RequestClock { arrived: Instant::now(), first_scheduled: None, first_token: None },
             },
         );
         Ok(id)
@@ -157,6 +181,10 @@ impl EngineCore {
         if plan.is_empty() {
             self.refresh_stats();
             return Ok(Vec::new());
+        }
+        for s in &plan.scheduled {
+            let clock = &mut self.states.get_mut(&s.id).expect("scheduled request has state").clock;
+            clock.first_scheduled.get_or_insert(started);
         }
         let logits = self.forward(&plan)?;
         self.scheduler.update_from_output(&plan);
@@ -254,6 +282,7 @@ impl EngineCore {
             }
         };
         self.stats.generation_tokens += 1;
+        state.clock.first_token.get_or_insert_with(Instant::now);
         self.scheduler.append_token(id, sample.token_id);
         let finished = update.finished;
         events.push(RequestEvent::Token { id, sample, update });
@@ -262,7 +291,7 @@ impl EngineCore {
             let state = self.states.remove(&id).expect("finished request has state");
             events.push(RequestEvent::Finished {
                 id,
-                output: state.output.into_output(reason),
+                output: state.output.into_output(reason, state.clock.timings(Instant::now())),
             });
         }
     }

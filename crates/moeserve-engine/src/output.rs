@@ -8,7 +8,7 @@ use moeserve_core::SamplingParams;
 use moeserve_model::tokenizer::{IncrementalDecoder, SpecialTokens, StopChecker, Tokenizer};
 
 use crate::Result;
-use crate::request::{FinishReason, GenerateOutput};
+use crate::request::{FinishReason, GenerateOutput, RequestTimings};
 use crate::sampler::SampleOutput;
 
 /// The growing output of one sequence.
@@ -121,7 +121,7 @@ impl SequenceOutput {
     }
 
     /// The final result; `text` is everything emitted (cut before a stop string).
-    pub fn into_output(self, finish_reason: FinishReason) -> GenerateOutput {
+    pub fn into_output(self, finish_reason: FinishReason, timings: RequestTimings) -> GenerateOutput {
         GenerateOutput {
             text: self.stop.text().to_string(),
             prompt_ids: self.prompt_ids,
@@ -129,6 +129,7 @@ impl SequenceOutput {
             logprobs: self.logprobs,
             top_logprobs: self.top_logprobs,
             finish_reason,
+            timings,
         }
     }
 }

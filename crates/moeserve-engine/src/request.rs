@@ -41,4 +41,21 @@ pub struct GenerateOutput {
     /// Per generated position, the top alternatives `(id, logprob)` when logprobs were asked for.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish_reason: FinishReason,
+    /// Where the request's time went (zero for paths that do not measure it).
+    pub timings: RequestTimings,
+}
+
+/// Phases of one request, in seconds, measured by the engine (vLLM's request metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct RequestTimings {
+    /// Arrival → first scheduled step.
+    pub queue_seconds: f64,
+    /// First scheduled step → first token.
+    pub prefill_seconds: f64,
+    /// First token → last token.
+    pub decode_seconds: f64,
+    /// Arrival → first token.
+    pub time_to_first_token_seconds: f64,
+    /// Arrival → finished.
+    pub e2e_seconds: f64,
 }
