@@ -157,7 +157,11 @@ impl EngineCore {
                 params: request.params,
                 sampler,
                 output,
-                clock: RequestClock { arrived: Instant::now(), first_scheduled: None, first_token: None },
+                clock: RequestClock {
+                    arrived: Instant::now(),
+                    first_scheduled: None,
+                    first_token: None,
+                },
             },
         );
         Ok(id)
@@ -183,7 +187,11 @@ impl EngineCore {
             return Ok(Vec::new());
         }
         for s in &plan.scheduled {
-            let clock = &mut self.states.get_mut(&s.id).expect("scheduled request has state").clock;
+            let clock = &mut self
+                .states
+                .get_mut(&s.id)
+                .expect("scheduled request has state")
+                .clock;
             clock.first_scheduled.get_or_insert(started);
         }
         let logits = self.forward(&plan)?;
@@ -253,31 +261,27 @@ impl EngineCore {
             .states
             .get_mut(&id)
             .expect("scheduled request has state");
-        let sampled = state.sampler.sample(
-            logits,
-            &state.params,
-            state.output.prompt_ids(),
-            state.output.token_ids(),
-        );
-        let sample = match sampled {
-            Ok(sample) => sample,
-            Err(e) => {
+        let sampled = state
+            .sampler
+            .sample(
+                logits,
+                &state.params,
+                state.output.prompt_ids(),
+                state.output.token_ids(),
+            )
+            .map_err(|e| e.to_string())
+            .and_then(|sample| {
+                let update = state
+                    .output
+                    .push(sample.clone())
+                    .map_err(|e| e.to_string())?;
+                Ok((sample, update))
+            });
+        let (sample, update) = match sampled {
+            Ok(done) => done,
+            Err(error) => {
                 self.abort(id);
-                events.push(RequestEvent::Failed {
-                    id,
-                    error: e.to_string(),
-                });
-                return;
-            }
-        };
-        let update = match state.output.push(sample.clone()) {
-            Ok(update) => update,
-            Err(e) => {
-                self.abort(id);
-                events.push(RequestEvent::Failed {
-                    id,
-                    error: e.to_string(),
-                });
+                events.push(RequestEvent::Failed { id, error });
                 return;
             }
         };
@@ -291,7 +295,9 @@ impl EngineCore {
             let state = self.states.remove(&id).expect("finished request has state");
             events.push(RequestEvent::Finished {
                 id,
-                output: state.output.into_output(reason, state.clock.timings(Instant::now())),
+                output: state
+                    .output
+                    .into_output(reason, state.clock.timings(Instant::now())),
             });
         }
     }

@@ -1,19 +1,17 @@
 //! Batch invariance: requests run together (mixed lengths, shared prefixes, chunked prefill,
 //! preemption under a deliberately small cache) give exactly the tokens each gives alone.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::sync::Arc;
 
+use common::{demo_model_dir, repo_root};
 use moeserve_core::{CacheConfig, SamplingParams, SchedulerConfig};
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::EngineConfig;
 use moeserve_engine::offline::{LlmEngine, generate_one};
 use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
 use moeserve_model::chat_template::ChatMessage;
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn fixture(case: &str) -> Arc<ModelAssets> {
     Arc::new(ModelAssets::load(&repo_root().join("tests/fixtures").join(case)).unwrap())
@@ -201,14 +199,7 @@ fn chunked_prefill_of_a_long_prompt_equals_one_chunk() {
 /// The demo model with real chat prompts: batched with preemption equals alone.
 #[test]
 fn demo_model_batch_equals_alone() {
-    let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
-    assert!(
-        dir.join("config.json").exists(),
-        "{} is missing: run models/smolmoe-8x135m.sh",
-        dir.display()
-    );
+    let dir = demo_model_dir();
     let assets = Arc::new(ModelAssets::load(&dir).unwrap());
     let questions = [
         "What is the capital of France?",

@@ -1,18 +1,17 @@
 //! The engine's generation path against the transformers fixtures and the demo model.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::Arc;
 
+use common::{demo_model_dir, repo_root};
 use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::offline::generate_one;
 use moeserve_engine::request::{FinishReason, GenerateRequest, Prompt};
 use moeserve_model::chat_template::ChatMessage;
 use serde::Deserialize;
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 #[derive(Deserialize)]
 struct ReferencePrompt {
@@ -122,14 +121,7 @@ fn over_long_request_is_refused_with_limit_and_length() {
 /// (scripts/test.sh does it); `MOESERVE_DEMO_MODEL` overrides the location.
 #[test]
 fn demo_model_matches_dense_smollm2() {
-    let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
-    assert!(
-        dir.join("config.json").exists(),
-        "{} is missing: run models/smolmoe-8x135m.sh",
-        dir.display()
-    );
+    let dir = demo_model_dir();
     let assets = Arc::new(ModelAssets::load(&dir).unwrap());
     let reference = read_reference(&repo_root().join("tests/fixtures/smolmoe-demo/reference.json"));
     let mut worst = 0.0f32;

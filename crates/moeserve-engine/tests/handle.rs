@@ -18,7 +18,13 @@ fn assets() -> Arc<ModelAssets> {
 
 fn request(i: u32, max_tokens: usize) -> GenerateRequest {
     let prompt = (0..5 + i).map(|t| 3 + (t * 17 + i) % 500).collect();
-    GenerateRequest { prompt: Prompt::TokenIds(prompt), params: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) } }
+    GenerateRequest {
+        prompt: Prompt::TokenIds(prompt),
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(max_tokens)
+        },
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -34,7 +40,9 @@ async fn concurrent_streams_equal_solo_runs() {
                 while let Some(event) = stream.next().await {
                     match event {
                         RequestEvent::Token { sample, .. } => streamed.push(sample.token_id),
-                        RequestEvent::Finished { output, .. } => return (streamed, output.token_ids),
+                        RequestEvent::Finished { output, .. } => {
+                            return (streamed, output.token_ids);
+                        }
                         RequestEvent::Failed { error, .. } => panic!("{error}"),
                     }
                 }
@@ -45,7 +53,12 @@ async fn concurrent_streams_equal_solo_runs() {
     for (i, task) in tasks.into_iter().enumerate() {
         let (streamed, finished) = task.await.unwrap();
         assert_eq!(streamed, finished);
-        assert_eq!(finished, generate_one(assets.clone(), request(i as u32, 12)).unwrap().token_ids);
+        assert_eq!(
+            finished,
+            generate_one(assets.clone(), request(i as u32, 12))
+                .unwrap()
+                .token_ids
+        );
     }
     assert_eq!(engine.stats().num_running, 0);
 }
@@ -56,7 +69,10 @@ async fn dropping_a_stream_cancels_its_request_and_frees_its_blocks() {
     let mut stream = engine.submit(request(1, 200)).await.unwrap();
     // Read a few tokens so the request is running and holds blocks, then walk away.
     for _ in 0..3 {
-        assert!(matches!(stream.next().await, Some(RequestEvent::Token { .. })));
+        assert!(matches!(
+            stream.next().await,
+            Some(RequestEvent::Token { .. })
+        ));
     }
     drop(stream);
     // A second request keeps the loop stepping; the cancelled one is gone within a step.
@@ -75,10 +91,16 @@ async fn dropping_a_stream_cancels_its_request_and_frees_its_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_request_errors_at_submit_and_others_keep_running() {
     let engine = Engine::start(assets(), &EngineConfig::default()).unwrap();
-    let too_long = GenerateRequest { prompt: Prompt::TokenIds(vec![5; 10]), params: SamplingParams::greedy(1_000_000) };
+    let too_long = GenerateRequest {
+        prompt: Prompt::TokenIds(vec![5; 10]),
+        params: SamplingParams::greedy(1_000_000),
+    };
     let err = engine.submit(too_long).await.err().expect("refused");
     assert!(err.to_string().contains("maximum context length"), "{err}");
-    let bad_token = GenerateRequest { prompt: Prompt::TokenIds(vec![999_999]), params: SamplingParams::greedy(2) };
+    let bad_token = GenerateRequest {
+        prompt: Prompt::TokenIds(vec![999_999]),
+        params: SamplingParams::greedy(2),
+    };
     assert!(engine.submit(bad_token).await.is_err());
     let mut ok = engine.submit(request(3, 3)).await.unwrap();
     let mut finished = false;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::PagedKvCache;
-use moeserve_model::models::{ForwardOptions, LogitsFor, MixtralModel};
+use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
 use serde::Deserialize;
 
 pub fn fixtures_dir() -> PathBuf {
@@ -145,4 +145,32 @@ impl<'m> SoloSequence<'m> {
         }
         steps
     }
+}
+
+/// Logits of every position of `prompt` in one prefill step (block size 16), optionally tracing
+/// per-layer values.
+pub fn prefill_all_logits(
+    model: &MixtralModel,
+    prompt: &[u32],
+    trace: Option<&mut ForwardTrace>,
+) -> Vec<f32> {
+    let block_size = 16;
+    let num_blocks = prompt.len().div_ceil(block_size);
+    let mut cache = PagedKvCache::new(model.kv_layout(num_blocks, block_size));
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+    let seqs = [SequenceSlice {
+        query_start: 0,
+        query_len: prompt.len(),
+        context_len: prompt.len(),
+        block_table: &table,
+    }];
+    let batch = ForwardBatch {
+        token_ids: prompt,
+        sequences: &seqs,
+    };
+    let opts = ForwardOptions {
+        logits: LogitsFor::AllTokens,
+        trace,
+    };
+    model.forward(&batch, &mut cache, opts).expect("forward")
 }

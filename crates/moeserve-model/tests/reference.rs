@@ -5,9 +5,7 @@
 mod common;
 
 use common::*;
-use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::kv_cache::PagedKvCache;
-use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
+use moeserve_model::models::{ForwardTrace, MixtralModel};
 
 /// Largest |Δlogprob| allowed between moeserve and transformers (both f32 on the same weights;
 /// the difference is summation order only).
@@ -39,30 +37,8 @@ fn check_layers(case: &str) {
     let reference = read_reference(&dir);
     let expected = read_expected(&dir);
     let prompt = &reference.prompts[2].prompt_ids;
-    let block_size = 16;
-    let mut cache =
-        PagedKvCache::new(model.kv_layout(prompt.len().div_ceil(block_size), block_size));
-    let table: Vec<u32> = (0..prompt.len().div_ceil(block_size) as u32).collect();
-    let seqs = [SequenceSlice {
-        query_start: 0,
-        query_len: prompt.len(),
-        context_len: prompt.len(),
-        block_table: &table,
-    }];
     let mut trace = ForwardTrace::default();
-    let logits = model
-        .forward(
-            &ForwardBatch {
-                token_ids: prompt,
-                sequences: &seqs,
-            },
-            &mut cache,
-            ForwardOptions {
-                logits: LogitsFor::AllTokens,
-                trace: Some(&mut trace),
-            },
-        )
-        .unwrap();
+    let logits = prefill_all_logits(&model, prompt, Some(&mut trace));
     for l in 0..model.config().num_hidden_layers {
         let d = max_rel_diff(
             &trace.router_logits[l],
@@ -187,27 +163,7 @@ fn upcycled_gguf_matches_dense_transformers() {
     .unwrap();
     let model = MixtralModel::load(out.path()).unwrap();
     let prompt = &read_reference(&dir).prompts[0].prompt_ids;
-    let mut cache = PagedKvCache::new(model.kv_layout(prompt.len(), 1));
-    let table: Vec<u32> = (0..prompt.len() as u32).collect();
-    let seqs = [SequenceSlice {
-        query_start: 0,
-        query_len: prompt.len(),
-        context_len: prompt.len(),
-        block_table: &table,
-    }];
-    let logits = model
-        .forward(
-            &ForwardBatch {
-                token_ids: prompt,
-                sequences: &seqs,
-            },
-            &mut cache,
-            ForwardOptions {
-                logits: LogitsFor::AllTokens,
-                trace: None,
-            },
-        )
-        .unwrap();
+    let logits = prefill_all_logits(&model, prompt, None);
     let d = max_rel_diff(&logits, &read_expected(&dir)["logits"].1);
     assert!(
         d < ACTIVATION_TOLERANCE,

@@ -1,0 +1,23 @@
+//! Paths shared by the engine's integration tests.
+
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::path::{Path, PathBuf};
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The demo model: `MOESERVE_DEMO_MODEL`, else `models/smolmoe-8x135m` (made by
+/// `models/smolmoe-8x135m.sh`, which scripts/test.sh runs first).
+pub fn demo_model_dir() -> PathBuf {
+    let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
+    assert!(
+        dir.join("config.json").exists(),
+        "{} is missing: run models/smolmoe-8x135m.sh",
+        dir.display()
+    );
+    dir
+}
