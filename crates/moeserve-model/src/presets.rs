@@ -1,0 +1,356 @@
+//! Random Mixtral checkpoints for tests and benchmarks, written in Hugging Face format with hub
+//! tensor names and a byte-level tokenizer, so they load and take text like a real model.
+//!
+//! Weights are deterministic: every tensor comes from its own ChaCha8 stream keyed by
+//! `(seed, tensor name)` (see `convert::TensorRng`), so the same seed gives the same bytes on
+//! every machine. Scales keep activations O(1): projections `N(0, 1/fan_in)`, embeddings
+//! `N(0, 1)`, norms 1, the router `N(0, 1/hidden)` (router logits of std ≈ 1) and the LM head
+//! `N(0, 16/hidden)` (logits of std ≈ 4 after the final norm: peaked but not one-hot).
+
+use std::path::PathBuf;
+
+use moeserve_core::DType;
+use serde_json::Value;
+
+use crate::Result;
+use crate::convert::tokenizer::{
+    AddedToken, BpeTokenizerSpec, PreTokenizer, TokenizerConfig, byte_to_unicode,
+};
+use crate::convert::{MAX_SHARD_BYTES, MixtralSpec, MixtralTensor, TensorRng};
+use crate::writer::{CheckpointWriter, ShardLayout, TensorSource, human_bytes, human_count};
+
+/// A named random model shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Preset {
+    /// hidden 64, 2 layers, 8 experts top-2, vocab 512: for tests (≈ 1 M parameters).
+    MixtralTiny,
+    /// hidden 1024, 16 layers, 8 experts top-2, vocab 49152: ≈ 1.55 B parameters, for benchmarks.
+    MixtralBench1b,
+    /// Mixtral-8x7B's exact layer shapes with only 2 layers (≈ 3.2 B parameters, 6.3 GB).
+    Mixtral8x7b2l,
+}
+
+impl Preset {
+    pub const ALL: [Preset; 3] = [
+        Preset::MixtralTiny,
+        Preset::MixtralBench1b,
+        Preset::Mixtral8x7b2l,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::MixtralTiny => "mixtral-tiny",
+            Preset::MixtralBench1b => "mixtral-bench-1b",
+            Preset::Mixtral8x7b2l => "mixtral-8x7b-2l",
+        }
+    }
+
+    /// The preset called `name` (as [`Preset::name`]), if any.
+    pub fn from_name(name: &str) -> Option<Preset> {
+        Preset::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Comma-separated names of all presets, for error messages and `--help`.
+    pub fn names() -> String {
+        Preset::ALL.map(Preset::name).join(", ")
+    }
+
+    pub fn spec(self) -> MixtralSpec {
+        let base = MixtralSpec {
+            vocab_size: 512,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            num_local_experts: 8,
+            num_experts_per_tok: 2,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e6,
+            max_position_embeddings: 1024,
+            tie_word_embeddings: false,
+            bos_token_id: Some(BOS_ID),
+            eos_token_id: Some(EOS_ID),
+            pad_token_id: None,
+            dtype: DType::BF16,
+        };
+        match self {
+            Preset::MixtralTiny => base,
+            Preset::MixtralBench1b => MixtralSpec {
+                vocab_size: 49152,
+                hidden_size: 1024,
+                intermediate_size: 3584,
+                num_hidden_layers: 16,
+                num_attention_heads: 16,
+                num_key_value_heads: 4,
+                head_dim: 64,
+                max_position_embeddings: 4096,
+                ..base
+            },
+            Preset::Mixtral8x7b2l => MixtralSpec {
+                vocab_size: 32000,
+                hidden_size: 4096,
+                intermediate_size: 14336,
+                num_hidden_layers: 2,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                head_dim: 128,
+                max_position_embeddings: 32768,
+                ..base
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Preset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What to make, where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MakeModelOptions {
+    pub preset: Preset,
+    /// The checkpoint directory (created if missing, files replaced).
+    pub out: PathBuf,
+    pub seed: u64,
+}
+
+/// What [`make_model`] wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MadeModel {
+    pub preset: Preset,
+    pub out: PathBuf,
+    pub files: Vec<PathBuf>,
+    pub num_parameters: u64,
+    pub total_bytes: u64,
+}
+
+impl std::fmt::Display for MadeModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "wrote {} ({} parameters = {}, {} in {} file(s)) to {}",
+            self.preset,
+            self.num_parameters,
+            human_count(self.num_parameters),
+            human_bytes(self.total_bytes),
+            self.files.len(),
+            self.out.display()
+        )
+    }
+}
+
+const BOS_ID: u32 = 1;
+const EOS_ID: u32 = 2;
+const SPECIAL_TOKENS: [&str; 5] = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"];
+/// ChatML, as SmolLM2's template without its default system prompt.
+const CHAT_TEMPLATE: &str = "{% for message in messages %}\
+     {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}\
+     {% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Writes a random checkpoint of `options.preset` to `options.out`.
+pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
+    let spec = options.preset.spec();
+    let sources = spec
+        .tensors()
+        .into_iter()
+        .map(|tensor| random_tensor(&spec, tensor, options.seed))
+        .collect();
+    let writer = CheckpointWriter::create(&options.out)?;
+    let written = writer.write_tensors(sources, ShardLayout::MaxShardBytes(MAX_SHARD_BYTES))?;
+    writer.write_config(&spec.config_json())?;
+    writer.write_json("generation_config.json", &spec.generation_config_json())?;
+    let (tokenizer, tokenizer_config) = byte_level_tokenizer(spec.max_position_embeddings);
+    writer.write_json("tokenizer.json", &tokenizer)?;
+    writer.write_json("tokenizer_config.json", &tokenizer_config)?;
+    writer.write_text("chat_template.jinja", CHAT_TEMPLATE)?;
+    Ok(MadeModel {
+        preset: options.preset,
+        out: options.out.clone(),
+        files: written.files,
+        num_parameters: written.num_parameters,
+        total_bytes: written.total_bytes,
+    })
+}
+
+fn random_tensor(spec: &MixtralSpec, tensor: MixtralTensor, seed: u64) -> TensorSource {
+    use MixtralTensor::*;
+    let name = tensor.name();
+    let shape = spec.shape(tensor);
+    let fan_in = shape.last().copied().unwrap_or(1) as f32;
+    let std = match tensor {
+        FinalNorm | InputNorm { .. } | PostAttentionNorm { .. } => {
+            return TensorSource::new(name, spec.dtype, shape, |out| {
+                out.fill(1.0);
+                Ok(())
+            });
+        }
+        EmbedTokens => 1.0,
+        LmHead => 4.0 / fan_in.sqrt(),
+        QProj { .. } | KProj { .. } | VProj { .. } | OProj { .. } | Router { .. } => {
+            1.0 / fan_in.sqrt()
+        }
+        W1 { .. } | W2 { .. } | W3 { .. } => 1.0 / fan_in.sqrt(),
+    };
+    let rng = TensorRng::new(seed, &name);
+    TensorSource::new(name, spec.dtype, shape, move |out| {
+        rng.fill_normal(out, std);
+        Ok(())
+    })
+}
+
+/// `tokenizer.json` and `tokenizer_config.json` of a byte-level BPE without merges: the
+/// special tokens at ids 0..5, then the 256 bytes (GPT-2 byte-level symbols) at ids 5..261.
+pub fn byte_level_tokenizer(model_max_length: usize) -> (Value, Value) {
+    let byte_symbols: Vec<String> = byte_to_unicode().iter().map(char::to_string).collect();
+    let tokens: Vec<&str> = SPECIAL_TOKENS
+        .into_iter()
+        .chain(byte_symbols.iter().map(String::as_str))
+        .collect();
+    let added_tokens: Vec<AddedToken> = (0u32..)
+        .zip(SPECIAL_TOKENS)
+        .map(|(id, content)| AddedToken {
+            id,
+            content: content.to_string(),
+            special: true,
+        })
+        .collect();
+    let spec = BpeTokenizerSpec {
+        tokens: &tokens,
+        merges: Vec::new(),
+        added_tokens: added_tokens.clone(),
+        pre_tokenizer: PreTokenizer::ByteLevel,
+        bos_to_add: None,
+    };
+    let config = TokenizerConfig {
+        added_tokens: &added_tokens,
+        bos_token: Some(SPECIAL_TOKENS[BOS_ID as usize].to_string()),
+        eos_token: Some(SPECIAL_TOKENS[EOS_ID as usize].to_string()),
+        unk_token: Some(SPECIAL_TOKENS[0].to_string()),
+        pad_token: None,
+        add_bos_token: false,
+        chat_template: Some(CHAT_TEMPLATE.to_string()),
+        model_max_length,
+    };
+    (spec.to_json(), config.to_json())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn make_tiny(seed: u64) -> (tempfile::TempDir, MadeModel) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let options = MakeModelOptions {
+            preset: Preset::MixtralTiny,
+            out: dir.path().join("tiny"),
+            seed,
+        };
+        let made = make_model(&options).expect("make mixtral-tiny");
+        (dir, made)
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for preset in Preset::ALL {
+            assert_eq!(Preset::from_name(preset.name()), Some(preset));
+        }
+        assert_eq!(Preset::from_name("mixtral-huge"), None);
+        assert!(Preset::names().contains("mixtral-8x7b-2l"));
+    }
+
+    #[test]
+    fn parameter_counts_match_the_advertised_sizes() {
+        let bench = Preset::MixtralBench1b.spec().num_parameters();
+        assert!((1_500_000_000..1_600_000_000).contains(&bench), "{bench}");
+        let big = Preset::Mixtral8x7b2l.spec();
+        assert_eq!(
+            big.num_parameters(),
+            2 * (1_409_286_144 + 41_943_040 + 2 * 4096 + 8 * 4096) + 2 * 131_072_000 + 4096
+        );
+    }
+
+    #[test]
+    fn same_seed_gives_identical_bytes_and_another_seed_does_not() {
+        let (_a, first) = make_tiny(5);
+        let (_b, second) = make_tiny(5);
+        let (_c, other) = make_tiny(6);
+        let read = |m: &MadeModel| std::fs::read(&m.files[0]).expect("read safetensors");
+        assert_eq!(read(&first), read(&second));
+        assert_ne!(read(&first), read(&other));
+        assert_eq!(
+            first.num_parameters,
+            Preset::MixtralTiny.spec().num_parameters()
+        );
+    }
+
+    #[test]
+    fn tiny_checkpoint_has_hub_names_config_and_side_files() {
+        let (_dir, made) = make_tiny(0);
+        let bytes = std::fs::read(made.out.join("model.safetensors")).expect("single file");
+        let file = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
+        let router = file
+            .tensor("model.layers.1.block_sparse_moe.gate.weight")
+            .expect("router");
+        assert_eq!(router.shape(), &[8, 64]);
+        assert_eq!(router.dtype(), safetensors::Dtype::BF16);
+        let w2 = file
+            .tensor("model.layers.0.block_sparse_moe.experts.7.w2.weight")
+            .expect("w2");
+        assert_eq!(w2.shape(), &[64, 128]);
+        assert_eq!(
+            file.tensor("lm_head.weight").expect("untied head").shape(),
+            &[512, 64]
+        );
+        let config = crate::config::MixtralConfig::from_dir(&made.out).expect("config.json parses");
+        assert_eq!(
+            (config.num_local_experts, config.num_experts_per_tok),
+            (8, 2)
+        );
+        for name in [
+            "generation_config.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+        ] {
+            assert!(made.out.join(name).exists(), "{name} missing");
+        }
+    }
+
+    #[test]
+    fn chat_template_renders_chatml() {
+        let env = minijinja::Environment::new();
+        let messages = serde_json::json!([{ "role": "user", "content": "Hi" }]);
+        let rendered = env
+            .render_str(
+                CHAT_TEMPLATE,
+                minijinja::context! { messages, add_generation_prompt => true },
+            )
+            .expect("template renders");
+        assert_eq!(
+            rendered,
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn byte_level_tokenizer_round_trips_text_and_special_tokens() {
+        let (_dir, made) = make_tiny(0);
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(made.out.join("tokenizer.json")).expect("loads");
+        let text = "<|im_start|>user\nHéllo wörld 🤖 12\t<|im_end|>";
+        let ids = tokenizer
+            .encode(text, false)
+            .expect("encode")
+            .get_ids()
+            .to_vec();
+        assert_eq!(ids.first(), Some(&3));
+        assert_eq!(ids.last(), Some(&4));
+        assert_eq!(ids[1], 5 + u32::from(b'u'));
+        assert!(ids.iter().all(|&id| id < 261));
+        assert_eq!(tokenizer.decode(&ids, false).expect("decode"), text);
+        assert_eq!(tokenizer.token_to_id("</s>"), Some(EOS_ID));
+    }
+}
