@@ -1,13 +1,16 @@
-//! Shared vocabulary of moeserve: element types, ids and sampling parameters.
+//! Shared vocabulary of moeserve: element types, ids, sampling parameters and the expert
+//! placement table.
 //!
 //! Nothing here knows about devices, models or HTTP; every other crate may depend on it.
 
 mod config;
 mod dtype;
 mod ids;
+mod placement;
 mod sampling;
 
 pub use config::{CacheConfig, ConfigError, SchedulerConfig};
 pub use dtype::DType;
 pub use ids::{BlockId, DeviceId, ExpertId, RequestId};
+pub use placement::{ExpertPlacement, LayerPlacement, PlacementError};
 pub use sampling::{MAX_LOGPROBS, SamplingParams, SamplingParamsError};

@@ -23,6 +23,12 @@ pub enum EngineError {
     /// One request failed while being processed (e.g. its logits were all NaN).
     #[error("request failed: {0}")]
     RequestFailed(String),
+    /// An expert placement that cannot be used (bad file or table, impossible plan).
+    #[error(transparent)]
+    Placement(#[from] moeserve_core::PlacementError),
+    /// A routing trace (`--record-routing`) that cannot be written or read.
+    #[error("routing trace {path}: {message}")]
+    RoutingTrace { path: String, message: String },
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -8,14 +8,17 @@
 //! - `scheduler`: continuous batching with chunked prefill and preemption (pure, synchronous).
 //! - `engine_core`: one step = one batched forward pass; `offline`: the batch API on top.
 //! - `stats`: engine statistics.
+//! - `placement`: expert load tracking, EPLB re-placement and routing traces (pure).
 
 pub mod assets;
 pub mod engine_core;
 mod error;
 pub mod handle;
 pub mod kv_cache;
+pub mod metrics;
 pub mod offline;
 pub mod output;
+pub mod placement;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

@@ -1,4 +1,5 @@
-//! Top-k routing as HF `MixtralSparseMoeBlock` does it:
+//! Top-k routing as HF `MixtralSparseMoeBlock` does it, plus the capacity-limited variant of the
+//! MoE core issue (capacity per expert and overflow policy live in `capacity.rs`):
 //!
 //! ```python
 //! routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
@@ -6,8 +7,15 @@
 //! routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
 //! ```
 //! Ties go to the lower expert index.
+//!
+//! - `route_top_k` is the plain HF routing (what the forward pass calls today).
+//! - `route` applies a `RouterConfig`: dropless (exactly `route_top_k`) or a capacity factor
+//!   with a drop, reroute or spill policy, and reports what it did (`RoutingCounts`).
 
 use moeserve_backend::cpu;
+use moeserve_core::ConfigError;
+
+use super::capacity::{self, Capacity};
 
 /// Chosen experts and their renormalised weights, `top_k` per token, best first.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,22 +35,14 @@ impl Routing {
 
 /// Routes every row of `router_logits: [num_tokens, num_experts]` to its `top_k` experts.
 pub fn route_top_k(router_logits: &[f32], num_experts: usize, top_k: usize) -> Routing {
-    let num_tokens = router_logits.len() / num_experts;
+    let ranking = Ranking::new(router_logits, num_experts);
     let mut routing = Routing {
         top_k,
-        expert_ids: Vec::with_capacity(num_tokens * top_k),
-        weights: Vec::with_capacity(num_tokens * top_k),
+        expert_ids: Vec::with_capacity(ranking.num_tokens() * top_k),
+        weights: Vec::with_capacity(ranking.num_tokens() * top_k),
     };
-    let mut probs = vec![0.0; num_experts];
-    let mut order: Vec<u32> = Vec::with_capacity(num_experts);
-    for row in router_logits.chunks_exact(num_experts) {
-        probs.copy_from_slice(row);
-        cpu::softmax_in_place(&mut probs);
-        order.clear();
-        order.extend(0..num_experts as u32);
-        // Stable sort by descending probability keeps lower indices first among ties.
-        order.sort_by(|a, b| probs[*b as usize].total_cmp(&probs[*a as usize]));
-        let chosen = &order[..top_k];
+    for t in 0..ranking.num_tokens() {
+        let (probs, chosen) = (ranking.probs(t), &ranking.order(t)[..top_k]);
         let sum: f32 = chosen.iter().map(|e| probs[*e as usize]).sum();
         for e in chosen {
             routing.expert_ids.push(*e);
@@ -52,9 +52,220 @@ pub fn route_top_k(router_logits: &[f32], num_experts: usize, top_k: usize) -> R
     routing
 }
 
+/// How one MoE layer routes its tokens (`--capacity-factor`, `--moe-overflow`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterConfig {
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    pub capacity: Capacity,
+}
+
+impl RouterConfig {
+    /// Every pair is computed, exactly as HF does (the default).
+    pub fn dropless(top_k: usize) -> Self {
+        RouterConfig {
+            top_k,
+            capacity: Capacity::Dropless,
+        }
+    }
+
+    /// Checks the config against a layer with `num_experts` experts; run once at start-up.
+    pub fn validate(&self, num_experts: usize) -> Result<(), ConfigError> {
+        if self.top_k == 0 || self.top_k > num_experts {
+            return Err(ConfigError {
+                field: "top_k",
+                message: format!("must be in 1..={num_experts}, got {}", self.top_k),
+            });
+        }
+        self.capacity.validate()
+    }
+}
+
+/// One (token, expert) pair that is computed, with its final weight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RoutedPair {
+    /// Row of the step's hidden states.
+    pub token: usize,
+    pub expert: u32,
+    /// The pair's share of the token's MoE output; a token's pairs sum to 1.
+    pub weight: f32,
+    /// 0 for the main pass; spilled pairs run in pass `ordinal / capacity` (≥ 1).
+    pub pass: u32,
+}
+
+/// What the capacity limit did to one layer's step; add them up across layers and steps.
+///
+/// Invariant: `pairs == computed() + dropped`; `rerouted` and `spilled` pairs are computed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RoutingCounts {
+    /// Pairs the router chose: `num_tokens * top_k`.
+    pub pairs: u64,
+    /// Pairs not computed (their expert was full, and for reroute no other expert had room).
+    pub dropped: u64,
+    /// Pairs moved to a lower-ranked expert with room.
+    pub rerouted: u64,
+    /// Pairs computed in an extra pass (pass ≥ 1).
+    pub spilled: u64,
+    /// Tokens that lost all their pairs: their MoE output is zero (the residual passes through).
+    pub dropped_tokens: u64,
+}
+
+impl RoutingCounts {
+    pub fn computed(&self) -> u64 {
+        self.pairs - self.dropped
+    }
+
+    pub fn accumulate(&mut self, other: &RoutingCounts) {
+        self.pairs += other.pairs;
+        self.dropped += other.dropped;
+        self.rerouted += other.rerouted;
+        self.spilled += other.spilled;
+        self.dropped_tokens += other.dropped_tokens;
+    }
+}
+
+/// One layer's routing of one step after capacity.
+///
+/// `pairs` is token-major: token `t`'s pairs are `pairs[token_offsets[t]..token_offsets[t + 1]]`,
+/// in the rank order of the router's choice (a rerouted pair takes the place of the pair it
+/// replaces). Group them by `expert` to run the experts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutedStep {
+    pub num_tokens: usize,
+    pub top_k: usize,
+    /// `[num_tokens * top_k]`: the router's top-k before capacity, best first (what routing
+    /// traces record).
+    pub chosen_experts: Vec<u32>,
+    /// The pairs that are computed.
+    pub pairs: Vec<RoutedPair>,
+    /// `[num_tokens + 1]`
+    pub token_offsets: Vec<usize>,
+    pub counts: RoutingCounts,
+    /// `[num_experts]`: pairs computed per expert, all passes.
+    pub expert_load: Vec<u32>,
+    /// Slots per expert and pass; `None` when dropless.
+    pub expert_capacity: Option<usize>,
+    /// 1 unless spill needed extra passes; 0 for an empty step.
+    pub num_passes: u32,
+}
+
+impl RoutedStep {
+    pub fn num_experts(&self) -> usize {
+        self.expert_load.len()
+    }
+
+    /// Token `token`'s computed pairs (empty when all of them were dropped).
+    pub fn token_pairs(&self, token: usize) -> &[RoutedPair] {
+        &self.pairs[self.token_offsets[token]..self.token_offsets[token + 1]]
+    }
+
+    /// The router's top-k experts of each token, before capacity.
+    pub fn chosen_by_token(&self) -> std::slice::ChunksExact<'_, u32> {
+        self.chosen_experts.chunks_exact(self.top_k.max(1))
+    }
+}
+
+/// Routes every row of `router_logits: [num_tokens, num_experts]` under `config`.
+///
+/// Slots are taken in token order, and within a token in rank order, so the result is a pure
+/// function of the logits. `config` must have passed `validate(num_experts)`.
+pub fn route(router_logits: &[f32], num_experts: usize, config: &RouterConfig) -> RoutedStep {
+    let ranking = Ranking::new(router_logits, num_experts);
+    let top_k = config.top_k;
+    let chosen_experts = (0..ranking.num_tokens())
+        .flat_map(|t| ranking.order(t)[..top_k].iter().copied())
+        .collect();
+    let assigned = capacity::assign(&ranking, top_k, &config.capacity);
+    RoutedStep {
+        num_tokens: ranking.num_tokens(),
+        top_k,
+        chosen_experts,
+        pairs: assigned.pairs,
+        token_offsets: assigned.token_offsets,
+        counts: assigned.counts,
+        expert_load: assigned.expert_load,
+        expert_capacity: assigned.expert_capacity,
+        num_passes: assigned.num_passes,
+    }
+}
+
+/// Softmax probabilities and the experts in descending probability of every token.
+pub(crate) struct Ranking {
+    num_experts: usize,
+    /// `[num_tokens * num_experts]`
+    probs: Vec<f32>,
+    /// `[num_tokens * num_experts]`: expert ids, best first; ties keep the lower index first.
+    order: Vec<u32>,
+}
+
+impl Ranking {
+    pub(crate) fn new(router_logits: &[f32], num_experts: usize) -> Self {
+        let mut probs = router_logits.to_vec();
+        probs.truncate(router_logits.len() / num_experts * num_experts);
+        let mut order = Vec::with_capacity(probs.len());
+        for row in probs.chunks_exact_mut(num_experts) {
+            cpu::softmax_in_place(row);
+            let start = order.len();
+            order.extend(0..num_experts as u32);
+            // Stable sort by descending probability keeps lower indices first among ties.
+            order[start..].sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
+        }
+        Ranking {
+            num_experts,
+            probs,
+            order,
+        }
+    }
+
+    pub(crate) fn num_tokens(&self) -> usize {
+        self.probs.len() / self.num_experts
+    }
+
+    pub(crate) fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    pub(crate) fn probs(&self, token: usize) -> &[f32] {
+        &self.probs[token * self.num_experts..(token + 1) * self.num_experts]
+    }
+
+    pub(crate) fn order(&self, token: usize) -> &[u32] {
+        &self.order[token * self.num_experts..(token + 1) * self.num_experts]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::moe::capacity::OverflowPolicy;
+
+    /// Deterministic pseudo-random logits with a few exact ties.
+    fn logits(num_tokens: usize, num_experts: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..num_tokens * num_experts)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) % 7) as f32 * 0.5 - 1.5
+            })
+            .collect()
+    }
+
+    fn factor(alpha: f32, overflow: OverflowPolicy, top_k: usize) -> RouterConfig {
+        RouterConfig {
+            top_k,
+            capacity: Capacity::Factor { alpha, overflow },
+        }
+    }
+
+    fn assert_matches_top_k(step: &RoutedStep, reference: &Routing) {
+        let ids: Vec<u32> = step.pairs.iter().map(|p| p.expert).collect();
+        let weights: Vec<f32> = step.pairs.iter().map(|p| p.weight).collect();
+        assert_eq!(ids, reference.expert_ids);
+        assert_eq!(weights, reference.weights);
+        assert_eq!(step.chosen_experts, reference.expert_ids);
+    }
 
     #[test]
     fn picks_the_largest_logits_and_renormalises() {
@@ -76,5 +287,86 @@ mod tests {
     fn top_k_of_all_experts_keeps_softmax_weights() {
         let r = route_top_k(&[0.5, 0.5], 2, 2);
         assert_eq!(r.weights, vec![0.5, 0.5]);
+    }
+
+    #[test]
+    fn dropless_and_spill_equal_route_top_k_for_k_1_to_4() {
+        for top_k in 1..=4 {
+            let x = logits(37, 6, top_k as u64);
+            let reference = route_top_k(&x, 6, top_k);
+            let dropless = route(&x, 6, &RouterConfig::dropless(top_k));
+            assert_matches_top_k(&dropless, &reference);
+            assert_eq!(dropless.counts.pairs, 37 * top_k as u64);
+            assert_eq!(dropless.num_passes, 1);
+            let spill = route(&x, 6, &factor(0.5, OverflowPolicy::Spill, top_k));
+            assert_matches_top_k(&spill, &reference);
+            assert_eq!(spill.counts.dropped, 0);
+        }
+    }
+
+    #[test]
+    fn pairs_are_token_major_with_offsets() {
+        let x = logits(5, 4, 9);
+        let step = route(&x, 4, &RouterConfig::dropless(2));
+        assert_eq!(step.token_offsets, vec![0, 2, 4, 6, 8, 10]);
+        for t in 0..5 {
+            assert!(step.token_pairs(t).iter().all(|p| p.token == t));
+        }
+        assert_eq!(step.chosen_by_token().count(), 5);
+        assert_eq!(step.expert_load.iter().sum::<u32>(), 10);
+    }
+
+    #[test]
+    fn routing_is_deterministic() {
+        let x = logits(64, 8, 3);
+        for policy in [
+            OverflowPolicy::Drop,
+            OverflowPolicy::Reroute,
+            OverflowPolicy::Spill,
+        ] {
+            let config = factor(0.75, policy, 2);
+            assert_eq!(route(&x, 8, &config), route(&x, 8, &config));
+        }
+    }
+
+    #[test]
+    fn empty_step_routes_nothing() {
+        let step = route(&[], 4, &factor(1.0, OverflowPolicy::Drop, 2));
+        assert_eq!(step.num_tokens, 0);
+        assert!(step.pairs.is_empty());
+        assert_eq!(step.token_offsets, vec![0]);
+        assert_eq!(step.counts, RoutingCounts::default());
+        assert_eq!(step.num_passes, 0);
+        assert_eq!(step.expert_load, vec![0; 4]);
+    }
+
+    #[test]
+    fn validate_rejects_top_k_outside_the_experts() {
+        assert_eq!(
+            RouterConfig::dropless(0).validate(8).unwrap_err().field,
+            "top_k"
+        );
+        assert_eq!(
+            RouterConfig::dropless(9).validate(8).unwrap_err().field,
+            "top_k"
+        );
+        RouterConfig::dropless(8).validate(8).unwrap();
+    }
+
+    #[test]
+    fn counts_accumulate_across_layers() {
+        let mut total = RoutingCounts::default();
+        let one = RoutingCounts {
+            pairs: 8,
+            dropped: 2,
+            rerouted: 1,
+            spilled: 0,
+            dropped_tokens: 1,
+        };
+        total.accumulate(&one);
+        total.accumulate(&one);
+        assert_eq!(total.pairs, 16);
+        assert_eq!(total.computed(), 12);
+        assert_eq!(total.dropped_tokens, 2);
     }
 }
