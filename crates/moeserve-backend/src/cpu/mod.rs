@@ -3,8 +3,9 @@
 //! The instruction set is detected once ([`isa`]) and logged by the caller; every kernel entry
 //! point here dispatches on it. Tests compare each variant against `reference`.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod convert;
-mod dot;
 mod matmul;
 mod ops;
 pub mod reference;
