@@ -4,12 +4,13 @@
 //! Views are zero-copy; a tensor whose offset in the file is not aligned to its element size is
 //! copied once at load into an owned buffer, so kernels can always reinterpret the bytes.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
 use memmap2::Mmap;
 use moeserve_core::DType;
 
+use crate::cpu::packed::PackedWeight;
 use crate::{BackendError, Result};
 
 /// The bytes behind a [`Weight`].
@@ -50,6 +51,8 @@ pub struct Weight {
     dtype: DType,
     shape: Vec<usize>,
     bytes: WeightBytes,
+    /// The kernel layout, made on first use and shared by clones.
+    packed: Arc<OnceLock<PackedWeight>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -81,6 +84,7 @@ impl Weight {
             dtype,
             shape,
             bytes,
+            packed: Arc::default(),
         })
     }
 
@@ -121,6 +125,12 @@ impl Weight {
             DType::F16 => WeightData::F16(bytemuck::cast_slice(b)),
             DType::BF16 => WeightData::BF16(bytemuck::cast_slice(b)),
         }
+    }
+
+    /// The weight in the GEMM's panel layout (2-D weights only); packed once, on first use.
+    pub fn packed(&self) -> &PackedWeight {
+        self.packed
+            .get_or_init(|| PackedWeight::pack(self.data(), self.shape[0], self.shape[1]))
     }
 
     /// Element `i` of the flattened tensor as f32 (slow; for small tensors and tests).

@@ -4,17 +4,16 @@
 //! call and reused for all `m` activation rows while it is hot in L1 (the batch-1 decode case is
 //! one pass over the weight, split across threads).
 
-use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::packed::{PANEL, PackedPanels, PackedWeight};
 use super::{Isa, isa};
 use crate::{Weight, WeightData};
 
-/// Weight rows per parallel task: a 64-row block of a bf16 weight with k = 4096 is 512 KiB,
-/// so a task's rows stay in L2 while every activation block passes over them.
+/// Weight rows per parallel task on the scalar path.
 const ROWS_PER_TASK: usize = 64;
-/// Activation rows per cache block (32 × 4096 f32 = 512 KiB).
-const ACT_ROWS_PER_BLOCK: usize = 32;
+/// Activation rows per microkernel call on the AVX-512 path (2 × MR accumulators + 3 registers).
+const MAX_MR: usize = 8;
 
 /// A raw output pointer shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
@@ -61,20 +60,23 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         d.n
     );
     let out = OutPtr(out.as_mut_ptr());
-    match w.data() {
-        WeightData::F32(v) => run(x, v, d, out),
-        WeightData::F16(v) => run(x, v, d, out),
-        WeightData::BF16(v) => run(x, v, d, out),
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => match w.packed() {
+            PackedWeight::F32(p) => run_packed(x, d, p, out),
+            PackedWeight::F16(p) => run_packed(x, d, p, out),
+            PackedWeight::BF16(p) => run_packed(x, d, p, out),
+        },
+        _ => match w.data() {
+            WeightData::F32(v) => run_scalar(x, v, d, out),
+            WeightData::F16(v) => run_scalar(x, v, d, out),
+            WeightData::BF16(v) => run_scalar(x, v, d, out),
+        },
     }
 }
 
-/// Splits the weight rows into tasks; small products stay on the calling thread.
-fn run<T: Element>(x: &[f32], w: &[T], d: Dims, out: OutPtr) {
-    let num_tasks = d.n.div_ceil(ROWS_PER_TASK);
-    let task = |t: usize| {
-        let rows = t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(d.n);
-        T::rows(x, w, d, rows, out)
-    };
+/// Runs `task(t)` for `t < num_tasks`, in parallel unless the product is small.
+fn for_each_task(num_tasks: usize, d: Dims, task: impl Fn(usize) + Sync + Send) {
     if num_tasks <= 1 || d.m * d.n * d.k < 1 << 16 {
         (0..num_tasks).for_each(task);
     } else {
@@ -82,102 +84,69 @@ fn run<T: Element>(x: &[f32], w: &[T], d: Dims, out: OutPtr) {
     }
 }
 
-/// A weight element type with a kernel per instruction set.
-trait Element: Copy + Sync + Into<f32> {
-    fn rows(x: &[f32], w: &[Self], d: Dims, rows: std::ops::Range<usize>, out: OutPtr);
-}
-
-macro_rules! impl_element {
-    ($t:ty) => {
-        impl Element for $t {
-            fn rows(x: &[f32], w: &[Self], d: Dims, rows: std::ops::Range<usize>, out: OutPtr) {
-                match isa() {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `Isa::Avx512` is only chosen when the CPU has AVX-512F/BW.
-                    Isa::Avx512 => unsafe { tiled_rows(x, w, d, rows, out) },
-                    _ => scalar_rows(x, w, d, rows, out),
-                }
+fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutPtr) {
+    for_each_task(d.n.div_ceil(ROWS_PER_TASK), d, |t| {
+        for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(d.n) {
+            let wr = &w[j * d.k..(j + 1) * d.k];
+            for i in 0..d.m {
+                let xr = &x[i * d.k..(i + 1) * d.k];
+                let v: f32 = wr.iter().zip(xr).map(|(a, b)| (*a).into() * b).sum();
+                // SAFETY: `i * n + j < m * n`, and only this task writes column j.
+                unsafe { *out.get().add(i * d.n + j) = v };
             }
         }
-    };
-}
-impl_element!(f32);
-impl_element!(f16);
-impl_element!(bf16);
-
-fn scalar_rows<T: Copy + Into<f32>>(
-    x: &[f32],
-    w: &[T],
-    d: Dims,
-    rows: std::ops::Range<usize>,
-    out: OutPtr,
-) {
-    for j in rows {
-        let wr = &w[j * d.k..(j + 1) * d.k];
-        for i in 0..d.m {
-            let xr = &x[i * d.k..(i + 1) * d.k];
-            let v: f32 = wr.iter().zip(xr).map(|(a, b)| (*a).into() * b).sum();
-            // SAFETY: `i * n + j < m * n`, and only this task writes column j.
-            unsafe { *out.get().add(i * d.n + j) = v };
-        }
-    }
+    });
 }
 
-/// Weight rows `rows` against every activation row, in register tiles of up to 4 × 4.
-///
-/// # Safety
-/// The CPU supports AVX-512F/BW; slices have the sizes `d` describes.
+/// One task per 32-row panel; each task runs every activation row through its panel.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn tiled_rows<T: super::avx512::Lanes>(
+fn run_packed<T: super::avx512::Lanes + Sync>(
     x: &[f32],
-    w: &[T],
     d: Dims,
-    rows: std::ops::Range<usize>,
+    w: &PackedPanels<T>,
     out: OutPtr,
 ) {
-    use super::avx512::{Tile, tile};
-    for i0 in (0..d.m).step_by(ACT_ROWS_PER_BLOCK) {
-        let i_end = (i0 + ACT_ROWS_PER_BLOCK).min(d.m);
-        let mut j = rows.start;
-        while j < rows.end {
-            let nr = (rows.end - j).min(4);
-            let mut i = i0;
-            while i < i_end {
-                let mr = (i_end - i).min(4);
-                // SAFETY: rows i..i+mr of x and j..j+nr of w exist; out has m × n elements.
-                let t = Tile {
-                    x: unsafe { x.as_ptr().add(i * d.k) },
-                    w: unsafe { w.as_ptr().add(j * d.k) },
-                    k: d.k,
-                    out: unsafe { out.get().add(i * d.n + j) },
-                    ldo: d.n,
-                };
-                unsafe {
-                    match (mr, nr) {
-                        (4, 4) => tile::<T, 4, 4>(t),
-                        (4, 3) => tile::<T, 4, 3>(t),
-                        (4, 2) => tile::<T, 4, 2>(t),
-                        (4, 1) => tile::<T, 4, 1>(t),
-                        (3, 4) => tile::<T, 3, 4>(t),
-                        (3, 3) => tile::<T, 3, 3>(t),
-                        (3, 2) => tile::<T, 3, 2>(t),
-                        (3, 1) => tile::<T, 3, 1>(t),
-                        (2, 4) => tile::<T, 2, 4>(t),
-                        (2, 3) => tile::<T, 2, 3>(t),
-                        (2, 2) => tile::<T, 2, 2>(t),
-                        (2, 1) => tile::<T, 2, 1>(t),
-                        (1, 4) => tile::<T, 1, 4>(t),
-                        (1, 3) => tile::<T, 1, 3>(t),
-                        (1, 2) => tile::<T, 1, 2>(t),
-                        _ => tile::<T, 1, 1>(t),
-                    }
+    use super::avx512::{PanelTile, panel_tile};
+    for_each_task(w.num_panels(), d, |q| {
+        let panel = w.panel(q);
+        let cols = PANEL.min(d.n - q * PANEL);
+        let mut tmp = [0.0f32; MAX_MR * PANEL];
+        for i0 in (0..d.m).step_by(MAX_MR) {
+            let mr = MAX_MR.min(d.m - i0);
+            let t = PanelTile {
+                x: x[i0 * d.k..].as_ptr(),
+                w: panel.as_ptr(),
+                k: d.k,
+                out: tmp.as_mut_ptr(),
+            };
+            // SAFETY: `Isa::Avx512` was detected; x holds rows i0..i0+mr, the panel k × 32
+            // elements, tmp MAX_MR × 32.
+            unsafe {
+                match mr {
+                    8 => panel_tile::<T, 8>(t),
+                    7 => panel_tile::<T, 7>(t),
+                    6 => panel_tile::<T, 6>(t),
+                    5 => panel_tile::<T, 5>(t),
+                    4 => panel_tile::<T, 4>(t),
+                    3 => panel_tile::<T, 3>(t),
+                    2 => panel_tile::<T, 2>(t),
+                    _ => panel_tile::<T, 1>(t),
                 }
-                i += mr;
             }
-            j += nr;
+            for i in 0..mr {
+                let src = &tmp[i * PANEL..i * PANEL + cols];
+                // SAFETY: row i0 + i, columns q*32 .. q*32 + cols are inside out and only
+                // this task writes them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        out.get().add((i0 + i) * d.n + q * PANEL),
+                        cols,
+                    )
+                };
+            }
         }
-    }
+    });
 }
 
 #[cfg(test)]

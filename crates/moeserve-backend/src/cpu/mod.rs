@@ -8,6 +8,7 @@ mod avx512;
 pub mod convert;
 mod matmul;
 mod ops;
+pub mod packed;
 pub mod reference;
 
 pub use matmul::matmul_wt;

@@ -97,13 +97,9 @@ impl MixtralModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = ckpt.weight("model.norm.weight", &[h])?;
-        Ok(MixtralModel {
-            config,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-        })
+        let model = MixtralModel { config, embed_tokens, layers, norm, lm_head };
+        model.prepare_kernels();
+        Ok(model)
     }
 
     pub fn config(&self) -> &MixtralConfig {
@@ -120,30 +116,39 @@ impl MixtralModel {
         }
     }
 
+    /// Every weight matrix that goes through the GEMM (lm_head once even when tied).
+    fn matrices(&self) -> Vec<&Weight> {
+        let mut all = vec![&self.lm_head];
+        for layer in &self.layers {
+            all.extend(layer.self_attn.weights());
+            let moe = &layer.block_sparse_moe;
+            all.push(&moe.gate);
+            all.extend(moe.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]));
+        }
+        all
+    }
+
     /// Bytes of all weights (tied embeddings counted once).
     pub fn weight_bytes(&self) -> usize {
-        let mut total = self.embed_tokens.size_in_bytes() + self.norm.size_in_bytes();
+        let mut total = self.norm.size_in_bytes() + self.matrices().iter().map(|w| w.size_in_bytes()).sum::<usize>();
         if !self.config.tie_word_embeddings {
-            total += self.lm_head.size_in_bytes();
+            total += self.embed_tokens.size_in_bytes();
         }
         for layer in &self.layers {
-            total += layer.input_layernorm.size_in_bytes()
-                + layer.post_attention_layernorm.size_in_bytes();
-            total += layer
-                .self_attn
-                .weights()
-                .iter()
-                .map(|w| w.size_in_bytes())
-                .sum::<usize>();
-            let moe = &layer.block_sparse_moe;
-            total += moe.gate.size_in_bytes();
-            total += moe
-                .experts
-                .iter()
-                .map(|e| e.w1.size_in_bytes() + e.w2.size_in_bytes() + e.w3.size_in_bytes())
-                .sum::<usize>();
+            total += layer.input_layernorm.size_in_bytes() + layer.post_attention_layernorm.size_in_bytes();
         }
         total
+    }
+
+    /// Puts every matrix into the kernels' layout now (in parallel) rather than on first use,
+    /// so the first request does not pay for it.
+    pub fn prepare_kernels(&self) {
+        use rayon::prelude::*;
+        if cpu::isa() == cpu::Isa::Avx512 {
+            self.matrices().par_iter().for_each(|w| {
+                w.packed();
+            });
+        }
     }
 
     /// Runs one step: writes the step tokens' keys/values into `kv` and returns logits

@@ -1,0 +1,86 @@
+//! Weights repacked for the AVX-512 GEMM: the `[n, k]` matrix is cut into panels of
+//! `PANEL` = 32 output rows, each stored k-major, so the kernel reads one contiguous stream per
+//! panel and keeps 32 outputs per activation row in two 16-lane accumulators (no horizontal
+//! sums). The last panel is padded with zero rows.
+//!
+//! ```text
+//! panel q, position p:  w[32q + 0][p], w[32q + 1][p], …, w[32q + 31][p]
+//! ```
+//! Packing happens once per weight, on first use (see `Weight::packed`).
+
+use half::{bf16, f16};
+
+use crate::WeightData;
+
+/// Output rows per panel (two 16-lane vectors).
+pub const PANEL: usize = 32;
+
+/// A weight in panel layout; elements keep their stored type.
+pub enum PackedWeight {
+    F32(PackedPanels<f32>),
+    F16(PackedPanels<f16>),
+    BF16(PackedPanels<bf16>),
+}
+
+/// `num_panels × k × PANEL` elements.
+pub struct PackedPanels<T> {
+    pub n: usize,
+    pub k: usize,
+    pub data: Vec<T>,
+}
+
+impl<T: Copy + Default> PackedPanels<T> {
+    fn pack(src: &[T], n: usize, k: usize) -> Self {
+        let num_panels = n.div_ceil(PANEL);
+        let mut data = vec![T::default(); num_panels * k * PANEL];
+        for (q, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
+            for r in 0..PANEL.min(n - q * PANEL) {
+                let row = &src[(q * PANEL + r) * k..(q * PANEL + r + 1) * k];
+                for (p, v) in row.iter().enumerate() {
+                    panel[p * PANEL + r] = *v;
+                }
+            }
+        }
+        PackedPanels { n, k, data }
+    }
+}
+
+impl<T> PackedPanels<T> {
+    pub fn num_panels(&self) -> usize {
+        self.n.div_ceil(PANEL)
+    }
+
+    /// The `k × PANEL` elements of panel `q`.
+    pub fn panel(&self, q: usize) -> &[T] {
+        &self.data[q * self.k * PANEL..(q + 1) * self.k * PANEL]
+    }
+}
+
+impl PackedWeight {
+    /// Repacks a row-major `[n, k]` weight.
+    pub fn pack(data: WeightData<'_>, n: usize, k: usize) -> Self {
+        match data {
+            WeightData::F32(v) => PackedWeight::F32(PackedPanels::pack(v, n, k)),
+            WeightData::F16(v) => PackedWeight::F16(PackedPanels::pack(v, n, k)),
+            WeightData::BF16(v) => PackedWeight::BF16(PackedPanels::pack(v, n, k)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panels_are_k_major_and_zero_padded() {
+        let (n, k) = (33, 3);
+        let src: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
+        let packed = PackedPanels::pack(&src, n, k);
+        assert_eq!(packed.num_panels(), 2);
+        // Row 1, position 2 sits at p * PANEL + r in panel 0.
+        assert_eq!(packed.panel(0)[2 * PANEL + 1], src[k + 2]);
+        // Row 32 is the first row of panel 1; rows 33.. are padding.
+        assert_eq!(packed.panel(1)[PANEL * 0], src[32 * k]);
+        assert_eq!(packed.panel(1)[1], 0.0);
+    }
+}
