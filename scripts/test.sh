@@ -1,7 +1,31 @@
 #!/usr/bin/env bash
 # Runs every test: prepares the demo model if it is missing (the demo-model parity tests need
-# it), then the whole cargo workspace.
+# it), builds the `moeserve` binary (the end-to-end tests in tests/e2e start it), runs the whole
+# cargo workspace, then the official `openai` Python client against the real server
+# (tests/e2e/test_openai_client.py) from a venv it keeps under target/e2e-venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 models/smolmoe-8x135m.sh
+cargo build --release --bin moeserve
 MOESERVE_DEMO_MODEL="$PWD/models/smolmoe-8x135m" cargo test --workspace --release "$@"
+
+OPENAI_VERSION="3.57.0"
+PYTEST_VERSION="9.2.0"
+VENV=target/e2e-venv
+if ! "$VENV/bin/python" -c "import openai, pytest, sys; \
+sys.exit(openai.__version__ != '$OPENAI_VERSION' or pytest.__version__ != '$PYTEST_VERSION')" \
+    2> /dev/null; then
+    echo "== preparing $VENV (openai==$OPENAI_VERSION, pytest==$PYTEST_VERSION)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION"
+fi
+echo "== openai client tests"
+status=0
+MOESERVE_BIN="$PWD/target/release/moeserve" "$VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider tests/e2e/test_openai_client.py || status=$?
+# Any non-zero exit fails the run, 5 ("no tests collected") included.
+if [[ $status -ne 0 ]]; then
+    echo "error: the openai client tests failed (pytest exit status $status)" >&2
+    exit "$status"
+fi

@@ -1,12 +1,14 @@
 //! `moeserve`: the command-line entry point. Each subcommand lives in `cli/`.
 
-mod cli;
-
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
+use moeserve_server::cli;
 
 fn main() -> std::process::ExitCode {
-    let args = cli::Cli::parse();
-    match cli::run(args) {
+    let matches = cli::Cli::command().get_matches();
+    let result = cli::Cli::from_arg_matches(&matches)
+        .map_err(anyhow::Error::from)
+        .and_then(|args| cli::run(args, &matches));
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

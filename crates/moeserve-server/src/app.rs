@@ -1,0 +1,58 @@
+//! The router: OpenAI endpoints under `/v1` (behind the API key when one is set), `/health`,
+//! `/version`, and `/metrics` on its own router merged in. Unknown routes and methods answer in
+//! the OpenAI error shape; bodies are limited to `--max-request-bytes`.
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{Method, StatusCode, Uri};
+use axum::middleware;
+use axum::response::{IntoResponse, Json};
+use axum::routing::{get, post};
+
+use crate::auth::require_api_key;
+use crate::error::ApiError;
+use crate::metrics;
+use crate::openai::{chat, completions, models};
+use crate::state::AppState;
+
+/// The whole HTTP API over `state`.
+pub fn app(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(completions::create))
+        .route("/v1/chat/completions", post(chat::create))
+        .route("/v1/models", get(models::list))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .merge(metrics::router())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.max_request_bytes()))
+        .with_state(state)
+}
+
+/// 200 once the model is loaded; 503 while loading or shutting down.
+async fn health(State(state): State<AppState>) -> Result<StatusCode, ApiError> {
+    state.engine()?;
+    Ok(StatusCode::OK)
+}
+
+async fn version() -> impl IntoResponse {
+    Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::RouteNotFound {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+    }
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}

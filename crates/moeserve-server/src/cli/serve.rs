@@ -1,0 +1,251 @@
+//! `moeserve serve`: the OpenAI-compatible HTTP server. Flags are named as vLLM's; `--config`
+//! reads the same keys from a TOML file, and flags given explicitly (or through their environment
+//! variable) override the file, which overrides the defaults.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args};
+use moeserve_core::{CacheConfig, SchedulerConfig};
+use moeserve_engine::engine_core::EngineConfig;
+
+use super::engine_args::{EngineArgs, parse_size};
+use crate::auth::ApiKey;
+use crate::config::{
+    DtypeChoice, MetricsCompat, ServeConfig, ServeFile, SizeValue, default_served_model_name,
+};
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Model directory in Hugging Face format (or `model` in the config file).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A TOML file with any of these settings (snake_case keys); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port; the bound address is printed as `listening on http://ADDR`.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model name clients send and see (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long, env = "MOESERVE_API_KEY", hide_env_values = true)]
+    api_key: Option<ApiKey>,
+    /// Compute dtype; anything but the checkpoint's own dtype is refused for now.
+    #[arg(long, value_enum, default_value_t = DtypeChoice::Auto)]
+    dtype: DtypeChoice,
+    /// Largest request body, e.g. 1MiB.
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    max_request_bytes: u64,
+    /// Requests waiting for their first token beyond this get 429 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting_requests: usize,
+    /// Also export metrics under vLLM's names, so vLLM dashboards work unchanged.
+    #[arg(long, value_enum, default_value_t = MetricsCompat::None)]
+    metrics_compat: MetricsCompat,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// Which settings were given on the command line (or their environment variable).
+struct Explicit<'a>(&'a ArgMatches);
+
+impl Explicit<'_> {
+    fn given(&self, id: &str) -> bool {
+        matches!(
+            self.0.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    }
+
+    /// The flag's value when given, else the file's, else the flag's default.
+    fn pick<T>(&self, id: &str, flag: T, file: Option<T>) -> T {
+        match (self.given(id), file) {
+            (false, Some(from_file)) => from_file,
+            _ => flag,
+        }
+    }
+
+    /// Like [`Explicit::pick`] for flags without a default.
+    fn pick_opt<T>(&self, id: &str, flag: Option<T>, file: Option<T>) -> Option<T> {
+        match self.given(id) {
+            true => flag,
+            false => file.or(flag),
+        }
+    }
+
+    /// A `--flag` / `--no-flag` pair whose default is on.
+    fn pick_switch(&self, id: &str, no_flag: bool, file: Option<bool>) -> bool {
+        let given = self.given(id) || self.given(&format!("no_{id}"));
+        match (given, file) {
+            (false, Some(from_file)) => from_file,
+            _ => !no_flag,
+        }
+    }
+}
+
+fn size(value: Option<SizeValue>, key: &str) -> anyhow::Result<Option<u64>> {
+    value
+        .map(|v| v.bytes())
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("config file `{key}`: {e}"))
+}
+
+/// Merges flags over the config file over the defaults.
+pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeConfig> {
+    let file = match &args.config {
+        Some(path) => ServeFile::load(path).map_err(anyhow::Error::msg)?,
+        None => ServeFile::default(),
+    };
+    let x = Explicit(matches);
+    let model = x
+        .pick_opt("model", args.model, file.model)
+        .context("give --model DIR (or `model` in the --config file)")?;
+    let e = &args.engine;
+    let engine = EngineConfig {
+        cache: CacheConfig {
+            block_size: x.pick("block_size", e.block_size, file.block_size),
+            kv_cache_memory: x.pick_opt(
+                "kv_cache_memory",
+                e.kv_cache_memory,
+                size(file.kv_cache_memory, "kv_cache_memory")?,
+            ),
+            enable_prefix_caching: x.pick_switch(
+                "enable_prefix_caching",
+                e.no_enable_prefix_caching,
+                file.enable_prefix_caching,
+            ),
+        },
+        scheduler: SchedulerConfig {
+            max_num_seqs: x.pick("max_num_seqs", e.max_num_seqs, file.max_num_seqs),
+            max_num_batched_tokens: x.pick(
+                "max_num_batched_tokens",
+                e.max_num_batched_tokens,
+                file.max_num_batched_tokens,
+            ),
+            enable_chunked_prefill: x.pick_switch(
+                "enable_chunked_prefill",
+                e.no_enable_chunked_prefill,
+                file.enable_chunked_prefill,
+            ),
+            max_model_len: x.pick_opt("max_model_len", e.max_model_len, file.max_model_len),
+        },
+    };
+    engine.cache.validate().context("invalid cache settings")?;
+    engine
+        .scheduler
+        .validate()
+        .context("invalid scheduler settings")?;
+    let max_request_bytes = x.pick(
+        "max_request_bytes",
+        args.max_request_bytes,
+        size(file.max_request_bytes, "max_request_bytes")?,
+    );
+    let served_model_name = x
+        .pick_opt(
+            "served_model_name",
+            args.served_model_name,
+            file.served_model_name,
+        )
+        .unwrap_or_else(|| default_served_model_name(&model));
+    Ok(ServeConfig {
+        host: x.pick("host", args.host, file.host),
+        port: x.pick("port", args.port, file.port),
+        api_key: x.pick_opt("api_key", args.api_key, file.api_key),
+        dtype: x.pick("dtype", args.dtype, file.dtype),
+        max_request_bytes: usize::try_from(max_request_bytes)
+            .context("--max-request-bytes is too large")?,
+        max_waiting_requests: x.pick(
+            "max_waiting_requests",
+            args.max_waiting_requests,
+            file.max_waiting_requests,
+        ),
+        metrics_compat: x.pick("metrics_compat", args.metrics_compat, file.metrics_compat),
+        served_model_name,
+        model,
+        engine,
+    })
+}
+
+pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
+    let config = resolve(args, matches)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("moeserve-http")
+        .build()
+        .context("cannot start the async runtime")?;
+    let result = runtime.block_on(crate::server::serve(config));
+    // A model still loading on a blocking thread must not hold the exit up for long.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, FromArgMatches, Parser};
+    use std::io::Write;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn resolve_args(argv: &[&str]) -> anyhow::Result<ServeConfig> {
+        let matches = Wrapper::command().try_get_matches_from(argv)?;
+        let wrapper = Wrapper::from_arg_matches(&matches)?;
+        resolve(wrapper.serve, &matches)
+    }
+
+    fn config_file(text: &str) -> tempfile::NamedTempFile {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(text.as_bytes()).unwrap();
+        file
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let file = config_file(
+            "model = \"/models/a\"\nport = 9000\nmax_num_seqs = 8\nblock_size = 32\n\
+             enable_prefix_caching = false\nhost = \"0.0.0.0\"\n",
+        );
+        let path = file.path().to_str().unwrap();
+        let c =
+            resolve_args(&["x", "--config", path, "--port", "0", "--max-num-seqs", "4"]).unwrap();
+        assert_eq!(c.port, 0);
+        assert_eq!(c.engine.scheduler.max_num_seqs, 4);
+        assert_eq!(c.engine.cache.block_size, 32);
+        assert!(!c.engine.cache.enable_prefix_caching);
+        assert_eq!(c.host, "0.0.0.0");
+        assert_eq!(c.served_model_name, "a");
+        let c = resolve_args(&["x", "--config", path, "--enable-prefix-caching"]).unwrap();
+        assert!(c.engine.cache.enable_prefix_caching);
+    }
+
+    #[test]
+    fn defaults_follow_vllm() {
+        let c = resolve_args(&["x", "--model", "m"]).unwrap();
+        assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8000));
+        assert_eq!(c.max_request_bytes, 1 << 20);
+        assert!(c.engine.cache.enable_prefix_caching && c.engine.scheduler.enable_chunked_prefill);
+        assert_eq!(c.metrics_compat, MetricsCompat::None);
+        assert!(c.api_key.is_none());
+    }
+
+    #[test]
+    fn missing_model_and_bad_settings_are_reported() {
+        let err = resolve_args(&["x"]).unwrap_err();
+        assert!(err.to_string().contains("--model"), "{err}");
+        let err = resolve_args(&["x", "--model", "m", "--block-size", "3"]).unwrap_err();
+        assert!(format!("{err:#}").contains("block_size"), "{err:#}");
+        let file = config_file("kv_cache_memory = \"lots\"");
+        let path = file.path().to_str().unwrap();
+        let err = resolve_args(&["x", "--model", "m", "--config", path]).unwrap_err();
+        assert!(err.to_string().contains("kv_cache_memory"), "{err}");
+    }
+}

@@ -1,0 +1,198 @@
+//! `moeserve serve` settings: the TOML file of `--config` (keys are the flag names in snake_case,
+//! as in `configs/*.toml`) and the resolved [`ServeConfig`] after flags override the file.
+
+use std::path::{Path, PathBuf};
+
+use moeserve_core::DType;
+use moeserve_engine::engine_core::EngineConfig;
+use moeserve_model::config::MixtralConfig;
+use serde::Deserialize;
+
+use crate::auth::ApiKey;
+use crate::cli::engine_args::parse_size;
+
+/// `--dtype`: the compute dtype. Only the checkpoint's own dtype is supported for now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeChoice {
+    /// The checkpoint's dtype.
+    #[default]
+    Auto,
+    Bfloat16,
+    Float16,
+    Float32,
+}
+
+impl DtypeChoice {
+    fn dtype(self) -> Option<DType> {
+        match self {
+            DtypeChoice::Auto => None,
+            DtypeChoice::Bfloat16 => Some(DType::BF16),
+            DtypeChoice::Float16 => Some(DType::F16),
+            DtypeChoice::Float32 => Some(DType::F32),
+        }
+    }
+
+    /// Refuses a dtype other than the checkpoint's: weights are not converted (yet).
+    pub fn check(self, model: &MixtralConfig, config_path: &Path) -> Result<(), String> {
+        let Some(wanted) = self.dtype() else {
+            return Ok(());
+        };
+        match model.dtype {
+            Some(stored) if stored == wanted => Ok(()),
+            Some(stored) => Err(format!(
+                "--dtype {wanted}: the checkpoint is {stored} ({}), and converting weights to \
+                 another dtype is not supported yet; use --dtype auto or {stored}",
+                config_path.display()
+            )),
+            None => Err(format!(
+                "--dtype {wanted}: {} declares no dtype, so it cannot be checked; converting \
+                 weights is not supported yet, use --dtype auto",
+                config_path.display()
+            )),
+        }
+    }
+}
+
+/// `--metrics-compat`: also export every series under another project's names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricsCompat {
+    /// Only the `moeserve:` names.
+    #[default]
+    None,
+    /// Also the `vllm:` names (and the deprecated `vllm:gpu_cache_usage_perc`).
+    Vllm,
+}
+
+/// A size in the config file: bytes as a number, or text like `"4GiB"`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    pub fn bytes(&self) -> Result<u64, String> {
+        match self {
+            SizeValue::Bytes(b) => Ok(*b),
+            SizeValue::Text(t) => parse_size(t),
+        }
+    }
+}
+
+/// The `--config` file: every key optional, unknown keys refused (a typo must not pass).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeFile {
+    pub model: Option<PathBuf>,
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub served_model_name: Option<String>,
+    pub api_key: Option<ApiKey>,
+    pub dtype: Option<DtypeChoice>,
+    pub max_request_bytes: Option<SizeValue>,
+    pub max_waiting_requests: Option<usize>,
+    pub metrics_compat: Option<MetricsCompat>,
+    pub max_num_seqs: Option<usize>,
+    pub max_num_batched_tokens: Option<usize>,
+    pub block_size: Option<usize>,
+    pub kv_cache_memory: Option<SizeValue>,
+    pub max_model_len: Option<usize>,
+    pub enable_chunked_prefill: Option<bool>,
+    pub enable_prefix_caching: Option<bool>,
+}
+
+impl ServeFile {
+    pub fn load(path: &Path) -> Result<ServeFile, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        ServeFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<ServeFile, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+/// Everything `serve` needs, resolved and checked.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub model: PathBuf,
+    pub host: String,
+    pub port: u16,
+    pub served_model_name: String,
+    pub api_key: Option<ApiKey>,
+    pub dtype: DtypeChoice,
+    pub max_request_bytes: usize,
+    pub max_waiting_requests: usize,
+    pub metrics_compat: MetricsCompat,
+    pub engine: EngineConfig,
+}
+
+/// The default served name: the model directory's name (`.` and `..` resolved first).
+pub fn default_served_model_name(model: &Path) -> String {
+    let name = |path: &Path| path.file_name().map(|n| n.to_string_lossy().into_owned());
+    name(model)
+        .or_else(|| model.canonicalize().ok().as_deref().and_then(name))
+        .unwrap_or_else(|| model.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_file_takes_flag_names_and_sizes() {
+        let file = ServeFile::parse(
+            r#"
+            model = "models/smolmoe-8x135m"
+            port = 0
+            max_num_seqs = 8
+            kv_cache_memory = "512MiB"
+            max_request_bytes = 4096
+            enable_prefix_caching = false
+            metrics_compat = "vllm"
+            dtype = "bfloat16"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(file.port, Some(0));
+        assert_eq!(file.kv_cache_memory.unwrap().bytes(), Ok(512 << 20));
+        assert_eq!(file.max_request_bytes.unwrap().bytes(), Ok(4096));
+        assert_eq!(file.metrics_compat, Some(MetricsCompat::Vllm));
+        assert_eq!(file.dtype, Some(DtypeChoice::Bfloat16));
+    }
+
+    #[test]
+    fn unknown_keys_in_the_config_file_are_refused() {
+        let err = ServeFile::parse("max_num_seq = 8").unwrap_err();
+        assert!(err.contains("max_num_seq"), "{err}");
+    }
+
+    #[test]
+    fn served_name_defaults_to_the_directory_name() {
+        assert_eq!(
+            default_served_model_name(Path::new("models/smolmoe-8x135m/")),
+            "smolmoe-8x135m"
+        );
+        assert_eq!(default_served_model_name(Path::new("/tmp/x")), "x");
+        let here = std::env::current_dir().unwrap();
+        assert_eq!(
+            default_served_model_name(Path::new(".")),
+            here.file_name().unwrap().to_string_lossy()
+        );
+    }
+
+    #[test]
+    fn a_dtype_other_than_the_checkpoints_is_refused() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/mixtral-swa");
+        let model = MixtralConfig::from_dir(&dir).unwrap();
+        let path = dir.join("config.json");
+        assert!(DtypeChoice::Auto.check(&model, &path).is_ok());
+        assert!(DtypeChoice::Bfloat16.check(&model, &path).is_ok());
+        let err = DtypeChoice::Float32.check(&model, &path).unwrap_err();
+        assert!(err.contains("not supported yet"), "{err}");
+    }
+}

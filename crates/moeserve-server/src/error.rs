@@ -1,0 +1,284 @@
+//! The server's one HTTP error type, rendered in OpenAI's shape
+//! `{"error": {"message", "type", "param", "code"}}` (axum's `error-handling` example).
+//!
+//! Every status code is decided here: engine refusals through `From<EngineError>`, body and JSON
+//! problems through [`ApiError::from_body_rejection`] and [`ApiError::from_json_error`].
+
+use axum::Json;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use moeserve_engine::EngineError;
+use moeserve_engine::scheduler::AdmissionError;
+use moeserve_model::ModelError;
+use serde::Serialize;
+
+/// Seconds a client is asked to wait after a 429.
+pub const RETRY_AFTER_SECONDS: u32 = 1;
+
+/// Everything a request can fail with.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ApiError {
+    /// 400: the request cannot be served as written; `param` names the field.
+    BadRequest {
+        message: String,
+        param: Option<String>,
+        code: Option<&'static str>,
+    },
+    /// 401: no `Authorization: Bearer` header, or the wrong key.
+    Unauthorized,
+    /// 404: `model` names a model this server does not serve.
+    ModelNotFound { model: String },
+    /// 404: no such route.
+    RouteNotFound { method: String, path: String },
+    /// 405: the route exists, with other methods.
+    MethodNotAllowed,
+    /// 413: the body is larger than `--max-request-bytes`.
+    PayloadTooLarge { limit: usize },
+    /// 429: `--max-waiting-requests` requests already wait for their first token.
+    QueueFull { max_waiting_requests: usize },
+    /// 503: the model is still loading.
+    NotReady,
+    /// 503: the server is shutting down.
+    ShuttingDown,
+    /// 500: the request failed inside the engine (other requests are unaffected).
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 naming the field at fault.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: Some(param.to_string()),
+            code: None,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::ModelNotFound { .. } | ApiError::RouteNotFound { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::NotReady | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The body's `error` object.
+    pub fn body(&self) -> ErrorDetail {
+        let (message, kind, param, code) = match self {
+            ApiError::BadRequest {
+                message,
+                param,
+                code,
+            } => (
+                message.clone(),
+                "invalid_request_error",
+                param.clone(),
+                code.map(str::to_string),
+            ),
+            ApiError::Unauthorized => (
+                "invalid or missing API key: send `Authorization: Bearer <key>`".to_string(),
+                "authentication_error",
+                None,
+                Some("invalid_api_key".to_string()),
+            ),
+            ApiError::ModelNotFound { model } => (
+                format!("the model `{model}` does not exist"),
+                "not_found_error",
+                Some("model".to_string()),
+                Some("model_not_found".to_string()),
+            ),
+            ApiError::RouteNotFound { method, path } => (
+                format!("no route for {method} {path}"),
+                "not_found_error",
+                None,
+                None,
+            ),
+            ApiError::MethodNotAllowed => (
+                "method not allowed on this route".to_string(),
+                "invalid_request_error",
+                None,
+                None,
+            ),
+            ApiError::PayloadTooLarge { limit } => (
+                format!("the request body is larger than the limit of {limit} bytes"),
+                "invalid_request_error",
+                None,
+                Some("request_too_large".to_string()),
+            ),
+            ApiError::QueueFull {
+                max_waiting_requests,
+            } => (
+                format!(
+                    "the server is busy: {max_waiting_requests} requests are already waiting; \
+                     retry after {RETRY_AFTER_SECONDS} s"
+                ),
+                "rate_limit_error",
+                None,
+                Some("queue_full".to_string()),
+            ),
+            ApiError::NotReady => (
+                "the model is still loading".to_string(),
+                "service_unavailable_error",
+                None,
+                None,
+            ),
+            ApiError::ShuttingDown => (
+                "the server is shutting down".to_string(),
+                "service_unavailable_error",
+                None,
+                None,
+            ),
+            ApiError::Internal(message) => (message.clone(), "internal_error", None, None),
+        };
+        ErrorDetail {
+            message,
+            r#type: kind,
+            param,
+            code,
+        }
+    }
+
+    /// A body that could not be read: too large (413) or broken off (400).
+    pub fn from_body_rejection(rejection: BytesRejection, limit: usize) -> ApiError {
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge { limit },
+            _ => ApiError::BadRequest {
+                message: format!("cannot read the request body: {}", rejection.body_text()),
+                param: None,
+                code: None,
+            },
+        }
+    }
+
+    /// A body that is not the expected JSON; names the field when the JSON itself is valid.
+    pub fn from_json_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        match (inner.classify(), path.as_str()) {
+            (serde_json::error::Category::Data, p) if p != "." => {
+                ApiError::invalid(p, format!("invalid `{p}`: {inner}"))
+            }
+            _ => ApiError::BadRequest {
+                message: format!("the body is not valid JSON for this endpoint: {inner}"),
+                param: None,
+                code: None,
+            },
+        }
+    }
+}
+
+/// OpenAI's error object.
+#[derive(Debug, Serialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    pub r#type: &'static str,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+#[derive(Serialize)]
+struct ErrorBody {
+    error: ErrorDetail,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status(), Json(ErrorBody { error: self.body() })).into_response();
+        if matches!(self, ApiError::QueueFull { .. }) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+        }
+        response
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(error: EngineError) -> ApiError {
+        let message = error.to_string();
+        match error {
+            EngineError::InvalidParams(e) => ApiError::invalid(e.field, message),
+            EngineError::InvalidRequest { field, .. } => ApiError::invalid(field, message),
+            EngineError::Admission(AdmissionError::ContextTooLong { .. }) => ApiError::BadRequest {
+                message,
+                param: None,
+                code: Some("context_length_exceeded"),
+            },
+            EngineError::Admission(AdmissionError::CacheTooSmall { .. }) => ApiError::BadRequest {
+                message,
+                param: None,
+                code: Some("kv_cache_too_small"),
+            },
+            // Prompts the tokenizer or the chat template cannot take are the client's input.
+            // The tokenizer's message names its file on the server: keep only what went wrong.
+            EngineError::Model(ModelError::Tokenizer { message, .. }) => {
+                ApiError::invalid("prompt", format!("cannot tokenize the prompt: {message}"))
+            }
+            EngineError::Model(ModelError::ChatTemplate { .. }) => {
+                ApiError::invalid("messages", message)
+            }
+            // Everything else (a duplicate id, a broken model, placement or trace files, a
+            // stopped engine) is the server's failure, not the request's.
+            _ => ApiError::Internal(message),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeserve_core::SamplingParamsError;
+
+    #[test]
+    fn engine_refusals_become_400_naming_the_field() {
+        let e = ApiError::from(EngineError::InvalidParams(SamplingParamsError {
+            field: "top_p",
+            message: "must be in (0, 1], got 0".to_string(),
+        }));
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.body().param.as_deref(), Some("top_p"));
+    }
+
+    #[test]
+    fn too_long_prompts_say_the_limit_and_the_length() {
+        let e = ApiError::from(EngineError::Admission(AdmissionError::ContextTooLong {
+            max_model_len: 1024,
+            prompt_len: 1000,
+            max_tokens: 100,
+        }));
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let body = e.body();
+        assert!(body.message.contains("1024") && body.message.contains("1000"));
+        assert_eq!(body.code.as_deref(), Some("context_length_exceeded"));
+    }
+
+    #[test]
+    fn queue_full_carries_retry_after() {
+        let response = ApiError::QueueFull {
+            max_waiting_requests: 4,
+        }
+        .into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn json_type_errors_name_the_field() {
+        type Req = std::collections::BTreeMap<String, f32>;
+        let mut de = serde_json::Deserializer::from_str(r#"{"temperature": "hot"}"#);
+        let err = serde_path_to_error::deserialize::<_, Req>(&mut de).unwrap_err();
+        let api = ApiError::from_json_error(err);
+        assert_eq!(api.body().param.as_deref(), Some("temperature"));
+        let mut de = serde_json::Deserializer::from_str("{not json");
+        let err = serde_path_to_error::deserialize::<_, Req>(&mut de).unwrap_err();
+        assert_eq!(ApiError::from_json_error(err).body().param, None);
+    }
+}

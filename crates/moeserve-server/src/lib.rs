@@ -1,0 +1,25 @@
+//! The `moeserve` binary's library: the command line and the OpenAI-compatible HTTP server.
+//! This is the only crate that knows HTTP and JSON.
+//!
+//! - `cli`: subcommands (`generate`, `make-model`, `serve`) and their flags.
+//! - `config`: `serve` settings from flags and the `--config` TOML file.
+//! - `app`: [`app`] builds the router over an [`AppState`]; `server` binds, loads, shuts down.
+//! - `openai`: wire types and handlers, one module per endpoint, and SSE streaming.
+//! - `generation`: one request's trip through the engine (queue limit, events, metrics).
+//! - `error`: [`ApiError`], the one HTTP error type; `auth`: the API key.
+//! - `metrics`: the Prometheus exporter and `/metrics`.
+
+pub mod app;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod generation;
+pub mod metrics;
+pub mod openai;
+pub mod server;
+pub mod state;
+
+pub use app::app;
+pub use error::ApiError;
+pub use state::{AppOptions, AppState};

@@ -1,0 +1,340 @@
+//! `POST /v1/chat/completions`: messages rendered with the model's chat template, answered as a
+//! `chat.completion` or streamed as `chat.completion.chunk`s (the first carries `delta.role`).
+//! Without `max_tokens` / `max_completion_tokens` the answer may fill the rest of the context,
+//! as in vLLM.
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use moeserve_core::MAX_LOGPROBS;
+use moeserve_engine::output::TokenUpdate;
+use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::sampler::SampleOutput;
+use moeserve_model::chat_template::ChatMessage;
+use serde::{Deserialize, Serialize};
+
+use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
+use super::stream::{ChunkMaker, json_event, sse_response};
+use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage};
+use crate::error::ApiError;
+use crate::generation::Target;
+use crate::state::AppState;
+
+/// One message as sent: `content` is text or a list of text parts.
+#[derive(Clone, Debug, Deserialize)]
+pub struct WireMessage {
+    pub role: String,
+    pub content: Option<MessageContent>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// The fields of a chat request besides [`SamplingFields`].
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Option<Vec<WireMessage>>,
+    pub max_tokens: Option<usize>,
+    /// OpenAI's newer name of `max_tokens`; wins when both are given.
+    pub max_completion_tokens: Option<usize>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<usize>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+impl ChatRequest {
+    fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
+        let messages = self
+            .messages
+            .as_ref()
+            .ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+        messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(MessageContent::Text(text)) => text.clone(),
+                    Some(MessageContent::Parts(parts)) => text_of_parts(parts, i)?,
+                };
+                Ok(ChatMessage::new(m.role.clone(), content))
+            })
+            .collect()
+    }
+
+    /// How many alternatives per token, if logprobs were asked for.
+    fn num_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match (self.logprobs, self.top_logprobs) {
+            (_, Some(k)) if k > MAX_LOGPROBS => Err(ApiError::invalid(
+                "top_logprobs",
+                format!("must be at most {MAX_LOGPROBS}, got {k}"),
+            )),
+            (Some(true), k) => Ok(Some(k.unwrap_or(0))),
+            (_, Some(_)) => Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`",
+            )),
+            _ => Ok(None),
+        }
+    }
+}
+
+fn text_of_parts(parts: &[ContentPart], index: usize) -> Result<String, ApiError> {
+    let texts = parts.iter().map(|part| match (&*part.kind, &part.text) {
+        ("text", Some(text)) => Ok(text.as_str()),
+        (kind, _) => Err(ApiError::invalid(
+            &format!("messages[{index}].content"),
+            format!("content parts of type {kind:?} are not supported (only \"text\")"),
+        )),
+    });
+    Ok(texts.collect::<Result<Vec<_>, _>>()?.join("\n"))
+}
+
+/// `chat.completion`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: FinishReason,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// `chat.completion.chunk`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
+    let request: ChatRequest = body.parse()?;
+    let fields: SamplingFields = body.parse()?;
+    state.check_model(request.model.as_deref())?;
+    let messages = request.chat_messages()?;
+    let num_logprobs = request.num_logprobs()?;
+    let target = Target::new(&state)?;
+    let tokenized = target.tokenize(&Prompt::Chat(messages))?;
+    // With no limit the answer may fill the context; a full prompt is refused by the engine.
+    let max_tokens = request
+        .max_completion_tokens
+        .or(request.max_tokens)
+        .unwrap_or(tokenized.room.max(1));
+    let params = fields.to_params(max_tokens, num_logprobs)?;
+    let strings = TokenStrings::new(target.assets().tokenizer.clone());
+    let generation = target
+        .submit(GenerateRequest {
+            prompt: Prompt::TokenIds(tokenized.ids),
+            params,
+        })
+        .await?;
+    let meta = ResponseMeta::new("chatcmpl", state.served_model_name());
+    let want_logprobs = num_logprobs.is_some();
+    if request.stream == Some(true) {
+        let chunks = ChatChunks {
+            meta,
+            strings,
+            want_logprobs,
+            include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+        };
+        return Ok(sse_response(generation, chunks));
+    }
+    let output = generation.collect().await?;
+    let logprobs = want_logprobs.then(|| {
+        let mut lp = ChatLogprobs::default();
+        for (i, &token_id) in output.token_ids.iter().enumerate() {
+            let top = output.top_logprobs.get(i).map_or(&[][..], Vec::as_slice);
+            let logprob = output.logprobs[i];
+            lp.push(
+                &strings,
+                TokenLogprob {
+                    token_id,
+                    logprob,
+                    top,
+                },
+            );
+        }
+        lp
+    });
+    Ok(Json(ChatCompletion {
+        id: meta.id,
+        object: "chat.completion",
+        created: meta.created,
+        model: meta.model,
+        choices: vec![ChatChoice {
+            index: 0,
+            message: AssistantMessage {
+                role: "assistant",
+                content: output.text.clone(),
+            },
+            logprobs,
+            finish_reason: output.finish_reason,
+        }],
+        usage: Usage::new(output.prompt_ids.len(), output.token_ids.len()),
+    })
+    .into_response())
+}
+
+/// Streamed `chat.completion.chunk`s.
+struct ChatChunks {
+    meta: ResponseMeta,
+    strings: TokenStrings,
+    want_logprobs: bool,
+    include_usage: bool,
+}
+
+impl ChatChunks {
+    fn chunk(&self, choices: Vec<ChunkChoice>, usage: Option<Usage>) -> Event {
+        json_event(&ChatChunk {
+            id: self.meta.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.meta.created,
+            model: self.meta.model.clone(),
+            choices,
+            usage,
+        })
+    }
+}
+
+impl ChunkMaker for ChatChunks {
+    fn start(&mut self) -> Vec<Event> {
+        let delta = Delta {
+            role: Some("assistant"),
+            content: Some(String::new()),
+        };
+        let choice = ChunkChoice {
+            index: 0,
+            delta,
+            logprobs: None,
+            finish_reason: None,
+        };
+        vec![self.chunk(vec![choice], None)]
+    }
+
+    fn token(&mut self, sample: &SampleOutput, update: &TokenUpdate) -> Option<Event> {
+        if update.text.is_empty() && !self.want_logprobs && update.finished.is_none() {
+            return None;
+        }
+        let logprobs = self.want_logprobs.then(|| {
+            let mut lp = ChatLogprobs::default();
+            let token = TokenLogprob {
+                token_id: sample.token_id,
+                logprob: sample.logprob,
+                top: &sample.top_logprobs,
+            };
+            lp.push(&self.strings, token);
+            lp
+        });
+        let delta = Delta {
+            role: None,
+            content: (!update.text.is_empty()).then(|| update.text.clone()),
+        };
+        let choice = ChunkChoice {
+            index: 0,
+            delta,
+            logprobs,
+            finish_reason: update.finished,
+        };
+        Some(self.chunk(vec![choice], None))
+    }
+
+    fn finish(&mut self, output: &GenerateOutput) -> Vec<Event> {
+        if !self.include_usage {
+            return Vec::new();
+        }
+        let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+        vec![self.chunk(Vec::new(), Some(usage))]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(json: &str) -> ChatRequest {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn text_parts_are_joined_and_other_parts_refused() {
+        let r = request(
+            r#"{"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}"#,
+        );
+        assert_eq!(r.chat_messages().unwrap()[0].content, "a\nb");
+        let r = request(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#);
+        let err = r.chat_messages().unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("messages[0].content"));
+    }
+
+    #[test]
+    fn top_logprobs_needs_logprobs_and_a_small_count() {
+        assert_eq!(request("{}").num_logprobs().unwrap(), None);
+        let r = request(r#"{"logprobs": true}"#);
+        assert_eq!(r.num_logprobs().unwrap(), Some(0));
+        let r = request(r#"{"logprobs": true, "top_logprobs": 3}"#);
+        assert_eq!(r.num_logprobs().unwrap(), Some(3));
+        let err = request(r#"{"top_logprobs": 3}"#)
+            .num_logprobs()
+            .unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("top_logprobs"));
+        let r = request(r#"{"logprobs": true, "top_logprobs": 21}"#);
+        assert!(r.num_logprobs().is_err());
+    }
+
+    #[test]
+    fn missing_messages_are_named() {
+        let err = request("{}").chat_messages().unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("messages"));
+    }
+}

@@ -1,0 +1,242 @@
+//! `POST /v1/completions` (OpenAI's legacy completions): a text or token-id prompt, plain or
+//! streamed as `text_completion` chunks. `max_tokens` defaults to 16, as OpenAI's.
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use moeserve_engine::output::TokenUpdate;
+use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::sampler::SampleOutput;
+use serde::{Deserialize, Serialize};
+
+use super::logprobs::{CompletionLogprobs, TokenLogprob, TokenStrings};
+use super::stream::{ChunkMaker, json_event, sse_response};
+use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage};
+use crate::error::ApiError;
+use crate::generation::Target;
+use crate::state::AppState;
+
+/// OpenAI's default `max_tokens` for completions.
+pub const DEFAULT_MAX_TOKENS: usize = 16;
+
+/// `prompt`: text or token ids; a list of one prompt is accepted too.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    TokenIds(Vec<u32>),
+    Texts(Vec<String>),
+    TokenIdLists(Vec<Vec<u32>>),
+}
+
+impl PromptField {
+    pub fn into_prompt(self) -> Result<Prompt, ApiError> {
+        let batched = |n: usize| {
+            ApiError::invalid(
+                "prompt",
+                format!("{n} prompts in one request are not supported; send one per request"),
+            )
+        };
+        match self {
+            PromptField::Text(text) => Ok(Prompt::Text(text)),
+            PromptField::TokenIds(ids) => Ok(Prompt::TokenIds(ids)),
+            PromptField::Texts(mut texts) if texts.len() == 1 => Ok(Prompt::Text(texts.remove(0))),
+            PromptField::TokenIdLists(mut lists) if lists.len() == 1 => {
+                Ok(Prompt::TokenIds(lists.remove(0)))
+            }
+            PromptField::Texts(texts) => Err(batched(texts.len())),
+            PromptField::TokenIdLists(lists) => Err(batched(lists.len())),
+        }
+    }
+}
+
+/// The fields of a completions request besides [`SamplingFields`].
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Option<PromptField>,
+    pub max_tokens: Option<usize>,
+    /// How many alternatives to report per token (0–20).
+    pub logprobs: Option<usize>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub echo: Option<bool>,
+}
+
+/// A `text_completion` object: the whole response, or one streamed chunk.
+#[derive(Clone, Debug, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+impl Completion {
+    fn new(meta: &ResponseMeta, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Self {
+        Completion {
+            id: meta.id.clone(),
+            object: "text_completion",
+            created: meta.created,
+            model: meta.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
+pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
+    let request: CompletionRequest = body.parse()?;
+    let fields: SamplingFields = body.parse()?;
+    state.check_model(request.model.as_deref())?;
+    if request.echo == Some(true) {
+        return Err(ApiError::invalid("echo", "echo is not supported"));
+    }
+    let prompt = request
+        .prompt
+        .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?
+        .into_prompt()?;
+    let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let params = fields.to_params(max_tokens, request.logprobs)?;
+    let target = Target::new(&state)?;
+    let tokenized = target.tokenize(&prompt)?;
+    let strings = TokenStrings::new(target.assets().tokenizer.clone());
+    let generation = target
+        .submit(GenerateRequest {
+            prompt: Prompt::TokenIds(tokenized.ids),
+            params,
+        })
+        .await?;
+    let meta = ResponseMeta::new("cmpl", state.served_model_name());
+    let want_logprobs = request.logprobs.is_some();
+    if request.stream == Some(true) {
+        let chunks = CompletionChunks {
+            meta,
+            strings,
+            want_logprobs,
+            include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+            offset: 0,
+        };
+        return Ok(sse_response(generation, chunks));
+    }
+    let output = generation.collect().await?;
+    Ok(Json(completion(
+        &meta,
+        &output,
+        want_logprobs.then_some(&strings),
+    ))
+    .into_response())
+}
+
+/// The non-streamed response.
+fn completion(
+    meta: &ResponseMeta,
+    output: &GenerateOutput,
+    logprobs: Option<&TokenStrings>,
+) -> Completion {
+    let logprobs = logprobs.map(|strings| {
+        let mut lp = CompletionLogprobs::default();
+        let mut offset = 0;
+        for (i, &token_id) in output.token_ids.iter().enumerate() {
+            let token = TokenLogprob {
+                token_id,
+                logprob: output.logprobs[i],
+                top: output.top_logprobs.get(i).map_or(&[], Vec::as_slice),
+            };
+            lp.push(strings, token, &mut offset);
+        }
+        lp
+    });
+    let choice = CompletionChoice {
+        index: 0,
+        text: output.text.clone(),
+        logprobs,
+        finish_reason: Some(output.finish_reason),
+    };
+    let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+    Completion::new(meta, vec![choice], Some(usage))
+}
+
+/// Streamed `text_completion` chunks.
+struct CompletionChunks {
+    meta: ResponseMeta,
+    strings: TokenStrings,
+    want_logprobs: bool,
+    include_usage: bool,
+    /// Text offset of the next token (for `logprobs.text_offset`).
+    offset: usize,
+}
+
+impl ChunkMaker for CompletionChunks {
+    fn start(&mut self) -> Vec<Event> {
+        Vec::new()
+    }
+
+    fn token(&mut self, sample: &SampleOutput, update: &TokenUpdate) -> Option<Event> {
+        if update.text.is_empty() && !self.want_logprobs && update.finished.is_none() {
+            return None;
+        }
+        let logprobs = self.want_logprobs.then(|| {
+            let mut lp = CompletionLogprobs::default();
+            let token = TokenLogprob {
+                token_id: sample.token_id,
+                logprob: sample.logprob,
+                top: &sample.top_logprobs,
+            };
+            lp.push(&self.strings, token, &mut self.offset);
+            lp
+        });
+        let choice = CompletionChoice {
+            index: 0,
+            text: update.text.clone(),
+            logprobs,
+            finish_reason: update.finished,
+        };
+        Some(json_event(&Completion::new(&self.meta, vec![choice], None)))
+    }
+
+    fn finish(&mut self, output: &GenerateOutput) -> Vec<Event> {
+        if !self.include_usage {
+            return Vec::new();
+        }
+        let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+        vec![json_event(&Completion::new(
+            &self.meta,
+            Vec::new(),
+            Some(usage),
+        ))]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompt(json: &str) -> Result<Prompt, ApiError> {
+        serde_json::from_str::<PromptField>(json)
+            .unwrap()
+            .into_prompt()
+    }
+
+    #[test]
+    fn prompts_are_text_or_token_ids_alone_or_in_a_list_of_one() {
+        assert!(matches!(prompt(r#""hi""#), Ok(Prompt::Text(t)) if t == "hi"));
+        assert!(matches!(prompt("[1, 2]"), Ok(Prompt::TokenIds(ids)) if ids == [1, 2]));
+        assert!(matches!(prompt(r#"["hi"]"#), Ok(Prompt::Text(_))));
+        assert!(matches!(prompt("[[3]]"), Ok(Prompt::TokenIds(ids)) if ids == [3]));
+        let err = prompt(r#"["a", "b"]"#).unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("prompt"));
+    }
+}

@@ -1,0 +1,232 @@
+//! OpenAI wire types and handlers, one module per endpoint; this module holds what they share:
+//! the JSON body extractor, the sampling fields common to completions and chat, `usage`.
+//!
+//! Unknown fields are ignored, as OpenAI does. Each body is read twice, once as the endpoint's
+//! own fields and once as [`SamplingFields`], so both keep exact field paths in their errors.
+
+pub mod chat;
+pub mod completions;
+pub mod logprobs;
+pub mod models;
+pub mod stream;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use moeserve_core::SamplingParams;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// A request body, read within `--max-request-bytes` (413 beyond).
+pub struct JsonBody(Bytes);
+
+impl FromRequest<AppState> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(request, state)
+            .await
+            .map_err(|r| ApiError::from_body_rejection(r, state.max_request_bytes()))?;
+        Ok(JsonBody(bytes))
+    }
+}
+
+impl JsonBody {
+    /// The body as `T`; a bad field is named in the error's `param`.
+    pub fn parse<T: DeserializeOwned>(&self) -> Result<T, ApiError> {
+        let mut de = serde_json::Deserializer::from_slice(&self.0);
+        let value = serde_path_to_error::deserialize(&mut de).map_err(ApiError::from_json_error)?;
+        de.end().map_err(|e| ApiError::BadRequest {
+            message: format!("the body is not valid JSON for this endpoint: {e}"),
+            param: None,
+            code: None,
+        })?;
+        Ok(value)
+    }
+}
+
+/// `stop`: one string or a list.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling fields shared by `/v1/completions` and `/v1/chat/completions` (vLLM's extras
+/// `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` included).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// vLLM takes -1 (and 0) as "off".
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<u64>,
+    /// Accepted and ignored (OpenAI uses it for abuse monitoring).
+    pub user: Option<String>,
+}
+
+impl SamplingFields {
+    /// Engine parameters; absent fields take vLLM's defaults (temperature 1).
+    pub fn to_params(
+        &self,
+        max_tokens: usize,
+        logprobs: Option<usize>,
+    ) -> Result<SamplingParams, ApiError> {
+        if let Some(n) = self.n
+            && n != 1
+        {
+            return Err(ApiError::invalid(
+                "n",
+                format!("only n = 1 is supported, got {n}; send one request per completion"),
+            ));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => k as usize,
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("must be -1 (off) or at least 1, got {k}"),
+                ));
+            }
+        };
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(list)) => list.clone(),
+        };
+        let defaults = SamplingParams::default();
+        let params = SamplingParams {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            top_k,
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            seed: self.seed,
+            max_tokens,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            logprobs,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            stop,
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+        };
+        params
+            .validate()
+            .map_err(|e| ApiError::invalid(e.field, e.to_string()))?;
+        Ok(params)
+    }
+}
+
+/// Token counts of one request.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// `id`, `created` and `model` of one response and all its chunks.
+#[derive(Clone, Debug)]
+pub struct ResponseMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl ResponseMeta {
+    /// A fresh id with `prefix` (`cmpl`, `chatcmpl`), created now, for `model`.
+    pub fn new(prefix: &str, model: &str) -> ResponseMeta {
+        ResponseMeta {
+            id: response_id(prefix),
+            created: crate::state::unix_now(),
+            model: model.to_string(),
+        }
+    }
+}
+
+/// A response id like `cmpl-1a2b...`: unique within the process and across restarts.
+pub fn response_id(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    format!("{prefix}-{nanos:016x}{n:08x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(json: &str) -> SamplingFields {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn absent_fields_take_vllm_defaults() {
+        let p = fields("{}").to_params(16, None).unwrap();
+        assert_eq!(p.temperature, 1.0);
+        assert_eq!((p.top_p, p.top_k, p.max_tokens), (1.0, 0, 16));
+    }
+
+    #[test]
+    fn stop_takes_a_string_or_a_list() {
+        let p = fields(r#"{"stop": "x"}"#).to_params(1, None).unwrap();
+        assert_eq!(p.stop, vec!["x"]);
+        let p = fields(r#"{"stop": ["a", "b"], "top_k": -1}"#)
+            .to_params(1, None)
+            .unwrap();
+        assert_eq!((p.stop.len(), p.top_k), (2, 0));
+    }
+
+    #[test]
+    fn n_other_than_one_and_bad_ranges_name_their_field() {
+        let err = fields(r#"{"n": 2}"#).to_params(1, None).unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("n"));
+        let err = fields(r#"{"top_p": 0}"#).to_params(1, None).unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("top_p"));
+        let err = fields(r#"{"top_k": -3}"#).to_params(1, None).unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("top_k"));
+        let err = fields("{}").to_params(0, None).unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn response_ids_are_unique() {
+        assert_ne!(response_id("cmpl"), response_id("cmpl"));
+        assert!(response_id("chatcmpl").starts_with("chatcmpl-"));
+    }
+}

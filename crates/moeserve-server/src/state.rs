@@ -1,0 +1,198 @@
+//! What every handler shares: the engine once loaded, the served name, limits, the API key and
+//! the metric handles. Cheap to clone (one `Arc`).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use moeserve_engine::handle::Engine;
+
+use crate::auth::ApiKey;
+use crate::error::ApiError;
+use crate::metrics::ServerMetrics;
+
+/// Settings of the HTTP layer.
+#[derive(Clone, Debug)]
+pub struct AppOptions {
+    /// The only model name this server answers to.
+    pub served_model_name: String,
+    pub api_key: Option<ApiKey>,
+    pub max_request_bytes: usize,
+    /// Requests waiting for their first token beyond this are refused with 429.
+    pub max_waiting_requests: usize,
+}
+
+/// Shared state of the router.
+#[derive(Clone)]
+pub struct AppState(Arc<Shared>);
+
+struct Shared {
+    options: AppOptions,
+    /// Set once, when the model has loaded; `/health` answers 503 until then.
+    engine: OnceLock<Arc<Engine>>,
+    shutting_down: AtomicBool,
+    /// Requests submitted that have not produced their first token yet.
+    num_waiting: AtomicUsize,
+    metrics: ServerMetrics,
+    /// Unix time the server started (`created` of `/v1/models`).
+    started_at: u64,
+}
+
+impl AppState {
+    pub fn new(options: AppOptions, metrics: ServerMetrics) -> AppState {
+        AppState(Arc::new(Shared {
+            options,
+            engine: OnceLock::new(),
+            shutting_down: AtomicBool::new(false),
+            num_waiting: AtomicUsize::new(0),
+            metrics,
+            started_at: unix_now(),
+        }))
+    }
+
+    /// Makes the server ready. A second engine is refused (returned).
+    pub fn set_engine(&self, engine: Arc<Engine>) -> Result<(), Arc<Engine>> {
+        self.0.engine.set(engine)
+    }
+
+    /// New requests get 503 from now on; running ones finish.
+    pub fn begin_shutdown(&self) {
+        self.0.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    /// The engine, or 503 while loading or shutting down.
+    pub fn engine(&self) -> Result<Arc<Engine>, ApiError> {
+        if self.0.shutting_down.load(Ordering::SeqCst) {
+            return Err(ApiError::ShuttingDown);
+        }
+        self.0.engine.get().cloned().ok_or(ApiError::NotReady)
+    }
+
+    /// The engine if loaded, regardless of shutdown (for metrics).
+    pub fn loaded_engine(&self) -> Option<&Arc<Engine>> {
+        self.0.engine.get()
+    }
+
+    pub fn served_model_name(&self) -> &str {
+        &self.0.options.served_model_name
+    }
+
+    /// Accepts an absent `model` or the served name; anything else is 404.
+    pub fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
+        match requested {
+            Some(model) if model != self.served_model_name() => Err(ApiError::ModelNotFound {
+                model: model.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn api_key(&self) -> Option<&ApiKey> {
+        self.0.options.api_key.as_ref()
+    }
+
+    pub fn max_request_bytes(&self) -> usize {
+        self.0.options.max_request_bytes
+    }
+
+    pub fn metrics(&self) -> &ServerMetrics {
+        &self.0.metrics
+    }
+
+    pub fn started_at(&self) -> u64 {
+        self.0.started_at
+    }
+
+    /// Takes a place in the waiting queue, or 429 when it is full.
+    pub fn reserve_waiting_slot(&self) -> Result<WaitingSlot, ApiError> {
+        let max = self.0.options.max_waiting_requests;
+        let taken = self
+            .0
+            .num_waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            });
+        match taken {
+            Ok(_) => Ok(WaitingSlot(Some(self.clone()))),
+            Err(_) => Err(ApiError::QueueFull {
+                max_waiting_requests: max,
+            }),
+        }
+    }
+}
+
+/// A place in the waiting queue, given back on the first token or when dropped.
+pub struct WaitingSlot(Option<AppState>);
+
+impl WaitingSlot {
+    pub fn release(&mut self) {
+        if let Some(state) = self.0.take() {
+            state.0.num_waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for WaitingSlot {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(max_waiting_requests: usize) -> AppState {
+        let options = AppOptions {
+            served_model_name: "m".to_string(),
+            api_key: None,
+            max_request_bytes: 1024,
+            max_waiting_requests,
+        };
+        AppState::new(options, ServerMetrics::unexported("m"))
+    }
+
+    #[test]
+    fn waiting_slots_are_bounded_and_given_back() {
+        let state = state(2);
+        let a = state.reserve_waiting_slot().unwrap();
+        let mut b = state.reserve_waiting_slot().unwrap();
+        assert!(matches!(
+            state.reserve_waiting_slot(),
+            Err(ApiError::QueueFull { .. })
+        ));
+        b.release();
+        b.release();
+        let _c = state.reserve_waiting_slot().unwrap();
+        drop(a);
+        let _d = state.reserve_waiting_slot().unwrap();
+        assert!(state.reserve_waiting_slot().is_err());
+    }
+
+    #[test]
+    fn only_the_served_model_name_is_accepted() {
+        let state = state(1);
+        assert!(state.check_model(None).is_ok());
+        assert!(state.check_model(Some("m")).is_ok());
+        assert_eq!(
+            state.check_model(Some("gpt-4")),
+            Err(ApiError::ModelNotFound {
+                model: "gpt-4".to_string()
+            })
+        );
+    }
+
+    #[test]
+    fn not_ready_until_an_engine_is_set() {
+        assert_eq!(state(1).engine().err(), Some(ApiError::NotReady));
+        let s = state(1);
+        s.begin_shutdown();
+        assert_eq!(s.engine().err(), Some(ApiError::ShuttingDown));
+    }
+}

@@ -1,0 +1,27 @@
+//! The example serve configs in configs/ stay loadable as the flags evolve.
+
+use std::path::Path;
+
+use moeserve_server::config::ServeFile;
+
+#[test]
+fn every_example_serve_config_loads() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !(name.starts_with("serve-") && name.ends_with(".toml")) {
+            continue;
+        }
+        let file = ServeFile::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert!(file.model.is_some(), "{name} names a model");
+        assert!(file.api_key.is_none(), "{name} keeps keys out of files");
+        checked += 1;
+    }
+    assert!(
+        checked >= 2,
+        "found {checked} serve configs in {}",
+        dir.display()
+    );
+}

@@ -1,0 +1,144 @@
+"""The official `openai` Python client against the real `moeserve serve`.
+
+scripts/test.sh runs this with pytest from a venv under target/e2e-venv holding the pinned
+`openai` package. The fixture makes a tiny model with the binary, starts the server on
+127.0.0.1 with port 0 (the address is read from its log), and stops it at the end.
+Environment: MOESERVE_BIN (default target/release/moeserve).
+"""
+
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("MOESERVE_BIN", ROOT / "target" / "release" / "moeserve"))
+API_KEY = "sk-python-e2e"
+START_TIMEOUT_S = 120
+
+# Loopback only: never route these requests through a proxy from the environment.
+os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+
+
+class RunningServer:
+    """`moeserve serve` on 127.0.0.1:0; its stderr is drained into `lines`."""
+
+    def __init__(self, model: Path):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [BIN, "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+             "--api-key", API_KEY],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.address = threading.Event()
+        self.base = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self.address.wait(START_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError("no address printed:\n" + "\n".join(self.lines))
+        self._wait_healthy()
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            marker = "listening on "
+            if marker in line and not self.address.is_set():
+                self.base = line.split(marker, 1)[1].strip()
+                self.address.set()
+
+    def _wait_healthy(self):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server not healthy:\n" + "\n".join(self.lines))
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    assert BIN.exists(), f"{BIN} is missing: cargo build --release --bin moeserve"
+    model = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run(
+        [BIN, "make-model", "--preset", "mixtral-tiny", "--out", model],
+        check=True, capture_output=True, timeout=120,
+    )
+    running = RunningServer(model)
+    yield running
+    running.stop()
+
+
+def make_client(server, api_key=API_KEY):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=api_key, max_retries=0,
+                         timeout=60)
+
+
+def test_streams_a_chat_completion(server):
+    client = make_client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    common = dict(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **common)
+    chunks = list(stream)
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    assert finish == "length"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 8
+    assert usage.total_tokens == usage.prompt_tokens + 8
+
+    plain = client.chat.completions.create(**common)
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].message.content == content
+    assert plain.usage.completion_tokens == 8
+
+
+def test_streams_a_completion(server):
+    client = make_client(server)
+    common = dict(model="tiny", prompt="Hello, world", max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(stream=True, **common))
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    plain = client.completions.create(**common)
+    assert plain.choices[0].text == text
+    assert plain.usage.prompt_tokens == 12 and plain.usage.completion_tokens == 6
+
+
+def test_lists_the_served_model(server):
+    models = make_client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_errors_raise_the_matching_exceptions(server):
+    client = make_client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=messages, temperature=-1)
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.AuthenticationError):
+        make_client(server, api_key="sk-wrong").models.list()
