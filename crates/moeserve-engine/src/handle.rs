@@ -129,7 +129,11 @@ fn run_loop(
             }
             open
         });
-        match core.step() {
+        let result = core.step();
+        // Publish the snapshot before the events, so a client that saw its request finish
+        // also sees the step in the statistics.
+        *stats.lock().expect("stats lock is never poisoned") = core.stats().clone();
+        match result {
             Ok(events) => dispatch(&mut streams, events),
             Err(e) => {
                 for (id, tx) in streams.drain() {
@@ -141,7 +145,6 @@ fn run_loop(
                 }
             }
         }
-        *stats.lock().expect("stats lock is never poisoned") = core.stats().clone();
     }
 }
 
