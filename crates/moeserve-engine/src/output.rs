@@ -121,7 +121,11 @@ impl SequenceOutput {
     }
 
     /// The final result; `text` is everything emitted (cut before a stop string).
-    pub fn into_output(self, finish_reason: FinishReason, timings: RequestTimings) -> GenerateOutput {
+    pub fn into_output(
+        self,
+        finish_reason: FinishReason,
+        timings: RequestTimings,
+    ) -> GenerateOutput {
         GenerateOutput {
             text: self.stop.text().to_string(),
             prompt_ids: self.prompt_ids,

@@ -97,7 +97,10 @@ impl MixtralConfig {
                 return bad(format!("`{name}` must be at least 1"));
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(format!(
                 "`num_attention_heads` ({}) must be a multiple of `num_key_value_heads` ({})",
                 self.num_attention_heads, self.num_key_value_heads
