@@ -1,16 +1,18 @@
-//! Shared vocabulary of moeserve: element types, ids, sampling parameters and the expert
-//! placement table.
+//! Shared vocabulary of moeserve: element types, ids, sampling parameters, the engine's config
+//! structs (cache, scheduler, MoE) and the expert placement table.
 //!
 //! Nothing here knows about devices, models or HTTP; every other crate may depend on it.
 
 mod config;
 mod dtype;
 mod ids;
+mod moe_config;
 mod placement;
 mod sampling;
 
 pub use config::{CacheConfig, ConfigError, SchedulerConfig};
 pub use dtype::DType;
 pub use ids::{BlockId, DeviceId, ExpertId, RequestId};
+pub use moe_config::{ExpertMetrics, MoeConfig, OverflowPolicy};
 pub use placement::{ExpertPlacement, LayerPlacement, PlacementError};
 pub use sampling::{MAX_LOGPROBS, SamplingParams, SamplingParamsError};

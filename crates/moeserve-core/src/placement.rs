@@ -47,6 +47,7 @@ pub struct LayerPlacement {
     pub physical_to_device: Vec<DeviceId>,
 }
 
+/// The JSON form; `ExpertPlacement` serializes as this too.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PlacementFile {
@@ -70,6 +71,24 @@ pub struct ExpertPlacement {
 }
 
 const IN_MEMORY: &str = "(in memory)";
+
+/// The file format (`to_json`), for embedding a placement in larger JSON documents.
+impl Serialize for ExpertPlacement {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct View<'a> {
+            num_devices: usize,
+            num_experts: usize,
+            layers: &'a [LayerPlacement],
+        }
+        View {
+            num_devices: self.num_devices,
+            num_experts: self.num_experts,
+            layers: &self.layers,
+        }
+        .serialize(serializer)
+    }
+}
 
 impl ExpertPlacement {
     /// Validates `layers` and builds the inverse map.
@@ -315,6 +334,8 @@ mod tests {
         let p = ExpertPlacement::round_robin(2, 6, 3, 3).unwrap();
         let back = ExpertPlacement::from_json_str(&p.to_json()).unwrap();
         assert_eq!(back, p);
+        let embedded = serde_json::to_string(&p).unwrap();
+        assert_eq!(ExpertPlacement::from_json_str(&embedded).unwrap(), p);
     }
 
     #[test]

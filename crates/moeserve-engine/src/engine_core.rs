@@ -8,13 +8,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use moeserve_core::{CacheConfig, RequestId, SamplingParams, SchedulerConfig};
+use moeserve_core::{CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::PagedKvCache;
 use moeserve_model::models::ForwardOptions;
+use moeserve_model::moe::MoeStepRecord;
 
 use crate::assets::ModelAssets;
 use crate::kv_cache::{KvCacheConfig, KvCacheManager};
+use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
 use crate::request::{GenerateOutput, GenerateRequest, RequestTimings};
 use crate::sampler::{SampleOutput, SamplerState};
@@ -27,6 +29,7 @@ use crate::{EngineError, Result};
 pub struct EngineConfig {
     pub cache: CacheConfig,
     pub scheduler: SchedulerConfig,
+    pub moe: MoeConfig,
 }
 
 /// What happened to one request in a step.
@@ -52,6 +55,8 @@ struct RequestState {
     sampler: SamplerState,
     output: SequenceOutput,
     clock: RequestClock,
+    /// Pairs the capacity limit changed, when a capacity factor is set.
+    moe: Option<MoeRequestCounts>,
 }
 
 /// When a request reached each phase.
@@ -84,6 +89,7 @@ pub struct EngineCore {
     states: HashMap<RequestId, RequestState>,
     next_id: u64,
     stats: EngineStats,
+    moe: MoeRuntime,
 }
 
 impl EngineCore {
@@ -91,6 +97,7 @@ impl EngineCore {
         config.cache.validate().map_err(config_error)?;
         config.scheduler.validate().map_err(config_error)?;
         let model = &assets.model;
+        let moe = MoeRuntime::new(model, &config.moe)?;
         let limits =
             SchedulerLimits::new(&config.scheduler, model.config().max_position_embeddings);
         let block_size = config.cache.block_size;
@@ -128,6 +135,7 @@ impl EngineCore {
             states: HashMap::new(),
             next_id: 0,
             stats,
+            moe,
         })
     }
 
@@ -162,6 +170,7 @@ impl EngineCore {
                     first_scheduled: None,
                     first_token: None,
                 },
+                moe: self.moe.counts_requests().then(MoeRequestCounts::default),
             },
         );
         Ok(id)
@@ -194,7 +203,9 @@ impl EngineCore {
                 .clock;
             clock.first_scheduled.get_or_insert(started);
         }
-        let logits = self.forward(&plan)?;
+        let mut record = MoeStepRecord::default();
+        let logits = self.forward(&plan, &mut record)?;
+        self.account_moe(&plan, &record);
         self.scheduler.update_from_output(&plan);
         let vocab = self.assets.model.config().vocab_size;
         let mut events = Vec::new();
@@ -210,8 +221,25 @@ impl EngineCore {
         Ok(events)
     }
 
+    /// Charges each request its pairs of the step, then books the step's MoE layers.
+    fn account_moe(&mut self, plan: &SchedulerOutput, record: &MoeStepRecord) {
+        if self.moe.counts_requests() {
+            let mut start = 0;
+            for s in &plan.scheduled {
+                let tokens = start..start + s.num_new_tokens;
+                start = tokens.end;
+                let step = self.moe.request_step_counts(record, tokens);
+                if let Some(total) = self.states.get_mut(&s.id).and_then(|r| r.moe.as_mut()) {
+                    total.accumulate(&step);
+                }
+            }
+        }
+        self.moe
+            .finish_step(self.stats.num_steps, record, &self.assets);
+    }
+
     /// One forward pass over every scheduled token of the step.
-    fn forward(&mut self, plan: &SchedulerOutput) -> Result<Vec<f32>> {
+    fn forward(&mut self, plan: &SchedulerOutput, record: &mut MoeStepRecord) -> Result<Vec<f32>> {
         let mut token_ids = Vec::with_capacity(plan.num_batched_tokens());
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(plan.scheduled.len());
         for s in &plan.scheduled {
@@ -250,10 +278,14 @@ impl EngineCore {
             token_ids: &token_ids,
             sequences: &sequences,
         };
+        let opts = ForwardOptions {
+            moe: self.moe.options(record),
+            ..Default::default()
+        };
         Ok(self
             .assets
             .model
-            .forward(&batch, &mut self.kv_storage, ForwardOptions::default())?)
+            .forward(&batch, &mut self.kv_storage, opts)?)
     }
 
     fn sample_one(&mut self, id: RequestId, logits: &[f32], events: &mut Vec<RequestEvent>) {
@@ -293,12 +325,11 @@ impl EngineCore {
         if let Some(reason) = finished {
             self.scheduler.finish(id);
             let state = self.states.remove(&id).expect("finished request has state");
-            events.push(RequestEvent::Finished {
-                id,
-                output: state
-                    .output
-                    .into_output(reason, state.clock.timings(Instant::now())),
-            });
+            let mut output = state
+                .output
+                .into_output(reason, state.clock.timings(Instant::now()));
+            output.moe = state.moe;
+            events.push(RequestEvent::Finished { id, output });
         }
     }
 
@@ -315,9 +346,19 @@ impl EngineCore {
     pub fn stats(&self) -> &EngineStats {
         &self.stats
     }
+
+    /// The MoE runtime: placement, load tracker.
+    pub fn moe(&self) -> &MoeRuntime {
+        &self.moe
+    }
+
+    /// A snapshot of the MoE state for metrics and load reports.
+    pub fn moe_stats(&self) -> MoeStats {
+        self.moe.snapshot()
+    }
 }
 
-fn config_error(e: moeserve_core::ConfigError) -> EngineError {
+pub(crate) fn config_error(e: moeserve_core::ConfigError) -> EngineError {
     EngineError::InvalidRequest {
         field: e.field,
         message: e.message,

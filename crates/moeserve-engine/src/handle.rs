@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::assets::ModelAssets;
 use crate::engine_core::{EngineConfig, EngineCore, RequestEvent};
+use crate::moe::MoeStats;
 use crate::request::GenerateRequest;
 use crate::stats::EngineStats;
 use crate::{EngineError, Result};
@@ -27,6 +28,7 @@ enum Command {
 pub struct Engine {
     commands: mpsc::UnboundedSender<Command>,
     stats: Arc<Mutex<EngineStats>>,
+    moe: Arc<Mutex<MoeStats>>,
     assets: Arc<ModelAssets>,
     thread: Option<JoinHandle<()>>,
 }
@@ -49,17 +51,22 @@ impl Engine {
     pub fn start(assets: Arc<ModelAssets>, config: &EngineConfig) -> Result<Engine> {
         let core = EngineCore::new(assets.clone(), config)?;
         let stats = Arc::new(Mutex::new(core.stats().clone()));
+        let moe = Arc::new(Mutex::new(core.moe_stats()));
         let (commands, rx) = mpsc::unbounded_channel();
-        let loop_stats = stats.clone();
+        let shared = SharedStats {
+            stats: stats.clone(),
+            moe: moe.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("moeserve-engine".into())
-            .spawn(move || run_loop(core, rx, loop_stats))
+            .spawn(move || run_loop(core, rx, shared))
             .map_err(|e| {
                 EngineError::RequestFailed(format!("cannot start the engine thread: {e}"))
             })?;
         Ok(Engine {
             commands,
             stats,
+            moe,
             assets,
             thread: Some(thread),
         })
@@ -92,6 +99,21 @@ impl Engine {
             .expect("stats lock is never poisoned: writers do not panic")
             .clone()
     }
+
+    /// The latest MoE snapshot (updated after every step): routing totals, loads, imbalance,
+    /// devices, placement and re-placements.
+    pub fn moe_snapshot(&self) -> MoeStats {
+        self.moe
+            .lock()
+            .expect("stats lock is never poisoned: writers do not panic")
+            .clone()
+    }
+}
+
+/// Where the engine thread publishes its statistics.
+struct SharedStats {
+    stats: Arc<Mutex<EngineStats>>,
+    moe: Arc<Mutex<MoeStats>>,
 }
 
 impl Drop for Engine {
@@ -108,7 +130,7 @@ impl Drop for Engine {
 fn run_loop(
     mut core: EngineCore,
     mut commands: mpsc::UnboundedReceiver<Command>,
-    stats: Arc<Mutex<EngineStats>>,
+    shared: SharedStats,
 ) {
     let mut streams: HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>> = HashMap::new();
     loop {
@@ -132,7 +154,8 @@ fn run_loop(
         let result = core.step();
         // Publish the snapshot before the events, so a client that saw its request finish
         // also sees the step in the statistics.
-        *stats.lock().expect("stats lock is never poisoned") = core.stats().clone();
+        *shared.stats.lock().expect("stats lock is never poisoned") = core.stats().clone();
+        *shared.moe.lock().expect("stats lock is never poisoned") = core.moe_stats();
         match result {
             Ok(events) => dispatch(&mut streams, events),
             Err(e) => {

@@ -9,6 +9,8 @@
 //! - `engine_core`: one step = one batched forward pass; `offline`: the batch API on top.
 //! - `stats`: engine statistics.
 //! - `placement`: expert load tracking, EPLB re-placement and routing traces (pure).
+//! - `moe`: the MoE runtime around each step (capacity, expert parallelism, load tracking,
+//!   online re-placement, routing traces) and its `MoeStats` reports.
 
 pub mod assets;
 pub mod engine_core;
@@ -16,6 +18,7 @@ mod error;
 pub mod handle;
 pub mod kv_cache;
 pub mod metrics;
+pub mod moe;
 pub mod offline;
 pub mod output;
 pub mod placement;

@@ -3,8 +3,9 @@
 //! prefix; [`vllm_name`] gives the vLLM name of a series for the compatibility export.
 //!
 //! Nothing here records values: the server refreshes gauges and counters from
-//! [`crate::stats::EngineStats`] before each scrape and observes histograms per request, both
-//! through the `metrics` facade with these names.
+//! [`crate::stats::EngineStats`] (the [`MOE`] series from [`crate::moe::MoeStats`]) before each
+//! scrape and observes histograms per request, both through the `metrics` facade with these
+//! names.
 
 /// Prefix of every moeserve series.
 pub const PREFIX: &str = "moeserve:";
@@ -33,6 +34,25 @@ pub const REQUEST_PREFILL_TIME_SECONDS: &str = "moeserve:request_prefill_time_se
 pub const REQUEST_DECODE_TIME_SECONDS: &str = "moeserve:request_decode_time_seconds";
 pub const REQUEST_PROMPT_TOKENS: &str = "moeserve:request_prompt_tokens";
 pub const REQUEST_GENERATION_TOKENS: &str = "moeserve:request_generation_tokens";
+
+/// Labels of the MoE series ([`MOE`]): layer index, logical expert index, device index.
+pub const LABEL_LAYER: &str = "layer";
+pub const LABEL_EXPERT: &str = "expert";
+pub const LABEL_DEVICE: &str = "device";
+
+pub const MOE_ROUTED_PAIRS_TOTAL: &str = "moeserve:moe_routed_pairs_total";
+pub const MOE_DROPPED_PAIRS_TOTAL: &str = "moeserve:moe_dropped_pairs_total";
+pub const MOE_REROUTED_PAIRS_TOTAL: &str = "moeserve:moe_rerouted_pairs_total";
+pub const MOE_SPILLED_PAIRS_TOTAL: &str = "moeserve:moe_spilled_pairs_total";
+pub const MOE_DROPPED_TOKENS_TOTAL: &str = "moeserve:moe_dropped_tokens_total";
+pub const MOE_LAYER_IMBALANCE: &str = "moeserve:moe_layer_imbalance";
+pub const MOE_STEP_IMBALANCE: &str = "moeserve:moe_step_imbalance";
+pub const MOE_DEVICE_PAIRS_TOTAL: &str = "moeserve:moe_device_pairs_total";
+pub const MOE_DEVICE_EXPERT_SECONDS_TOTAL: &str = "moeserve:moe_device_expert_seconds_total";
+pub const MOE_REBALANCES_TOTAL: &str = "moeserve:moe_rebalances_total";
+pub const MOE_REBALANCE_GAIN_RATIO: &str = "moeserve:moe_rebalance_gain_ratio";
+pub const MOE_EXPERT_WINDOWED_PAIRS: &str = "moeserve:moe_expert_windowed_pairs";
+pub const MOE_EXPERT_PAIRS_TOTAL: &str = "moeserve:moe_expert_pairs_total";
 
 /// vLLM's deprecated name of the KV usage gauge, still read by many dashboards.
 pub const VLLM_GPU_CACHE_USAGE_PERC: &str = "vllm:gpu_cache_usage_perc";
@@ -181,6 +201,77 @@ pub const ALL: &[MetricDef] = &[
     ),
 ];
 
+/// The MoE series, refreshed from [`crate::moe::MoeStats`]. vLLM has no counterpart, so they
+/// have no `vllm:` copies. The last two (per layer × expert) are exported only with
+/// `--expert-metrics full`.
+pub const MOE: &[MetricDef] = &[
+    def(
+        MOE_ROUTED_PAIRS_TOTAL,
+        Counter,
+        "(token, expert) pairs the router chose, per MoE layer.",
+    ),
+    def(
+        MOE_DROPPED_PAIRS_TOTAL,
+        Counter,
+        "Pairs dropped by the expert capacity limit, per MoE layer.",
+    ),
+    def(
+        MOE_REROUTED_PAIRS_TOTAL,
+        Counter,
+        "Pairs rerouted to a lower-ranked expert with room, per MoE layer.",
+    ),
+    def(
+        MOE_SPILLED_PAIRS_TOTAL,
+        Counter,
+        "Pairs computed in an extra spill pass, per MoE layer.",
+    ),
+    def(
+        MOE_DROPPED_TOKENS_TOTAL,
+        Counter,
+        "Tokens that lost every expert to the capacity limit, per MoE layer.",
+    ),
+    def(
+        MOE_LAYER_IMBALANCE,
+        Gauge,
+        "Windowed max / mean device load of a MoE layer (1 is balanced).",
+    ),
+    def(
+        MOE_STEP_IMBALANCE,
+        Gauge,
+        "Windowed expert imbalance of whole steps: sum of layer maxima over sum of layer means.",
+    ),
+    def(
+        MOE_DEVICE_PAIRS_TOTAL,
+        Counter,
+        "(token, expert) pairs computed, per device.",
+    ),
+    def(
+        MOE_DEVICE_EXPERT_SECONDS_TOTAL,
+        Counter,
+        "Seconds spent in expert compute, per device.",
+    ),
+    def(
+        MOE_REBALANCES_TOTAL,
+        Counter,
+        "Online expert re-placements swapped in.",
+    ),
+    def(
+        MOE_REBALANCE_GAIN_RATIO,
+        Gauge,
+        "Imbalance before / predicted imbalance of the last re-placement.",
+    ),
+    def(
+        MOE_EXPERT_WINDOWED_PAIRS,
+        Gauge,
+        "Pairs per (layer, expert) over the load window.",
+    ),
+    def(
+        MOE_EXPERT_PAIRS_TOTAL,
+        Counter,
+        "Pairs per (layer, expert) since start-up.",
+    ),
+];
+
 const TIME_TO_FIRST_TOKEN_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -250,6 +341,13 @@ pub fn describe_vllm_metrics() {
     );
 }
 
+/// Registers the help text of the MoE series.
+pub fn describe_moe_metrics() {
+    for def in MOE {
+        describe(def.name.to_string(), def);
+    }
+}
+
 fn describe(name: String, def: &MetricDef) {
     match def.kind {
         MetricKind::Counter => metrics::describe_counter!(name, def.help),
@@ -294,6 +392,28 @@ mod tests {
             if d.buckets == Buckets::RequestLatency || d.buckets == Buckets::TokenLatency {
                 assert!(d.name.ends_with("_seconds"), "{}", d.name);
             }
+        }
+    }
+
+    #[test]
+    fn moe_names_are_valid_distinct_and_follow_the_suffix_rules() {
+        let mut names: Vec<&str> = ALL.iter().chain(MOE).map(|d| d.name).collect();
+        assert!(
+            names
+                .iter()
+                .all(|n| n.starts_with(PREFIX) && is_prometheus_name(n))
+        );
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len() + MOE.len());
+        for d in MOE {
+            assert_ne!(d.kind, MetricKind::Histogram);
+            assert_eq!(
+                d.kind == MetricKind::Counter,
+                d.name.ends_with("_total"),
+                "{}",
+                d.name
+            );
         }
     }
 

@@ -134,6 +134,7 @@ impl SequenceOutput {
             top_logprobs: self.top_logprobs,
             finish_reason,
             timings,
+            moe: None,
         }
     }
 }

@@ -4,6 +4,8 @@ use moeserve_core::SamplingParams;
 use moeserve_model::chat_template::ChatMessage;
 use serde::Serialize;
 
+use crate::moe::MoeRequestCounts;
+
 /// A prompt as a client gives it.
 #[derive(Clone, Debug)]
 pub enum Prompt {
@@ -43,6 +45,9 @@ pub struct GenerateOutput {
     pub finish_reason: FinishReason,
     /// Where the request's time went (zero for paths that do not measure it).
     pub timings: RequestTimings,
+    /// Its (token, expert) pairs that the capacity limit dropped, rerouted or spilled; `None`
+    /// when routing is dropless.
+    pub moe: Option<MoeRequestCounts>,
 }
 
 /// Phases of one request, in seconds, measured by the engine (vLLM's request metrics).

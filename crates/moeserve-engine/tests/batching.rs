@@ -80,6 +80,7 @@ fn small_cache_config(num_blocks: usize, block_size: usize, assets: &ModelAssets
             max_num_batched_tokens: 48,
             ..Default::default()
         },
+        ..Default::default()
     }
 }
 

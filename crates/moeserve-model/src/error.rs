@@ -49,6 +49,9 @@ pub enum ModelError {
     /// A forward batch that does not fit the model (token id out of vocabulary, bad lengths).
     #[error("invalid input: {message}")]
     InvalidInput { message: String },
+    /// An expert placement that does not fit the model, or device workers that cannot start.
+    #[error("expert parallelism: {message}")]
+    ExpertParallel { message: String },
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

@@ -121,7 +121,7 @@ impl<'m> SoloSequence<'m> {
                 &mut self.cache,
                 ForwardOptions {
                     logits: LogitsFor::LastTokens,
-                    trace: None,
+                    ..Default::default()
                 },
             )
             .expect("forward");
@@ -154,6 +154,16 @@ pub fn prefill_all_logits(
     prompt: &[u32],
     trace: Option<&mut ForwardTrace>,
 ) -> Vec<f32> {
+    let opts = ForwardOptions {
+        logits: LogitsFor::AllTokens,
+        trace,
+        ..Default::default()
+    };
+    prefill(model, prompt, opts)
+}
+
+/// `prompt` in one prefill step (block size 16) under `opts`.
+pub fn prefill(model: &MixtralModel, prompt: &[u32], opts: ForwardOptions<'_>) -> Vec<f32> {
     let block_size = 16;
     let num_blocks = prompt.len().div_ceil(block_size);
     let mut cache = PagedKvCache::new(model.kv_layout(num_blocks, block_size));
@@ -167,10 +177,6 @@ pub fn prefill_all_logits(
     let batch = ForwardBatch {
         token_ids: prompt,
         sequences: &seqs,
-    };
-    let opts = ForwardOptions {
-        logits: LogitsFor::AllTokens,
-        trace,
     };
     model.forward(&batch, &mut cache, opts).expect("forward")
 }

@@ -102,6 +102,8 @@ pub struct ServeFile {
     pub max_model_len: Option<usize>,
     pub enable_chunked_prefill: Option<bool>,
     pub enable_prefix_caching: Option<bool>,
+    /// The `[moe]` table: `MoeConfig`'s fields; MoE flags given on the command line win.
+    pub moe: Option<moeserve_core::MoeConfig>,
 }
 
 impl ServeFile {

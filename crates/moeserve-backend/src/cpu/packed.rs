@@ -80,7 +80,7 @@ mod tests {
         // Row 1, position 2 sits at p * PANEL + r in panel 0.
         assert_eq!(packed.panel(0)[2 * PANEL + 1], src[k + 2]);
         // Row 32 is the first row of panel 1; rows 33.. are padding.
-        assert_eq!(packed.panel(1)[PANEL * 0], src[32 * k]);
+        assert_eq!(packed.panel(1)[0], src[32 * k]);
         assert_eq!(packed.panel(1)[1], 0.0);
     }
 }

@@ -29,7 +29,7 @@ impl WindowedLoad {
 }
 
 /// Totals of one device since start-up.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct DeviceTotals {
     /// (token, expert) pairs the device computed.
     pub tokens: u64,

@@ -132,7 +132,7 @@ impl RebalancePolicy {
 
 /// One rebalance as it happened, for logs and metrics; `realised_imbalance` is filled in once
 /// a window has passed under the new placement.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct RebalanceRecord {
     pub step: u64,
     pub imbalance_before: f64,

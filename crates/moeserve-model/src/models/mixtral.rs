@@ -11,7 +11,8 @@ use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
 use crate::kv_cache::{KvCacheLayout, PagedKvCache};
 use crate::layers::attention::{Attention, AttentionStep};
-use crate::moe::SparseMoe;
+use crate::moe::experts::check_router_bias;
+use crate::moe::{MoeLayerStep, MoeOptions, SparseMoe};
 use crate::{ModelError, Result};
 
 struct DecoderLayer {
@@ -53,6 +54,8 @@ pub struct ForwardTrace {
 pub struct ForwardOptions<'a> {
     pub logits: LogitsFor,
     pub trace: Option<&'a mut ForwardTrace>,
+    /// Routing capacity, expert parallelism and the per-layer routing record.
+    pub moe: MoeOptions<'a>,
 }
 
 impl Default for ForwardOptions<'_> {
@@ -60,6 +63,7 @@ impl Default for ForwardOptions<'_> {
         ForwardOptions {
             logits: LogitsFor::LastTokens,
             trace: None,
+            moe: MoeOptions::default(),
         }
     }
 }
@@ -97,13 +101,34 @@ impl MixtralModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = ckpt.weight("model.norm.weight", &[h])?;
-        let model = MixtralModel { config, embed_tokens, layers, norm, lm_head };
+        let model = MixtralModel {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        };
         model.prepare_kernels();
         Ok(model)
     }
 
     pub fn config(&self) -> &MixtralConfig {
         &self.config
+    }
+
+    /// The MoE block of every layer, in layer order.
+    pub fn moe_layers(&self) -> Vec<&SparseMoe> {
+        self.layers.iter().map(|l| &l.block_sparse_moe).collect()
+    }
+
+    /// Adds `bias[e]` to expert `e`'s router logit in every layer, steering tokens towards
+    /// some experts (skewed-load tests of expert placement use it); replaces an earlier bias.
+    pub fn add_router_bias(&mut self, bias: &[f32]) -> Result<()> {
+        check_router_bias(bias, self.config.num_local_experts)?;
+        for layer in &mut self.layers {
+            layer.block_sparse_moe.router_bias = Some(bias.to_vec());
+        }
+        Ok(())
     }
 
     /// A KV cache layout for this model with `num_blocks` blocks of `block_size` tokens.
@@ -130,12 +155,18 @@ impl MixtralModel {
 
     /// Bytes of all weights (tied embeddings counted once).
     pub fn weight_bytes(&self) -> usize {
-        let mut total = self.norm.size_in_bytes() + self.matrices().iter().map(|w| w.size_in_bytes()).sum::<usize>();
+        let mut total = self.norm.size_in_bytes()
+            + self
+                .matrices()
+                .iter()
+                .map(|w| w.size_in_bytes())
+                .sum::<usize>();
         if !self.config.tie_word_embeddings {
             total += self.embed_tokens.size_in_bytes();
         }
         for layer in &self.layers {
-            total += layer.input_layernorm.size_in_bytes() + layer.post_attention_layernorm.size_in_bytes();
+            total += layer.input_layernorm.size_in_bytes()
+                + layer.post_attention_layernorm.size_in_bytes();
         }
         total
     }
@@ -172,8 +203,10 @@ impl MixtralModel {
             block_size: layout.block_size,
             num_blocks: layout.num_blocks,
         })?;
+        self.check_moe_options(&opts.moe)?;
         let (t, h) = (batch.num_tokens(), c.hidden_size);
         let mut trace = opts.trace;
+        let mut moe = opts.moe;
         let mut hidden = vec![0.0; t * h]; // [num_tokens, hidden]: the residual stream
         for (row, id) in hidden.chunks_exact_mut(h).zip(batch.token_ids) {
             cpu::convert::widen_row(self.embed_tokens.data(), *id as usize, row);
@@ -197,9 +230,17 @@ impl MixtralModel {
                 &mut normed,
             );
             let router_logits = layer.block_sparse_moe.router_logits(&normed, t);
-            layer
-                .block_sparse_moe
-                .forward(&normed, &router_logits, &mut delta);
+            let step = MoeLayerStep {
+                layer: l,
+                x: &normed,
+                router_logits: &router_logits,
+                capacity: moe.capacity,
+                experts: moe.experts,
+            };
+            let routing = layer.block_sparse_moe.forward(&step, &mut delta);
+            if let Some(record) = moe.record.as_deref_mut() {
+                record.layers.push(routing);
+            }
             cpu::add_assign(&mut hidden, &delta);
             if let Some(trace) = trace.as_deref_mut() {
                 trace.layer_outputs.push(hidden.clone());
@@ -224,5 +265,27 @@ impl MixtralModel {
         let mut logits = vec![0.0; rows.len() * c.vocab_size];
         cpu::matmul_wt(&final_normed, rows.len(), &self.lm_head, &mut logits);
         Ok(logits)
+    }
+
+    /// A valid capacity and, with expert parallelism, a placement made for this model.
+    fn check_moe_options(&self, moe: &MoeOptions<'_>) -> Result<()> {
+        let invalid = |message: String| Err(ModelError::InvalidInput { message });
+        if let Err(e) = moe.capacity.validate() {
+            return invalid(e.to_string());
+        }
+        if let Some(ep) = moe.experts {
+            let p = ep.placement();
+            let c = &self.config;
+            if p.num_layers() != c.num_hidden_layers || p.num_experts() != c.num_local_experts {
+                return invalid(format!(
+                    "the expert placement is for {} layers of {} experts, the model has {} of {}",
+                    p.num_layers(),
+                    p.num_experts(),
+                    c.num_hidden_layers,
+                    c.num_local_experts
+                ));
+            }
+        }
+        Ok(())
     }
 }

@@ -8,48 +8,11 @@
 //!   the full softmax order), at that expert's router probability; dropped if none has room.
 //! - `Spill`: the pair is computed in an extra pass; the result equals dropless routing.
 
-use std::fmt;
-use std::str::FromStr;
-
 use moeserve_core::ConfigError;
-use serde::{Deserialize, Serialize};
+/// Lives in core so `MoeConfig` can name it; re-exported here with the capacity it applies to.
+pub use moeserve_core::OverflowPolicy;
 
 use super::router::{Ranking, RoutedPair, RoutingCounts};
-
-/// What to do with a pair whose expert is full (`--moe-overflow`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OverflowPolicy {
-    Drop,
-    Reroute,
-    Spill,
-}
-
-impl fmt::Display for OverflowPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            OverflowPolicy::Drop => "drop",
-            OverflowPolicy::Reroute => "reroute",
-            OverflowPolicy::Spill => "spill",
-        })
-    }
-}
-
-impl FromStr for OverflowPolicy {
-    type Err = ConfigError;
-
-    fn from_str(s: &str) -> Result<Self, ConfigError> {
-        match s {
-            "drop" => Ok(OverflowPolicy::Drop),
-            "reroute" => Ok(OverflowPolicy::Reroute),
-            "spill" => Ok(OverflowPolicy::Spill),
-            other => Err(ConfigError {
-                field: "moe_overflow",
-                message: format!("expected drop, reroute or spill, got {other:?}"),
-            }),
-        }
-    }
-}
 
 /// The per-expert limit of one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -65,6 +28,14 @@ pub enum Capacity {
 }
 
 impl Capacity {
+    /// The capacity `MoeConfig` asks for: dropless without a factor.
+    pub fn from_factor(capacity_factor: Option<f32>, overflow: OverflowPolicy) -> Self {
+        match capacity_factor {
+            None => Capacity::Dropless,
+            Some(alpha) => Capacity::Factor { alpha, overflow },
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         match *self {
             Capacity::Factor { alpha, .. } if !(alpha.is_finite() && alpha > 0.0) => {

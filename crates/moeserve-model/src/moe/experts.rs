@@ -3,16 +3,24 @@
 //! each routed expert's weights are read once per step, whatever the number of its tokens.
 //!
 //! HF `MixtralBlockSparseTop2MLP`: `w2(act_fn(w1(x)) * w3(x))`, outputs weighted by the router
-//! and summed per token in expert order (`index_add_`).
+//! and summed per token in expert order (`index_add_`). Routing (`router.rs`, with an optional
+//! capacity) decides the pairs; `dispatch.rs` groups them and combines the outputs; with
+//! expert parallelism (`arena.rs`) the groups run on the devices holding their slots.
 
-use moeserve_backend::{Weight, cpu};
+use moeserve_backend::{Weight, WeightBytes, cpu};
 
-use super::router::{Routing, route_top_k};
-use crate::Result;
+use super::arena::ExpertParallel;
+use super::capacity::Capacity;
+use super::dispatch::{Dispatch, SlotMap};
+use super::parallel::compute_segments;
+use super::record::LayerRouting;
+use super::router::{RouterConfig, route};
 use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
+use crate::{ModelError, Result};
 
-/// One expert's SwiGLU MLP.
+/// One expert's SwiGLU MLP; clones share the weight bytes.
+#[derive(Clone)]
 pub struct Expert {
     /// gate projection `[intermediate, hidden]`
     pub w1: Weight,
@@ -28,44 +36,20 @@ pub struct SparseMoe {
     pub gate: Weight,
     pub experts: Vec<Expert>,
     pub top_k: usize,
+    /// `[num_experts]`, added to the router logits (see `MixtralModel::add_router_bias`).
+    pub router_bias: Option<Vec<f32>>,
 }
 
-/// The tokens routed to each expert, in token order, with their routing weights.
-#[derive(Debug, Default)]
-struct ExpertGroups {
-    /// `offsets[e]..offsets[e + 1]` indexes `tokens`/`weights` for expert `e`.
-    offsets: Vec<usize>,
-    tokens: Vec<usize>,
-    weights: Vec<f32>,
-}
-
-impl ExpertGroups {
-    /// Counting sort of the (token, expert) pairs by expert.
-    fn from_routing(routing: &Routing, num_experts: usize) -> Self {
-        let mut counts = vec![0usize; num_experts + 1];
-        routing
-            .expert_ids
-            .iter()
-            .for_each(|e| counts[*e as usize + 1] += 1);
-        for e in 0..num_experts {
-            counts[e + 1] += counts[e];
-        }
-        let offsets = counts.clone();
-        let mut cursor = counts;
-        let n = routing.expert_ids.len();
-        let (mut tokens, mut weights) = (vec![0; n], vec![0.0; n]);
-        for (pair, (e, w)) in routing.expert_ids.iter().zip(&routing.weights).enumerate() {
-            let at = &mut cursor[*e as usize];
-            tokens[*at] = pair / routing.top_k;
-            weights[*at] = *w;
-            *at += 1;
-        }
-        ExpertGroups {
-            offsets,
-            tokens,
-            weights,
-        }
-    }
+/// One MoE layer's input for one step.
+pub struct MoeLayerStep<'a> {
+    pub layer: usize,
+    /// `[num_tokens, hidden]`: the normed hidden states.
+    pub x: &'a [f32],
+    /// `[num_tokens, num_experts]`
+    pub router_logits: &'a [f32],
+    pub capacity: Capacity,
+    /// `None`: this layer's own experts on the caller's threads.
+    pub experts: Option<&'a ExpertParallel>,
 }
 
 impl SparseMoe {
@@ -90,6 +74,7 @@ impl SparseMoe {
             gate: ckpt.weight(&format!("{prefix}.gate.weight"), &[n, h])?,
             experts,
             top_k: config.num_experts_per_tok,
+            router_bias: None,
         })
     }
 
@@ -101,43 +86,46 @@ impl SparseMoe {
     pub fn router_logits(&self, x: &[f32], num_tokens: usize) -> Vec<f32> {
         let mut logits = vec![0.0; num_tokens * self.num_experts()];
         cpu::matmul_wt(x, num_tokens, &self.gate, &mut logits);
+        if let Some(bias) = &self.router_bias {
+            for row in logits.chunks_exact_mut(bias.len()) {
+                row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
+            }
+        }
         logits
     }
 
-    /// `out[t] = Σ_k weight(t, k) · expert_k(x[t])`; `x, out: [num_tokens, hidden]`.
-    pub fn forward(&self, x: &[f32], router_logits: &[f32], out: &mut [f32]) {
+    /// `out[t] = Σ weight(t, e) · expert_e(x[t])` over the pairs routing leaves token `t`, in
+    /// expert order; `out: [num_tokens, hidden]`. Returns what routing did and where the
+    /// pairs ran. The capacity must be valid (`Capacity::validate`).
+    pub fn forward(&self, step: &MoeLayerStep<'_>, out: &mut [f32]) -> LayerRouting {
         let hidden = self.gate.shape()[1];
-        let routing = route_top_k(router_logits, self.num_experts(), self.top_k);
-        let groups = ExpertGroups::from_routing(&routing, self.num_experts());
-        out.fill(0.0);
-        // Expert outputs per (token, k) pair, added to `out` in expert order at the end so the
-        // sum order per token matches HF's `index_add_` loop over experts.
-        let mut expert_out = vec![0.0f32; groups.tokens.len() * hidden];
-        for (e, expert) in self.experts.iter().enumerate() {
-            let range = groups.offsets[e]..groups.offsets[e + 1];
-            if range.is_empty() {
-                continue;
-            }
-            let rows = &groups.tokens[range.clone()];
-            let gathered: Vec<f32> = rows
-                .iter()
-                .flat_map(|t| &x[t * hidden..(t + 1) * hidden])
-                .copied()
-                .collect();
-            let y = &mut expert_out[range.start * hidden..range.end * hidden];
-            expert.forward(&gathered, rows.len(), y);
-        }
-        for (pair, (t, w)) in groups.tokens.iter().zip(&groups.weights).enumerate() {
-            let o = &mut out[t * hidden..(t + 1) * hidden];
-            let y = &expert_out[pair * hidden..(pair + 1) * hidden];
-            o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
-        }
+        let config = RouterConfig {
+            top_k: self.top_k,
+            capacity: step.capacity,
+        };
+        let routed = route(step.router_logits, self.num_experts(), &config);
+        let mut summary = LayerRouting::from_routed(&routed, &step.capacity);
+        let slots = step
+            .experts
+            .map_or(SlotMap::Local, |ep| ep.slot_map(step.layer));
+        let mut dispatch = Dispatch::plan(&routed, step.x, hidden, slots);
+        let work = std::mem::take(&mut dispatch.work);
+        let outputs = match step.experts {
+            Some(ep) => ep.run(step.layer, work),
+            None => vec![compute_segments(&work[0], |s| {
+                &self.experts[s.expert.0 as usize]
+            })],
+        };
+        dispatch.combine(&routed, &outputs, out);
+        summary.device_seconds = outputs.iter().map(|o| o.compute_seconds).collect();
+        summary.device_pairs = dispatch.device_pairs;
+        summary
     }
 }
 
 impl Expert {
     /// SwiGLU of `x: [n, hidden]` into `out: [n, hidden]`, each weight read once for all rows.
-    fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+    pub(crate) fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
         let inter = self.w1.shape()[0];
         let mut gate = vec![0.0; n * inter]; // [n, intermediate]
         let mut up = vec![0.0; n * inter];
@@ -146,22 +134,213 @@ impl Expert {
         cpu::silu_mul(&mut gate, &up);
         cpu::matmul_wt(&gate, n, &self.w2, out);
     }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.w1.size_in_bytes() + self.w2.size_in_bytes() + self.w3.size_in_bytes()
+    }
+
+    /// A copy in fresh owned buffers (what placing the expert on another device means on the
+    /// CPU), already in the kernels' layout so its first step does not pay for that.
+    pub fn deep_copy(&self) -> Result<Expert> {
+        let copy = |w: &Weight| -> Result<Weight> {
+            let bytes = WeightBytes::owned(w.as_bytes());
+            Ok(Weight::new(w.dtype(), w.shape().to_vec(), bytes)?)
+        };
+        let expert = Expert {
+            w1: copy(&self.w1)?,
+            w2: copy(&self.w2)?,
+            w3: copy(&self.w3)?,
+        };
+        if cpu::isa() == cpu::Isa::Avx512 {
+            for w in [&expert.w1, &expert.w2, &expert.w3] {
+                w.packed();
+            }
+        }
+        Ok(expert)
+    }
+}
+
+/// Checks `bias` against a layer of `num_experts` experts.
+pub(crate) fn check_router_bias(bias: &[f32], num_experts: usize) -> Result<()> {
+    if bias.len() != num_experts || bias.iter().any(|b| !b.is_finite()) {
+        return Err(ModelError::InvalidInput {
+            message: format!("a router bias needs {num_experts} finite values, got {bias:?}"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::moe::capacity::OverflowPolicy;
+    use crate::moe::parallel::InProcessAllToAll;
+    use crate::moe::router::route_top_k;
+    use moeserve_core::ExpertPlacement;
+
+    const HIDDEN: usize = 8;
+    const INTER: usize = 12;
+
+    pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A random f32 layer with hidden size 8 and intermediate size 12.
+    pub(crate) fn layer(num_experts: usize, top_k: usize) -> SparseMoe {
+        let w = |shape: [usize; 2], seed| {
+            Weight::from_f32(shape.to_vec(), &values(shape[0] * shape[1], seed)).unwrap()
+        };
+        SparseMoe {
+            gate: w([num_experts, HIDDEN], 1),
+            experts: (0..num_experts as u64)
+                .map(|e| Expert {
+                    w1: w([INTER, HIDDEN], 10 + e),
+                    w2: w([HIDDEN, INTER], 20 + e),
+                    w3: w([INTER, HIDDEN], 30 + e),
+                })
+                .collect(),
+            top_k,
+            router_bias: None,
+        }
+    }
+
+    /// The grouped HF computation the MoE block always did: `route_top_k`, one GEMM per expert
+    /// over its tokens in token order, outputs added per token in expert order.
+    fn reference(moe: &SparseMoe, x: &[f32], logits: &[f32]) -> Vec<f32> {
+        let routing = route_top_k(logits, moe.num_experts(), moe.top_k);
+        let mut out = vec![0.0; x.len()];
+        for (e, expert) in moe.experts.iter().enumerate() {
+            let pairs: Vec<usize> = (0..routing.expert_ids.len())
+                .filter(|p| routing.expert_ids[*p] as usize == e)
+                .collect();
+            let rows: Vec<f32> = pairs
+                .iter()
+                .flat_map(|p| &x[p / moe.top_k * HIDDEN..][..HIDDEN])
+                .copied()
+                .collect();
+            let mut y = vec![0.0; rows.len()];
+            expert.forward(&rows, pairs.len(), &mut y);
+            for (i, p) in pairs.iter().enumerate() {
+                let o = &mut out[p / moe.top_k * HIDDEN..][..HIDDEN];
+                let w = routing.weights[*p];
+                o.iter_mut()
+                    .zip(&y[i * HIDDEN..])
+                    .for_each(|(o, y)| *o += w * y);
+            }
+        }
+        out
+    }
+
+    fn run(
+        moe: &SparseMoe,
+        x: &[f32],
+        capacity: Capacity,
+        experts: Option<&ExpertParallel>,
+    ) -> (Vec<f32>, LayerRouting) {
+        let logits = moe.router_logits(x, x.len() / HIDDEN);
+        let mut out = vec![f32::NAN; x.len()];
+        let step = MoeLayerStep {
+            layer: 0,
+            x,
+            router_logits: &logits,
+            capacity,
+            experts,
+        };
+        let summary = moe.forward(&step, &mut out);
+        (out, summary)
+    }
+
+    fn spill(alpha: f32) -> Capacity {
+        Capacity::Factor {
+            alpha,
+            overflow: OverflowPolicy::Spill,
+        }
+    }
 
     #[test]
-    fn groups_pairs_by_expert_in_token_order() {
-        let routing = Routing {
-            top_k: 2,
-            expert_ids: vec![2, 0, 0, 2, 1, 2],
-            weights: vec![0.6, 0.4, 0.7, 0.3, 0.5, 0.5],
-        };
-        let g = ExpertGroups::from_routing(&routing, 3);
-        assert_eq!(g.offsets, vec![0, 2, 3, 6]);
-        assert_eq!(g.tokens, vec![0, 1, 2, 0, 1, 2]);
-        assert_eq!(g.weights, vec![0.4, 0.7, 0.5, 0.6, 0.3, 0.5]);
+    fn dropless_and_spill_equal_the_grouped_hf_computation_exactly() {
+        let moe = layer(6, 2);
+        let x = values(23 * HIDDEN, 5);
+        let want = reference(&moe, &x, &moe.router_logits(&x, 23));
+        let (dropless, summary) = run(&moe, &x, Capacity::Dropless, None);
+        assert_eq!(dropless, want);
+        assert_eq!(summary.device_pairs, vec![46]);
+        let (spilled, summary) = run(&moe, &x, spill(0.3), None);
+        assert_eq!(spilled, want);
+        assert!(summary.counts.spilled > 0);
+    }
+
+    #[test]
+    fn expert_parallel_runs_equal_one_device_exactly() {
+        let moe = layer(6, 2);
+        let x = values(31 * HIDDEN, 7);
+        let (want, _) = run(&moe, &x, Capacity::Dropless, None);
+        for (devices, redundant) in [(1, 0), (2, 0), (2, 2), (3, 3), (4, 2)] {
+            let placement = ExpertPlacement::round_robin(1, 6, devices, redundant).unwrap();
+            let exchange = Arc::new(InProcessAllToAll::new(devices, 2).unwrap());
+            let ep = ExpertParallel::new(&[&moe], placement, exchange).unwrap();
+            let (got, summary) = run(&moe, &x, Capacity::Dropless, Some(&ep));
+            assert_eq!(got, want, "{devices} devices, {redundant} redundant");
+            assert_eq!(summary.device_pairs.iter().sum::<u64>(), 62);
+            assert_eq!(summary.device_seconds.len(), devices);
+            let (spilled, _) = run(&moe, &x, spill(0.5), Some(&ep));
+            assert_eq!(spilled, want, "spill on {devices} devices");
+        }
+    }
+
+    #[test]
+    fn dropped_tokens_get_zero_output() {
+        let moe = layer(4, 1);
+        let x = values(9 * HIDDEN, 3);
+        let drop = Capacity::Factor {
+            alpha: 0.25,
+            overflow: OverflowPolicy::Drop,
+        }; // C = 1: at most 4 tokens keep an expert
+        let (out, summary) = run(&moe, &x, drop, None);
+        assert!(summary.counts.dropped_tokens >= 5);
+        let zero_rows = out
+            .chunks_exact(HIDDEN)
+            .filter(|r| r.iter().all(|v| *v == 0.0))
+            .count();
+        assert_eq!(zero_rows as u64, summary.counts.dropped_tokens);
+    }
+
+    #[test]
+    fn router_bias_shifts_the_logits() {
+        let mut moe = layer(4, 2);
+        let x = values(2 * HIDDEN, 9);
+        let plain = moe.router_logits(&x, 2);
+        moe.router_bias = Some(vec![0.0, 5.0, 0.0, -1.0]);
+        let biased = moe.router_logits(&x, 2);
+        assert_eq!(biased[1], plain[1] + 5.0);
+        assert_eq!(biased[7], plain[7] - 1.0);
+        assert!(check_router_bias(&[1.0; 3], 4).is_err());
+        assert!(check_router_bias(&[0.0, f32::NAN, 0.0, 0.0], 4).is_err());
+    }
+
+    #[test]
+    fn deep_copies_own_their_bytes_and_compute_the_same() {
+        let moe = layer(2, 1);
+        let copy = moe.experts[0].deep_copy().unwrap();
+        assert_ne!(
+            copy.w1.as_bytes().as_ptr(),
+            moe.experts[0].w1.as_bytes().as_ptr()
+        );
+        assert_eq!(copy.size_in_bytes(), 3 * INTER * HIDDEN * 4);
+        let x = values(3 * HIDDEN, 4);
+        let (mut a, mut b) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        moe.experts[0].forward(&x, 3, &mut a);
+        copy.forward(&x, 3, &mut b);
+        assert_eq!(a, b);
     }
 }

@@ -1,12 +1,26 @@
 //! The sparse mixture-of-experts block: router (top-k over softmax, with an optional capacity
-//! limit) and grouped experts.
+//! limit), dispatch and combine, grouped experts, and expert parallelism over device workers.
+//!
+//! - `router`, `capacity`: which (token, expert) pairs are computed.
+//! - `dispatch`: pairs grouped into per-device, per-slot segments; outputs combined per token.
+//! - `experts`: the SwiGLU experts and the block's forward.
+//! - `parallel`: the `AllToAll` interface and its in-process (CPU device worker) version.
+//! - `arena`: a placement with each device's expert weights (`ExpertParallel`).
+//! - `record`: forward options and per-layer routing summaries for the engine.
 
+pub mod arena;
 pub mod capacity;
+mod dispatch;
 pub mod experts;
+pub mod parallel;
+pub mod record;
 pub mod router;
 
+pub use arena::ExpertParallel;
 pub use capacity::{Capacity, OverflowPolicy, expert_capacity};
-pub use experts::SparseMoe;
+pub use experts::{Expert, MoeLayerStep, SparseMoe};
+pub use parallel::{AllToAll, DeviceCompute, DeviceOutput, DeviceWork, InProcessAllToAll, Segment};
+pub use record::{LayerRouting, MoeOptions, MoeStepRecord, TokenPairCounts};
 pub use router::{
     RoutedPair, RoutedStep, RouterConfig, Routing, RoutingCounts, route, route_top_k,
 };

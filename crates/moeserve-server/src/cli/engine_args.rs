@@ -4,6 +4,8 @@ use clap::Args;
 use moeserve_core::{CacheConfig, SchedulerConfig};
 use moeserve_engine::engine_core::EngineConfig;
 
+use super::moe_args::MoeArgs;
+
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
     /// Most sequences in one step.
@@ -31,6 +33,8 @@ pub struct EngineArgs {
     pub enable_prefix_caching: bool,
     #[arg(long, hide = true)]
     pub no_enable_prefix_caching: bool,
+    #[command(flatten)]
+    pub moe: MoeArgs,
 }
 
 impl EngineArgs {
@@ -47,6 +51,7 @@ impl EngineArgs {
                 enable_chunked_prefill: !self.no_enable_chunked_prefill,
                 max_model_len: self.max_model_len,
             },
+            moe: self.moe.to_config(),
         }
     }
 }

@@ -4,6 +4,7 @@
 pub mod engine_args;
 mod generate;
 mod make_model;
+pub mod moe_args;
 pub mod serve;
 
 use clap::{ArgMatches, Parser, Subcommand};

@@ -134,6 +134,9 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
             ),
             max_model_len: x.pick_opt("max_model_len", e.max_model_len, file.max_model_len),
         },
+        moe: e.moe.apply(file.moe.clone().unwrap_or_default(), |id| {
+            file.moe.is_none() || x.given(id)
+        }),
     };
     engine.cache.validate().context("invalid cache settings")?;
     engine
