@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{demo_model_dir, repo_root};
+use common::{demo_model_dir, repo_root, run_together};
 use moeserve_core::{CacheConfig, SamplingParams, SchedulerConfig};
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::EngineConfig;
@@ -51,20 +51,6 @@ fn params(r: usize) -> SamplingParams {
             ..Default::default()
         }
     }
-}
-
-fn run_together(
-    assets: &Arc<ModelAssets>,
-    requests: &[GenerateRequest],
-    config: EngineConfig,
-) -> (Vec<GenerateOutput>, LlmEngine) {
-    let mut engine = LlmEngine::new(assets.clone(), &config).unwrap();
-    let outputs = engine
-        .generate(requests.to_vec(), |_, _| {})
-        .into_iter()
-        .map(|r| r.unwrap())
-        .collect();
-    (outputs, engine)
 }
 
 fn small_cache_config(num_blocks: usize, block_size: usize, assets: &ModelAssets) -> EngineConfig {

@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{demo_model_dir, repo_root};
+use common::{demo_model_dir, repo_root, run_together};
 use moeserve_core::{ExpertPlacement, MoeConfig, OverflowPolicy, SamplingParams, SchedulerConfig};
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::{EngineConfig, RequestEvent};
@@ -58,20 +58,6 @@ fn expert_parallel(devices: usize, redundant: usize) -> MoeConfig {
     }
 }
 
-fn run(
-    assets: &Arc<ModelAssets>,
-    requests: &[GenerateRequest],
-    config: EngineConfig,
-) -> (Vec<GenerateOutput>, LlmEngine) {
-    let mut engine = LlmEngine::new(assets.clone(), &config).unwrap();
-    let outputs = engine
-        .generate(requests.to_vec(), |_, _| {})
-        .into_iter()
-        .map(|r| r.unwrap())
-        .collect();
-    (outputs, engine)
-}
-
 fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("moeserve-{}-{name}", std::process::id()))
 }
@@ -91,7 +77,7 @@ fn expert_parallel_batches_equal_solo_runs_on_every_fixture() {
             .map(|r| generate_one(assets.clone(), r.clone()).unwrap())
             .collect();
         for (devices, redundant) in [(1, 0), (1, 2), (2, 0), (2, 2), (4, 0), (4, 3)] {
-            let (together, engine) = run(
+            let (together, engine) = run_together(
                 &assets,
                 &reqs,
                 with_moe(expert_parallel(devices, redundant)),
@@ -133,7 +119,7 @@ fn capacity_counts_reach_request_outputs_and_the_snapshot() {
             moe_overflow: overflow,
             ..Default::default()
         };
-        let (outputs, engine) = run(&assets, &reqs, with_moe(moe));
+        let (outputs, engine) = run_together(&assets, &reqs, with_moe(moe));
         let stats = engine.core().moe_stats();
         let (pairs, dropped, rerouted, spilled) = stats.total_pairs();
         let per_request = outputs
@@ -173,7 +159,7 @@ fn routing_trace_records_every_step_and_layer() {
         record_routing: Some(path.clone()),
         ..Default::default()
     };
-    let (_, engine) = run(&assets, &requests(4, 500), with_moe(moe));
+    let (_, engine) = run_together(&assets, &requests(4, 500), with_moe(moe));
     let records: Vec<_> = RoutingTraceReader::open(&path)
         .unwrap()
         .collect::<Result<_, _>>()
@@ -288,9 +274,9 @@ fn demo_model_outputs_are_equal_under_expert_parallelism() {
         params: SamplingParams::greedy(8),
     })
     .collect();
-    let (want, _) = run(&assets, &reqs, with_moe(MoeConfig::default()));
+    let (want, _) = run_together(&assets, &reqs, with_moe(MoeConfig::default()));
     for (devices, redundant) in [(2, 0), (2, 2), (4, 0), (4, 4)] {
-        let (got, _) = run(
+        let (got, _) = run_together(
             &assets,
             &reqs,
             with_moe(expert_parallel(devices, redundant)),

@@ -3,6 +3,12 @@
 #![allow(dead_code)] // Each test binary uses a different subset.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use moeserve_engine::assets::ModelAssets;
+use moeserve_engine::engine_core::EngineConfig;
+use moeserve_engine::offline::LlmEngine;
+use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -20,4 +26,19 @@ pub fn demo_model_dir() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+/// Runs `requests` together through one engine; panics on any failed request.
+pub fn run_together(
+    assets: &Arc<ModelAssets>,
+    requests: &[GenerateRequest],
+    config: EngineConfig,
+) -> (Vec<GenerateOutput>, LlmEngine) {
+    let mut engine = LlmEngine::new(assets.clone(), &config).unwrap();
+    let outputs = engine
+        .generate(requests.to_vec(), |_, _| {})
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    (outputs, engine)
 }
