@@ -40,19 +40,19 @@ pub const LABEL_LAYER: &str = "layer";
 pub const LABEL_EXPERT: &str = "expert";
 pub const LABEL_DEVICE: &str = "device";
 
-pub const MOE_ROUTED_PAIRS_TOTAL: &str = "moeserve:moe_routed_pairs_total";
+pub const MOE_PAIRS_TOTAL: &str = "moeserve:moe_pairs_total";
 pub const MOE_DROPPED_PAIRS_TOTAL: &str = "moeserve:moe_dropped_pairs_total";
 pub const MOE_REROUTED_PAIRS_TOTAL: &str = "moeserve:moe_rerouted_pairs_total";
 pub const MOE_SPILLED_PAIRS_TOTAL: &str = "moeserve:moe_spilled_pairs_total";
 pub const MOE_DROPPED_TOKENS_TOTAL: &str = "moeserve:moe_dropped_tokens_total";
-pub const MOE_LAYER_IMBALANCE: &str = "moeserve:moe_layer_imbalance";
+pub const MOE_LOAD_IMBALANCE: &str = "moeserve:moe_load_imbalance";
 pub const MOE_STEP_IMBALANCE: &str = "moeserve:moe_step_imbalance";
-pub const MOE_DEVICE_PAIRS_TOTAL: &str = "moeserve:moe_device_pairs_total";
-pub const MOE_DEVICE_EXPERT_SECONDS_TOTAL: &str = "moeserve:moe_device_expert_seconds_total";
+pub const MOE_DEVICE_TOKENS_TOTAL: &str = "moeserve:moe_device_tokens_total";
+pub const MOE_DEVICE_EXPERT_SECONDS: &str = "moeserve:moe_device_expert_seconds";
 pub const MOE_REBALANCES_TOTAL: &str = "moeserve:moe_rebalances_total";
 pub const MOE_REBALANCE_GAIN_RATIO: &str = "moeserve:moe_rebalance_gain_ratio";
 pub const MOE_EXPERT_WINDOWED_PAIRS: &str = "moeserve:moe_expert_windowed_pairs";
-pub const MOE_EXPERT_PAIRS_TOTAL: &str = "moeserve:moe_expert_pairs_total";
+pub const MOE_EXPERT_TOKENS_TOTAL: &str = "moeserve:moe_expert_tokens_total";
 
 /// vLLM's deprecated name of the KV usage gauge, still read by many dashboards.
 pub const VLLM_GPU_CACHE_USAGE_PERC: &str = "vllm:gpu_cache_usage_perc";
@@ -206,7 +206,7 @@ pub const ALL: &[MetricDef] = &[
 /// `--expert-metrics full`.
 pub const MOE: &[MetricDef] = &[
     def(
-        MOE_ROUTED_PAIRS_TOTAL,
+        MOE_PAIRS_TOTAL,
         Counter,
         "(token, expert) pairs the router chose, per MoE layer.",
     ),
@@ -231,7 +231,7 @@ pub const MOE: &[MetricDef] = &[
         "Tokens that lost every expert to the capacity limit, per MoE layer.",
     ),
     def(
-        MOE_LAYER_IMBALANCE,
+        MOE_LOAD_IMBALANCE,
         Gauge,
         "Windowed max / mean device load of a MoE layer (1 is balanced).",
     ),
@@ -241,14 +241,15 @@ pub const MOE: &[MetricDef] = &[
         "Windowed expert imbalance of whole steps: sum of layer maxima over sum of layer means.",
     ),
     def(
-        MOE_DEVICE_PAIRS_TOTAL,
+        MOE_DEVICE_TOKENS_TOTAL,
         Counter,
-        "(token, expert) pairs computed, per device.",
+        "(token, expert) pairs computed, per device (each pair is one token through one expert).",
     ),
     def(
-        MOE_DEVICE_EXPERT_SECONDS_TOTAL,
-        Counter,
-        "Seconds spent in expert compute, per device.",
+        MOE_DEVICE_EXPERT_SECONDS,
+        Gauge,
+        "Seconds spent in expert compute since start-up, per device (a running total; a gauge \
+         because the metrics facade's counters are integers).",
     ),
     def(
         MOE_REBALANCES_TOTAL,
@@ -266,9 +267,9 @@ pub const MOE: &[MetricDef] = &[
         "Pairs per (layer, expert) over the load window.",
     ),
     def(
-        MOE_EXPERT_PAIRS_TOTAL,
+        MOE_EXPERT_TOKENS_TOTAL,
         Counter,
-        "Pairs per (layer, expert) since start-up.",
+        "(token, expert) pairs per (layer, expert) since start-up.",
     ),
 ];
 
@@ -414,6 +415,23 @@ mod tests {
                 "{}",
                 d.name
             );
+        }
+    }
+
+    #[test]
+    fn moe_series_carry_the_names_the_issue_gives() {
+        let names: Vec<&str> = MOE.iter().map(|d| d.name).collect();
+        for name in [
+            "moeserve:moe_pairs_total",
+            "moeserve:moe_dropped_pairs_total",
+            "moeserve:moe_rerouted_pairs_total",
+            "moeserve:moe_load_imbalance",
+            "moeserve:moe_device_tokens_total",
+            "moeserve:moe_rebalances_total",
+            "moeserve:moe_rebalance_gain_ratio",
+            "moeserve:moe_expert_tokens_total",
+        ] {
+            assert!(names.contains(&name), "{name} is not declared");
         }
     }
 

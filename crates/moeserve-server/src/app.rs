@@ -1,4 +1,4 @@
-//! The router: OpenAI endpoints under `/v1` (behind the API key when one is set), `/health`,
+//! The router: OpenAI endpoints and `GET /v1/moe/load` under `/v1` (behind the API key when one is set), `/health`,
 //! `/version`, and `/metrics` on its own router merged in. Unknown routes and methods answer in
 //! the OpenAI error shape; bodies are limited to `--max-request-bytes`.
 
@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use crate::auth::require_api_key;
 use crate::error::ApiError;
 use crate::metrics;
+use crate::moe;
 use crate::openai::{chat, completions, models};
 use crate::state::AppState;
 
@@ -21,6 +22,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(completions::create))
         .route("/v1/chat/completions", post(chat::create))
         .route("/v1/models", get(models::list))
+        .route("/v1/moe/load", get(moe::load))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -7,7 +7,8 @@
 //! - `openai`: wire types and handlers, one module per endpoint, and SSE streaming.
 //! - `generation`: one request's trip through the engine (queue limit, events, metrics).
 //! - `error`: [`ApiError`], the one HTTP error type; `auth`: the API key.
-//! - `metrics`: the Prometheus exporter and `/metrics`.
+//! - `metrics`: the Prometheus exporter and `/metrics`; `moe`: the MoE series and
+//!   `GET /v1/moe/load`.
 
 pub mod app;
 pub mod auth;
@@ -16,6 +17,7 @@ pub mod config;
 pub mod error;
 pub mod generation;
 pub mod metrics;
+pub mod moe;
 pub mod openai;
 pub mod server;
 pub mod state;

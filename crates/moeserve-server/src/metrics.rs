@@ -4,7 +4,8 @@
 //! Names come from `moeserve_engine::metrics`. Gauges and counters are refreshed from the engine's
 //! statistics right before rendering (counters set to the engine's absolute totals); histograms
 //! are observed per request as its events pass through the server. With `--metrics-compat vllm`
-//! every series is also recorded under its `vllm:` name.
+//! every series is also recorded under its `vllm:` name (the MoE series, which vLLM lacks, only
+//! under their own; see `crate::moe`).
 
 use std::sync::OnceLock;
 
@@ -16,6 +17,7 @@ use axum::routing::get;
 use metrics::{Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use moeserve_engine::metrics as names;
+use moeserve_engine::moe::MoeStats;
 use moeserve_engine::request::{FinishReason, GenerateOutput};
 use moeserve_engine::stats::EngineStats;
 
@@ -50,6 +52,7 @@ pub fn install_recorder(
     metrics::set_global_recorder(recorder)
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     names::describe_metrics();
+    names::describe_moe_metrics();
     if compat == MetricsCompat::Vllm {
         names::describe_vllm_metrics();
     }
@@ -91,6 +94,8 @@ impl Series<Histogram> {
 /// Handles of every series, labelled with the served model name.
 pub struct ServerMetrics {
     exporter: Option<PrometheusHandle>,
+    /// The `model_name` label of the MoE series, which are labelled per scrape.
+    model_name: String,
     running: Series<Gauge>,
     waiting: Series<Gauge>,
     kv_usage: Series<Gauge>,
@@ -176,6 +181,7 @@ impl ServerMetrics {
         }
         ServerMetrics {
             exporter,
+            model_name: model.clone(),
             running: gauge(names::NUM_REQUESTS_RUNNING),
             waiting: gauge(names::NUM_REQUESTS_WAITING),
             kv_usage,
@@ -207,6 +213,12 @@ impl ServerMetrics {
         self.prefix_hits.absolute(stats.prefix_cache_hits);
         self.preemptions.absolute(stats.num_preemptions);
         self.generation_tokens.absolute(stats.generation_tokens);
+    }
+
+    /// Copies the engine's MoE snapshot (per layer, device and, with `--expert-metrics full`,
+    /// per expert).
+    pub fn refresh_moe(&self, stats: &MoeStats) {
+        crate::moe::record_moe_metrics(&self.model_name, stats);
     }
 
     /// A request's prompt has been prefilled (its first token came).
@@ -258,6 +270,7 @@ pub fn router() -> Router<AppState> {
 async fn scrape(State(state): State<AppState>) -> axum::response::Response {
     if let Some(engine) = state.loaded_engine() {
         state.metrics().refresh(&engine.stats());
+        state.metrics().refresh_moe(&engine.moe_snapshot());
     }
     let text = state
         .metrics()

@@ -220,7 +220,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
             logprobs,
             finish_reason: output.finish_reason,
         }],
-        usage: Usage::new(output.prompt_ids.len(), output.token_ids.len()),
+        usage: Usage::of(&output),
     })
     .into_response())
 }
@@ -292,7 +292,7 @@ impl ChunkMaker for ChatChunks {
         if !self.include_usage {
             return Vec::new();
         }
-        let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+        let usage = Usage::of(output);
         vec![self.chunk(Vec::new(), Some(usage))]
     }
 }

@@ -165,7 +165,7 @@ fn completion(
         logprobs,
         finish_reason: Some(output.finish_reason),
     };
-    let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+    let usage = Usage::of(output);
     Completion::new(meta, vec![choice], Some(usage))
 }
 
@@ -211,7 +211,7 @@ impl ChunkMaker for CompletionChunks {
         if !self.include_usage {
             return Vec::new();
         }
-        let usage = Usage::new(output.prompt_ids.len(), output.token_ids.len());
+        let usage = Usage::of(output);
         vec![json_event(&Completion::new(
             &self.meta,
             Vec::new(),

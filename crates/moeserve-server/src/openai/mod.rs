@@ -1,5 +1,6 @@
 //! OpenAI wire types and handlers, one module per endpoint; this module holds what they share:
-//! the JSON body extractor, the sampling fields common to completions and chat, `usage`.
+//! the JSON body extractor, the sampling fields common to completions and chat, `usage` (with
+//! the `usage.moe` extension: the request's dropped / rerouted pairs under a capacity factor).
 //!
 //! Unknown fields are ignored, as OpenAI does. Each body is read twice, once as the endpoint's
 //! own fields and once as [`SamplingFields`], so both keep exact field paths in their errors.
@@ -15,6 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use moeserve_core::SamplingParams;
+use moeserve_engine::moe::MoeRequestCounts;
+use moeserve_engine::request::GenerateOutput;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -140,12 +143,36 @@ impl SamplingFields {
     }
 }
 
-/// Token counts of one request.
+/// Token counts of one request; `moe` (an extension) only when a capacity factor is set.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeUsage>,
+}
+
+/// What the expert capacity limit did to one request's (token, expert) pairs, over all its
+/// steps and MoE layers.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct MoeUsage {
+    /// Pairs the router chose: tokens run × top_k × MoE layers.
+    pub routed_pairs: u64,
+    pub dropped_pairs: u64,
+    pub rerouted_pairs: u64,
+    pub spilled_pairs: u64,
+}
+
+impl From<&MoeRequestCounts> for MoeUsage {
+    fn from(c: &MoeRequestCounts) -> Self {
+        MoeUsage {
+            routed_pairs: c.pairs,
+            dropped_pairs: c.dropped,
+            rerouted_pairs: c.rerouted,
+            spilled_pairs: c.spilled,
+        }
+    }
 }
 
 impl Usage {
@@ -154,6 +181,15 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            moe: None,
+        }
+    }
+
+    /// The usage of a finished request, with its MoE counts when the engine kept them.
+    pub fn of(output: &GenerateOutput) -> Usage {
+        Usage {
+            moe: output.moe.as_ref().map(MoeUsage::from),
+            ..Usage::new(output.prompt_ids.len(), output.token_ids.len())
         }
     }
 }
@@ -222,6 +258,28 @@ mod tests {
         assert_eq!(err.body().param.as_deref(), Some("top_k"));
         let err = fields("{}").to_params(0, None).unwrap_err();
         assert_eq!(err.body().param.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn usage_has_moe_counts_only_when_the_engine_kept_them() {
+        let plain = serde_json::to_value(Usage::new(3, 4)).unwrap();
+        assert_eq!(plain["total_tokens"], 7);
+        assert!(plain.get("moe").is_none());
+        let counts = MoeRequestCounts {
+            pairs: 28,
+            dropped: 2,
+            rerouted: 1,
+            spilled: 0,
+        };
+        let usage = Usage {
+            moe: Some(MoeUsage::from(&counts)),
+            ..Usage::new(3, 4)
+        };
+        let json = serde_json::to_value(usage).unwrap();
+        assert_eq!(json["moe"]["routed_pairs"], 28);
+        assert_eq!(json["moe"]["dropped_pairs"], 2);
+        assert_eq!(json["moe"]["rerouted_pairs"], 1);
+        assert_eq!(json["moe"]["spilled_pairs"], 0);
     }
 
     #[test]
