@@ -9,8 +9,11 @@ use anyhow::Context;
 use clap::Args;
 use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
+use moeserve_engine::moe::MoeRequestCounts;
 use moeserve_engine::offline::LlmEngine;
-use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::request::{
+    FinishReason, GenerateOutput, GenerateRequest, Prompt, RequestTimings,
+};
 use moeserve_model::chat_template::ChatMessage;
 use serde::{Deserialize, Serialize};
 
@@ -84,6 +87,11 @@ struct JsonOutput<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     top_logprobs: Option<&'a [Vec<(u32, f32)>]>,
     finish_reason: FinishReason,
+    timings: RequestTimings,
+    /// The request's (token, expert) pairs and what capacity did to them (with a capacity
+    /// factor only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    moe: Option<MoeRequestCounts>,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -122,6 +130,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         results.len(),
         generated as f64 / secs
     );
+    report_moe(&engine.core().moe_stats());
     let mut failed = 0;
     for (i, result) in results.iter().enumerate() {
         match result {
@@ -154,6 +163,8 @@ fn print_output(
             logprobs: &output.logprobs,
             top_logprobs: args.logprobs.map(|_| output.top_logprobs.as_slice()),
             finish_reason: output.finish_reason,
+            timings: output.timings,
+            moe: output.moe,
         };
         println!("{}", serde_json::to_string(&json)?);
     } else if total == 1 {
@@ -232,4 +243,33 @@ fn read_prompts_file(
     }
     anyhow::ensure!(!requests.is_empty(), "{} holds no requests", path.display());
     Ok(requests)
+}
+
+/// One stderr line about routing when capacity or expert parallelism is in play.
+fn report_moe(moe: &moeserve_engine::moe::MoeStats) {
+    if moe.capacity_factor.is_none() && moe.expert_parallel_size <= 1 {
+        return;
+    }
+    let (pairs, dropped, rerouted) = moe.layers.iter().fold((0, 0, 0), |(p, d, r), l| {
+        (p + l.pairs, d + l.dropped, r + l.rerouted)
+    });
+    let rebalances: Vec<String> = moe
+        .rebalances
+        .iter()
+        .map(|r| {
+            let realised = r
+                .realised_imbalance
+                .map_or("?".to_string(), |v| format!("{v:.3}"));
+            format!(
+                "step {}: {:.3} -> predicted {:.3}, realised {realised}",
+                r.step, r.imbalance_before, r.predicted_imbalance
+            )
+        })
+        .collect();
+    eprintln!(
+        "moe: {pairs} pairs, {dropped} dropped, {rerouted} rerouted; windowed step imbalance {:.3}; {} rebalances [{}]",
+        moe.step_imbalance,
+        moe.num_rebalances,
+        rebalances.join("; ")
+    );
 }
