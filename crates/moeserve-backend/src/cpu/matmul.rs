@@ -98,55 +98,80 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
     });
 }
 
-/// One task per 32-row panel; each task runs every activation row through its panel.
+/// One task per 32-row panel; each task runs every activation row through its panel. With
+/// many activation rows (prefill) a 16-bit panel is widened to f32 once into a per-thread
+/// scratch, so the inner loop is loads and FMAs only; the values and the FMA order are the same
+/// either way, so results do not depend on the batch.
 #[cfg(target_arch = "x86_64")]
-fn run_packed<T: super::avx512::Lanes + Sync>(
+fn run_packed<T: super::avx512::Lanes + Sync + Into<f32>>(
     x: &[f32],
     d: Dims,
     w: &PackedPanels<T>,
     out: OutPtr,
 ) {
-    use super::avx512::{PanelTile, panel_tile};
+    let widen = d.m > WIDEN_ABOVE_ROWS && std::mem::size_of::<T>() < 4;
     for_each_task(w.num_panels(), d, |q| {
         let panel = w.panel(q);
-        let cols = PANEL.min(d.n - q * PANEL);
-        let mut tmp = [0.0f32; MAX_MR * PANEL];
-        for i0 in (0..d.m).step_by(MAX_MR) {
-            let mr = MAX_MR.min(d.m - i0);
-            let t = PanelTile {
-                x: x[i0 * d.k..].as_ptr(),
-                w: panel.as_ptr(),
-                k: d.k,
-                out: tmp.as_mut_ptr(),
-            };
-            // SAFETY: `Isa::Avx512` was detected; x holds rows i0..i0+mr, the panel k × 32
-            // elements, tmp MAX_MR × 32.
-            unsafe {
-                match mr {
-                    8 => panel_tile::<T, 8>(t),
-                    7 => panel_tile::<T, 7>(t),
-                    6 => panel_tile::<T, 6>(t),
-                    5 => panel_tile::<T, 5>(t),
-                    4 => panel_tile::<T, 4>(t),
-                    3 => panel_tile::<T, 3>(t),
-                    2 => panel_tile::<T, 2>(t),
-                    _ => panel_tile::<T, 1>(t),
-                }
-            }
-            for i in 0..mr {
-                let src = &tmp[i * PANEL..i * PANEL + cols];
-                // SAFETY: row i0 + i, columns q*32 .. q*32 + cols are inside out and only
-                // this task writes them.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_ptr(),
-                        out.get().add((i0 + i) * d.n + q * PANEL),
-                        cols,
-                    )
-                };
+        if !widen {
+            return panel_rows(x, d, panel, q, out);
+        }
+        WIDE_PANEL.with_borrow_mut(|wide| {
+            wide.clear();
+            wide.extend(panel.iter().map(|v| (*v).into()));
+            panel_rows(x, d, wide, q, out)
+        })
+    });
+}
+
+/// Activation rows above which widening a 16-bit panel once pays for itself.
+const WIDEN_ABOVE_ROWS: usize = 2 * MAX_MR;
+
+thread_local! {
+    /// A widened panel (`k × PANEL` f32), reused across calls on this thread.
+    static WIDE_PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// All activation rows against panel `q`, `MAX_MR` rows per microkernel call.
+#[cfg(target_arch = "x86_64")]
+fn panel_rows<U: super::avx512::Lanes>(x: &[f32], d: Dims, panel: &[U], q: usize, out: OutPtr) {
+    use super::avx512::{PanelTile, panel_tile};
+    let cols = PANEL.min(d.n - q * PANEL);
+    let mut tmp = [0.0f32; MAX_MR * PANEL];
+    for i0 in (0..d.m).step_by(MAX_MR) {
+        let mr = MAX_MR.min(d.m - i0);
+        let t = PanelTile {
+            x: x[i0 * d.k..].as_ptr(),
+            w: panel.as_ptr(),
+            k: d.k,
+            out: tmp.as_mut_ptr(),
+        };
+        // SAFETY: `Isa::Avx512` was detected; x holds rows i0..i0+mr, the panel k × 32
+        // elements, tmp MAX_MR × 32.
+        unsafe {
+            match mr {
+                8 => panel_tile::<U, 8>(t),
+                7 => panel_tile::<U, 7>(t),
+                6 => panel_tile::<U, 6>(t),
+                5 => panel_tile::<U, 5>(t),
+                4 => panel_tile::<U, 4>(t),
+                3 => panel_tile::<U, 3>(t),
+                2 => panel_tile::<U, 2>(t),
+                _ => panel_tile::<U, 1>(t),
             }
         }
-    });
+        for i in 0..mr {
+            let src = &tmp[i * PANEL..i * PANEL + cols];
+            // SAFETY: row i0 + i, columns q*32 .. q*32 + cols are inside out and only this
+            // task writes them.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    out.get().add((i0 + i) * d.n + q * PANEL),
+                    cols,
+                )
+            };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -185,7 +210,13 @@ mod tests {
     #[test]
     fn matches_scalar_reference_for_every_dtype_and_odd_sizes() {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            for (m, n, k) in [(1, 7, 5), (3, 100, 67), (5, 257, 130), (1, 1024, 256)] {
+            for (m, n, k) in [
+                (1, 7, 5),
+                (3, 100, 67),
+                (5, 257, 130),
+                (1, 1024, 256),
+                (37, 65, 96),
+            ] {
                 let x = pseudo_random(m * k, 1);
                 let wv = pseudo_random(n * k, 2);
                 let w = weight_of(dtype, vec![n, k], &wv);
@@ -206,7 +237,7 @@ mod tests {
     #[test]
     fn each_row_is_bit_identical_whatever_the_batch() {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let (m, n, k) = (11, 70, 200);
+            let (m, n, k) = (40, 70, 200);
             let x = pseudo_random(m * k, 3);
             let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 4));
             let mut batched = vec![0.0; m * n];
