@@ -124,7 +124,7 @@ fn run_packed<T: super::avx512::Lanes + Sync + Into<f32>>(
 }
 
 /// Activation rows above which widening a 16-bit panel once pays for itself.
-const WIDEN_ABOVE_ROWS: usize = 2 * MAX_MR;
+const WIDEN_ABOVE_ROWS: usize = 8 * MAX_MR;
 
 thread_local! {
     /// A widened panel (`k × PANEL` f32), reused across calls on this thread.

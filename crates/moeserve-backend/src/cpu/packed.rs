@@ -32,7 +32,10 @@ pub struct PackedPanels<T> {
 impl<T: Copy + Default> PackedPanels<T> {
     fn pack(src: &[T], n: usize, k: usize) -> Self {
         let num_panels = n.div_ceil(PANEL);
-        let mut data = vec![T::default(); num_panels * k * PANEL];
+        let len = num_panels * k * PANEL;
+        let mut data: Vec<T> = Vec::with_capacity(len);
+        advise_huge_pages(data.as_mut_ptr() as *mut u8, len * std::mem::size_of::<T>());
+        data.resize(len, T::default());
         for (q, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
             for r in 0..PANEL.min(n - q * PANEL) {
                 let row = &src[(q * PANEL + r) * k..(q * PANEL + r + 1) * k];
@@ -53,6 +56,19 @@ impl<T> PackedPanels<T> {
     /// The `k × PANEL` elements of panel `q`.
     pub fn panel(&self, q: usize) -> &[T] {
         &self.data[q * self.k * PANEL..(q + 1) * self.k * PANEL]
+    }
+}
+
+/// Asks for 2 MiB pages behind a weight buffer before it is first touched: decode streams every
+/// weight once per step, and with 4 KiB pages the hardware prefetchers stop at every page.
+fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    if bytes >= 2 << 20 {
+        // SAFETY: the range is inside one live allocation; MADV_HUGEPAGE only changes how the
+        // kernel backs it, and a refusal is harmless.
+        unsafe {
+            libc::madvise(ptr as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE);
+        }
     }
 }
 
