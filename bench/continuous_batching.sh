@@ -28,7 +28,12 @@ run() { # $1 = max-num-seqs
 }
 alone=$(run 1)
 together=$(run "$n")
-cmp -s "$work/out-1.jsonl" "$work/out-$n.jsonl" && same=yes || same=NO
+same=$(python3 - "$work/out-1.jsonl" "$work/out-$n.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["token_ids"] for l in open(f)] for f in sys.argv[1:])
+print("yes" if a == b else "NO")
+PY
+)
 python3 - "$alone" "$together" "$same" "$n" <<'PY'
 import sys
 alone, together, same, n = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]

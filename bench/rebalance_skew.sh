@@ -21,5 +21,9 @@ run() { "$bin" generate --model "$model" --prompts-file "$work/prompts.jsonl" --
   --expert-parallel-size 2 --num-redundant-experts 2 --load-window 16 "$@" 2>&1 > "$work/out-$#.jsonl" | grep '^moe:'; }
 echo "without re-placement: $(run --rebalance-interval 0)"
 echo "with re-placement:    $(run --rebalance-interval 16 --rebalance-threshold 1.05)"
-cmp -s "$work/out-2.jsonl" "$work/out-4.jsonl" && echo "identical tokens: yes" || echo "identical tokens: NO"
+python3 - "$work/out-2.jsonl" "$work/out-4.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["token_ids"] for l in open(f)] for f in sys.argv[1:])
+print("identical tokens:", "yes" if a == b else "NO")
+PY
 rm -rf "$work"
