@@ -2,19 +2,27 @@
 //!
 //! These are memory-light next to the matmuls; they stay scalar code the compiler vectorises.
 
-use crate::Weight;
+use crate::{Weight, WeightData};
 
 /// `out[r] = x[r] / sqrt(mean(x[r]²) + eps) * w` for every row `r` of `x: [rows, w.len()]`.
 ///
 /// HF: `hidden_states * torch.rsqrt(variance + self.variance_epsilon)` then `self.weight * ...`.
 pub fn rms_norm(x: &[f32], w: &Weight, eps: f32, out: &mut [f32]) {
-    let h = w.numel();
-    let w = w.to_f32_vec();
+    match w.data() {
+        WeightData::F32(g) => rms_norm_rows(x, g, eps, out),
+        WeightData::F16(g) => rms_norm_rows(x, g, eps, out),
+        WeightData::BF16(g) => rms_norm_rows(x, g, eps, out),
+    }
+}
+
+/// The gains are widened element by element: no per-call buffer on the step's hot path.
+fn rms_norm_rows<T: Copy + Into<f32>>(x: &[f32], gain: &[T], eps: f32, out: &mut [f32]) {
+    let h = gain.len();
     for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
         let var = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
         let inv = 1.0 / (var + eps).sqrt();
-        for ((o, v), g) in or.iter_mut().zip(xr).zip(&w) {
-            *o = g * (v * inv);
+        for ((o, v), g) in or.iter_mut().zip(xr).zip(gain) {
+            *o = (*g).into() * (v * inv);
         }
     }
 }
