@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{demo_model_dir, repo_root, run_together};
+use common::{FIXTURE_CASES, demo_model_dir, repo_root, run_together};
 use moeserve_core::{CacheConfig, SamplingParams, SchedulerConfig};
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::EngineConfig;
@@ -72,12 +72,7 @@ fn small_cache_config(num_blocks: usize, block_size: usize, assets: &ModelAssets
 
 #[test]
 fn concurrent_requests_equal_their_solo_runs_on_every_fixture() {
-    for case in [
-        "mixtral-swa",
-        "mixtral-tied",
-        "mixtral-gqa",
-        "mixtral-sharded",
-    ] {
+    for case in FIXTURE_CASES {
         let assets = fixture(case);
         let vocab = assets.model.config().vocab_size as u32;
         let requests: Vec<GenerateRequest> = prompts(24, vocab)

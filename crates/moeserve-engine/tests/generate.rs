@@ -5,7 +5,7 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
-use common::{demo_model_dir, repo_root};
+use common::{FIXTURE_CASES, demo_model_dir, repo_root};
 use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::offline::generate_one;
@@ -36,12 +36,7 @@ fn read_reference(path: &Path) -> Reference {
 
 #[test]
 fn greedy_generation_matches_transformers_on_fixtures() {
-    for case in [
-        "mixtral-swa",
-        "mixtral-tied",
-        "mixtral-gqa",
-        "mixtral-sharded",
-    ] {
+    for case in FIXTURE_CASES {
         let dir = repo_root().join("tests/fixtures").join(case);
         let assets = Arc::new(ModelAssets::load(&dir).unwrap());
         for want in read_reference(&dir.join("reference.json")).prompts {

@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{demo_model_dir, repo_root, run_together};
+use common::{FIXTURE_CASES, demo_model_dir, repo_root, run_together};
 use moeserve_core::{ExpertPlacement, MoeConfig, OverflowPolicy, SamplingParams, SchedulerConfig};
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::{EngineConfig, RequestEvent};
@@ -64,12 +64,7 @@ fn temp_path(name: &str) -> PathBuf {
 
 #[test]
 fn expert_parallel_batches_equal_solo_runs_on_every_fixture() {
-    for case in [
-        "mixtral-swa",
-        "mixtral-tied",
-        "mixtral-gqa",
-        "mixtral-sharded",
-    ] {
+    for case in FIXTURE_CASES {
         let assets = fixture(case);
         let reqs = requests(7, assets.model.config().vocab_size as u32);
         let alone: Vec<GenerateOutput> = reqs

@@ -10,6 +10,14 @@ use moeserve_engine::engine_core::EngineConfig;
 use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
+/// The transformers reference checkpoints under tests/fixtures.
+pub const FIXTURE_CASES: [&str; 4] = [
+    "mixtral-swa",
+    "mixtral-tied",
+    "mixtral-gqa",
+    "mixtral-sharded",
+];
+
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
