@@ -6,11 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-32}; prompt_len=${2:-64}; output_len=${3:-64}
-cargo build --release --quiet --bin moeserve
-bin=target/release/moeserve
-model=models/mixtral-bench-1b
-[ -f "$model/config.json" ] || "$bin" make-model --preset mixtral-bench-1b --out "$model"
-work=$(mktemp -d)
+source bench/common.sh
 python3 - "$n" "$prompt_len" "$output_len" > "$work/prompts.jsonl" <<'PY'
 import json, random, sys
 n, plen, olen = map(int, sys.argv[1:])
@@ -71,4 +67,3 @@ for alpha in ["1.0", "1.25", "1.5", "2.0"]:
         agree, delta = quality(outs)
         print(f"| {alpha} | {policy} | {100*dropped/pairs:.2f} % | {100*rerouted/pairs:.2f} % | {tpot(outs)*1e3:.0f} | {tps:.1f} | {100*agree:.1f} % | {delta:.4f} |")
 PY
-rm -rf "$work"

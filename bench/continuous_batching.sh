@@ -7,11 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-32}; prompt_len=${2:-256}; output_len=${3:-128}
-cargo build --release --quiet --bin moeserve
-bin=target/release/moeserve
-model=models/mixtral-bench-1b
-[ -f "$model/config.json" ] || "$bin" make-model --preset mixtral-bench-1b --out "$model"
-work=$(mktemp -d)
+source bench/common.sh
 python3 - "$n" "$prompt_len" "$output_len" > "$work/prompts.jsonl" <<'PY'
 import json, random, sys
 n, plen, olen = map(int, sys.argv[1:])
@@ -41,4 +37,3 @@ print(f"one at a time (--max-num-seqs 1): {alone:.1f} output tokens/s")
 print(f"together (--max-num-seqs {n}):     {together:.1f} output tokens/s")
 print(f"speed-up: {together / alone:.2f}x; identical tokens: {same}")
 PY
-rm -rf "$work"

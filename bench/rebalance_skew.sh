@@ -7,11 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 output_len=${1:-160}
-cargo build --release --quiet --bin moeserve
-bin=target/release/moeserve
-model=models/mixtral-bench-1b
-[ -f "$model/config.json" ] || "$bin" make-model --preset mixtral-bench-1b --out "$model"
-work=$(mktemp -d)
+source bench/common.sh
 python3 - "$output_len" > "$work/prompts.jsonl" <<'PY'
 import json, sys
 for i in range(16):
@@ -26,4 +22,3 @@ import json, sys
 a, b = ([json.loads(l)["token_ids"] for l in open(f)] for f in sys.argv[1:])
 print("identical tokens:", "yes" if a == b else "NO")
 PY
-rm -rf "$work"
