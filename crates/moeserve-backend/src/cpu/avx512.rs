@@ -52,16 +52,24 @@ impl Lanes for f16 {
 /// Operands of one microkernel call.
 #[derive(Clone, Copy)]
 pub(super) struct PanelTile<T> {
-    /// First of `MR` activation rows, row stride `k`.
+    /// First of `MR` activation rows, already offset to the block's first position.
     pub x: *const f32,
-    /// The panel: `k × PANEL` elements.
+    /// Row stride of `x` (the full `k`).
+    pub x_stride: usize,
+    /// The block of the panel: `kc × PANEL` elements.
     pub w: *const T,
-    pub k: usize,
-    /// `MR × PANEL` results, row stride `PANEL`.
-    pub out: *mut f32,
+    /// Positions in this block.
+    pub kc: usize,
+    /// `MR × PANEL` running sums, row stride `PANEL`: read (unless `first`) and written back.
+    pub acc: *mut f32,
+    /// The first block of the panel: the sums start from zero.
+    pub first: bool,
 }
 
-/// `out[i][c] = Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`.
+/// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block.
+///
+/// Sums are carried through `acc` from block to block without rounding (an `f32` stored and
+/// reloaded is the same `f32`), so a blocked product equals one unbroken FMA chain.
 ///
 /// # Safety
 /// The CPU supports AVX-512F/BW and the pointers cover the sizes described on [`PanelTile`].
@@ -70,19 +78,25 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
     unsafe {
-        for p in 0..t.k {
+        if !t.first {
+            for i in 0..MR {
+                lo[i] = _mm512_loadu_ps(t.acc.add(i * PANEL));
+                hi[i] = _mm512_loadu_ps(t.acc.add(i * PANEL + 16));
+            }
+        }
+        for p in 0..t.kc {
             let wp = t.w.add(p * PANEL);
             _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
             let (w0, w1) = (T::load16(wp), T::load16(wp.add(16)));
             for i in 0..MR {
-                let xv = _mm512_set1_ps(*t.x.add(i * t.k + p));
+                let xv = _mm512_set1_ps(*t.x.add(i * t.x_stride + p));
                 lo[i] = _mm512_fmadd_ps(w0, xv, lo[i]);
                 hi[i] = _mm512_fmadd_ps(w1, xv, hi[i]);
             }
         }
         for i in 0..MR {
-            _mm512_storeu_ps(t.out.add(i * PANEL), lo[i]);
-            _mm512_storeu_ps(t.out.add(i * PANEL + 16), hi[i]);
+            _mm512_storeu_ps(t.acc.add(i * PANEL), lo[i]);
+            _mm512_storeu_ps(t.acc.add(i * PANEL + 16), hi[i]);
         }
     }
 }

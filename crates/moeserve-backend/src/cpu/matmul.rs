@@ -12,8 +12,9 @@ use crate::{Weight, WeightData};
 
 /// Weight rows per parallel task on the scalar path.
 const ROWS_PER_TASK: usize = 64;
-/// Activation rows per microkernel call on the AVX-512 path (2 × MR accumulators + 3 registers).
-const MAX_MR: usize = 8;
+/// Activation rows per microkernel call on the AVX-512 path: 2 × MR accumulators + 2 weight
+/// vectors + 1 broadcast within the 32 vector registers, with room to spare.
+const MAX_MR: usize = 12;
 
 /// A raw output pointer shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
@@ -59,6 +60,10 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         out.len(),
         d.n
     );
+    if m == 0 || d.k == 0 {
+        out.fill(0.0);
+        return;
+    }
     let out = OutPtr(out.as_mut_ptr());
     match isa() {
         #[cfg(target_arch = "x86_64")]
@@ -98,10 +103,12 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
     });
 }
 
-/// One task per 32-row panel; each task runs every activation row through its panel. With
-/// many activation rows (prefill) a 16-bit panel is widened to f32 once into a per-thread
-/// scratch, so the inner loop is loads and FMAs only; the values and the FMA order are the same
-/// either way, so results do not depend on the batch.
+/// One task per 32-row panel. A task walks the panel in blocks of `KC` positions; each block
+/// (16–32 KiB) stays in L1 while every tile of activation rows runs through it, and the tiles'
+/// running sums live in a per-thread scratch between blocks. With more than one tile, a 16-bit
+/// block is widened to f32 once so the inner loop is loads and FMAs only. Every output is the
+/// same FMA chain over `p = 0..k` in order whatever the tiling, so results do not depend on the
+/// batch.
 #[cfg(target_arch = "x86_64")]
 fn run_packed<T: super::avx512::Lanes + Sync + Into<f32>>(
     x: &[f32],
@@ -109,67 +116,126 @@ fn run_packed<T: super::avx512::Lanes + Sync + Into<f32>>(
     w: &PackedPanels<T>,
     out: OutPtr,
 ) {
-    let widen = d.m > WIDEN_ABOVE_ROWS && std::mem::size_of::<T>() < 4;
+    let tiles = row_tiles(d.m);
+    let widen = tiles.len() > 1 && std::mem::size_of::<T>() < 4;
     for_each_task(w.num_panels(), d, |q| {
         let panel = w.panel(q);
-        if !widen {
-            return panel_rows(x, d, panel, q, out);
-        }
-        WIDE_PANEL.with_borrow_mut(|wide| {
-            wide.clear();
-            wide.extend(panel.iter().map(|v| (*v).into()));
-            panel_rows(x, d, wide, q, out)
+        SCRATCH.with_borrow_mut(|s| {
+            let Scratch { acc, wide } = s;
+            acc.resize(d.m * PANEL, 0.0);
+            for k0 in (0..d.k).step_by(KC) {
+                let kc = KC.min(d.k - k0);
+                let block = &panel[k0 * PANEL..(k0 + kc) * PANEL];
+                let b = Block {
+                    x,
+                    d,
+                    k0,
+                    kc,
+                    first: k0 == 0,
+                };
+                if widen {
+                    wide.clear();
+                    wide.extend(block.iter().map(|v| (*v).into()));
+                    b.run_tiles(&tiles, wide, acc);
+                } else {
+                    b.run_tiles(&tiles, block, acc);
+                }
+            }
+            let cols = PANEL.min(d.n - q * PANEL);
+            for (i, row) in acc.chunks_exact(PANEL).enumerate() {
+                // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
+                // writes them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        row.as_ptr(),
+                        out.get().add(i * d.n + q * PANEL),
+                        cols,
+                    )
+                };
+            }
         })
     });
 }
 
-/// Activation rows above which widening a 16-bit panel once pays for itself.
-const WIDEN_ABOVE_ROWS: usize = 8 * MAX_MR;
+/// Panel positions per block: a bf16 block is 16 KiB, widened 32 KiB, beside ≤ 12 KiB of
+/// activations, inside a 48 KiB L1.
+const KC: usize = 256;
 
-thread_local! {
-    /// A widened panel (`k × PANEL` f32), reused across calls on this thread.
-    static WIDE_PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+/// Per-thread buffers reused across calls: the tiles' running sums (`m × PANEL`) and a widened
+/// block (`KC × PANEL`).
+#[derive(Default)]
+struct Scratch {
+    acc: Vec<f32>,
+    wide: Vec<f32>,
 }
 
-/// All activation rows against panel `q`, `MAX_MR` rows per microkernel call.
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// `m` rows cut into the fewest tiles of at most `MAX_MR` rows, sizes as equal as possible
+/// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
+fn row_tiles(m: usize) -> Vec<(usize, usize)> {
+    let count = m.div_ceil(MAX_MR).max(1);
+    let (base, extra) = (m / count, m % count);
+    let mut tiles = Vec::with_capacity(count);
+    let mut i0 = 0;
+    for t in 0..count {
+        let rows = base + usize::from(t < extra);
+        tiles.push((i0, rows));
+        i0 += rows;
+    }
+    tiles
+}
+
+/// One block of positions `k0 .. k0 + kc` of a panel.
+#[derive(Clone, Copy)]
+struct Block<'a> {
+    x: &'a [f32],
+    d: Dims,
+    k0: usize,
+    kc: usize,
+    first: bool,
+}
+
 #[cfg(target_arch = "x86_64")]
-fn panel_rows<U: super::avx512::Lanes>(x: &[f32], d: Dims, panel: &[U], q: usize, out: OutPtr) {
-    use super::avx512::{PanelTile, panel_tile};
-    let cols = PANEL.min(d.n - q * PANEL);
-    let mut tmp = [0.0f32; MAX_MR * PANEL];
-    for i0 in (0..d.m).step_by(MAX_MR) {
-        let mr = MAX_MR.min(d.m - i0);
-        let t = PanelTile {
-            x: x[i0 * d.k..].as_ptr(),
-            w: panel.as_ptr(),
-            k: d.k,
-            out: tmp.as_mut_ptr(),
-        };
-        // SAFETY: `Isa::Avx512` was detected; x holds rows i0..i0+mr, the panel k × 32
-        // elements, tmp MAX_MR × 32.
-        unsafe {
-            match mr {
-                8 => panel_tile::<U, 8>(t),
-                7 => panel_tile::<U, 7>(t),
-                6 => panel_tile::<U, 6>(t),
-                5 => panel_tile::<U, 5>(t),
-                4 => panel_tile::<U, 4>(t),
-                3 => panel_tile::<U, 3>(t),
-                2 => panel_tile::<U, 2>(t),
-                _ => panel_tile::<U, 1>(t),
-            }
-        }
-        for i in 0..mr {
-            let src = &tmp[i * PANEL..i * PANEL + cols];
-            // SAFETY: row i0 + i, columns q*32 .. q*32 + cols are inside out and only this
-            // task writes them.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    src.as_ptr(),
-                    out.get().add((i0 + i) * d.n + q * PANEL),
-                    cols,
-                )
+impl Block<'_> {
+    /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
+    fn run_tiles<U: super::avx512::Lanes>(
+        self,
+        tiles: &[(usize, usize)],
+        block: &[U],
+        acc: &mut [f32],
+    ) {
+        use super::avx512::{PanelTile, panel_tile};
+        for &(i0, mr) in tiles {
+            let t = PanelTile {
+                x: self.x[i0 * self.d.k + self.k0..].as_ptr(),
+                x_stride: self.d.k,
+                w: block.as_ptr(),
+                kc: self.kc,
+                acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
+                first: self.first,
             };
+            // SAFETY: `Isa::Avx512` was detected; x holds rows i0..i0+mr with kc positions from
+            // k0, the block kc × 32 elements, acc mr × 32.
+            unsafe {
+                match mr {
+                    12 => panel_tile::<U, 12>(t),
+                    11 => panel_tile::<U, 11>(t),
+                    10 => panel_tile::<U, 10>(t),
+                    9 => panel_tile::<U, 9>(t),
+                    8 => panel_tile::<U, 8>(t),
+                    7 => panel_tile::<U, 7>(t),
+                    6 => panel_tile::<U, 6>(t),
+                    5 => panel_tile::<U, 5>(t),
+                    4 => panel_tile::<U, 4>(t),
+                    3 => panel_tile::<U, 3>(t),
+                    2 => panel_tile::<U, 2>(t),
+                    1 => panel_tile::<U, 1>(t),
+                    _ => unreachable!("row tiles hold 1..={MAX_MR} rows"),
+                }
+            }
         }
     }
 }
@@ -216,6 +282,8 @@ mod tests {
                 (5, 257, 130),
                 (1, 1024, 256),
                 (37, 65, 96),
+                (13, 40, 600),
+                (25, 33, 257),
             ] {
                 let x = pseudo_random(m * k, 1);
                 let wv = pseudo_random(n * k, 2);
@@ -236,8 +304,11 @@ mod tests {
 
     #[test]
     fn each_row_is_bit_identical_whatever_the_batch() {
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let (m, n, k) = (40, 70, 200);
+        // k = 700 spans several blocks; 40 and 30 rows cut into tiles of different sizes.
+        for (dtype, (m, n, k)) in [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .flat_map(|t| [(t, (40, 70, 200)), (t, (30, 45, 700))])
+        {
             let x = pseudo_random(m * k, 3);
             let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 4));
             let mut batched = vec![0.0; m * n];
