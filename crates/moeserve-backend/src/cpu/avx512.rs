@@ -100,3 +100,16 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
         }
     }
 }
+
+/// `dst[i] = src[i]` widened to f32, 16 lanes at a time (`src.len()` a multiple of 16).
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn widen<T: Lanes>(src: &[T], dst: &mut [f32]) {
+    assert!(src.len().is_multiple_of(16) && dst.len() == src.len());
+    for (s, d) in src.chunks_exact(16).zip(dst.chunks_exact_mut(16)) {
+        // SAFETY: both chunks hold 16 elements.
+        unsafe { _mm512_storeu_ps(d.as_mut_ptr(), T::load16(s.as_ptr())) };
+    }
+}

@@ -110,7 +110,7 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
 /// same FMA chain over `p = 0..k` in order whatever the tiling, so results do not depend on the
 /// batch.
 #[cfg(target_arch = "x86_64")]
-fn run_packed<T: super::avx512::Lanes + Sync + Into<f32>>(
+fn run_packed<T: super::avx512::Lanes + Sync>(
     x: &[f32],
     d: Dims,
     w: &PackedPanels<T>,
@@ -134,8 +134,9 @@ fn run_packed<T: super::avx512::Lanes + Sync + Into<f32>>(
                     first: k0 == 0,
                 };
                 if widen {
-                    wide.clear();
-                    wide.extend(block.iter().map(|v| (*v).into()));
+                    wide.resize(block.len(), 0.0);
+                    // SAFETY: `Isa::Avx512` was detected; a block is kc × 32 elements.
+                    unsafe { super::avx512::widen(block, wide) };
                     b.run_tiles(&tiles, wide, acc);
                 } else {
                     b.run_tiles(&tiles, block, acc);
