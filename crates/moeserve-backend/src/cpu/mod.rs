@@ -8,6 +8,7 @@ mod avx512;
 pub mod convert;
 mod matmul;
 mod ops;
+pub mod probe;
 pub mod packed;
 pub mod reference;
 
@@ -15,6 +16,22 @@ pub use matmul::matmul_wt;
 pub use ops::{add_assign, apply_rope, rms_norm, rope_inv_freq, silu_mul, softmax_in_place};
 
 use std::sync::OnceLock;
+
+/// Sizes the kernels' persistent thread pool: `threads`, or one per core. Call once, before
+/// the first kernel runs; returns the pool's size.
+pub fn init_threads(threads: Option<usize>) -> Result<usize, String> {
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = threads {
+        if n == 0 {
+            return Err("--threads must be at least 1".into());
+        }
+        builder = builder.num_threads(n);
+    }
+    builder
+        .build_global()
+        .map_err(|e| format!("cannot start the kernel thread pool: {e}"))?;
+    Ok(rayon::current_num_threads())
+}
 
 /// The widest instruction set the kernels use on this machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

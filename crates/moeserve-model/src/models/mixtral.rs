@@ -153,6 +153,56 @@ impl MixtralModel {
         all
     }
 
+    /// Bytes of the matrices every step reads whatever the routing: attention projections,
+    /// routers and lm_head (the embedding rows a step gathers are negligible).
+    pub fn dense_matrix_bytes(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let attn: usize = l
+                    .self_attn
+                    .weights()
+                    .iter()
+                    .map(|w| w.size_in_bytes())
+                    .sum();
+                attn + l.block_sparse_moe.gate.size_in_bytes()
+            })
+            .sum();
+        per_layer + self.lm_head.size_in_bytes()
+    }
+
+    /// Bytes of expert `expert` of layer `layer` (its three matrices).
+    pub fn expert_bytes(&self, layer: usize, expert: usize) -> usize {
+        let e = &self.layers[layer].block_sparse_moe.experts[expert];
+        [&e.w1, &e.w2, &e.w3]
+            .iter()
+            .map(|w| w.size_in_bytes())
+            .sum()
+    }
+
+    /// Matmul parameters one token goes through below lm_head: attention, router and the
+    /// `top_k` experts of every layer (for FLOP counts: 2 FLOPs per parameter).
+    pub fn active_matmul_params(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                let moe = &l.block_sparse_moe;
+                let attn: usize = l.self_attn.weights().iter().map(|w| w.numel()).sum();
+                let expert: usize = moe
+                    .experts
+                    .first()
+                    .map_or(0, |e| [&e.w1, &e.w2, &e.w3].iter().map(|w| w.numel()).sum());
+                attn + moe.gate.numel() + moe.top_k * expert
+            })
+            .sum()
+    }
+
+    /// Parameters of lm_head (a token that gets logits goes through it once).
+    pub fn lm_head_params(&self) -> usize {
+        self.lm_head.numel()
+    }
+
     /// Bytes of all weights (tied embeddings counted once).
     pub fn weight_bytes(&self) -> usize {
         let mut total = self.norm.size_in_bytes()

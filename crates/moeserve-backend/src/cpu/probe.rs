@@ -1,0 +1,81 @@
+//! Machine ceilings measured in the same run as a benchmark, so results can be reported as
+//! ratios (the machines are shared and noisy; absolute figures drift, ratios much less).
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+/// Memory read bandwidth in GB/s: all pool threads summing disjoint parts of a `bytes`-byte
+/// buffer (far larger than the caches), the best of `repeats` passes.
+pub fn read_bandwidth_gbps(bytes: usize, repeats: usize) -> f64 {
+    let words = vec![1u64; bytes / 8];
+    let chunk = (words.len() / (4 * rayon::current_num_threads())).max(1 << 12);
+    let mut best = 0.0f64;
+    for _ in 0..repeats.max(1) {
+        let start = Instant::now();
+        let total: u64 = words.par_chunks(chunk).map(sum_words).sum();
+        let secs = start.elapsed().as_secs_f64();
+        assert_eq!(total, words.len() as u64, "the buffer holds ones");
+        best = best.max(bytes as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// Eight independent sums so the compiler vectorises the loop and no add chain limits it.
+fn sum_words(words: &[u64]) -> u64 {
+    let mut lanes = [0u64; 8];
+    let mut chunks = words.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, w) in lanes.iter_mut().zip(c) {
+            *l = l.wrapping_add(*w);
+        }
+    }
+    lanes.iter().fold(0u64, |a, b| a.wrapping_add(*b)) + chunks.remainder().iter().sum::<u64>()
+}
+
+/// Peak f32 FMA rate of the detected ISA in GFLOP/s over all pool threads: independent FMA
+/// chains in registers, no memory traffic (the ceiling for the f32-activation GEMM).
+pub fn fma_peak_gflops() -> f64 {
+    const ITERS: usize = 20_000_000;
+    let threads = rayon::current_num_threads();
+    let start = Instant::now();
+    let flops: f64 = (0..threads)
+        .into_par_iter()
+        .map(|_| fma_chains(ITERS))
+        .sum();
+    flops / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// FLOPs done by `iters` rounds of 12 independent 16-lane FMAs (scalar: 12 chains of 1 lane).
+fn fma_chains(iters: usize) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 {
+        // SAFETY: AVX-512F was detected.
+        unsafe { avx512_fma_chains(iters) };
+        return (iters * 12 * 16 * 2) as f64;
+    }
+    let mut acc = [0.0f32; 12];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = a.mul_add(0.999_999, 1e-9);
+        }
+    }
+    std::hint::black_box(acc);
+    (iters * 12 * 2) as f64
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_fma_chains(iters: usize) {
+    use std::arch::x86_64::*;
+    // Opaque operands and a used result keep the chains from being folded away.
+    let b = std::hint::black_box(_mm512_set1_ps(0.999_999));
+    let c = std::hint::black_box(_mm512_set1_ps(1e-9));
+    let mut acc = [_mm512_setzero_ps(); 12];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    std::hint::black_box(acc);
+}
