@@ -10,6 +10,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use moeserve_core::DType;
 
+use crate::cpu::WeightQuantization;
 use crate::cpu::packed::PackedWeight;
 use crate::{BackendError, Result};
 
@@ -53,6 +54,8 @@ pub struct Weight {
     bytes: WeightBytes,
     /// The kernel layout, made on first use and shared by clones.
     packed: Arc<OnceLock<PackedWeight>>,
+    /// Whether `--quantization` may apply (false for small, sensitive matrices: routers).
+    quantizable: bool,
 }
 
 impl std::fmt::Debug for Weight {
@@ -85,6 +88,7 @@ impl Weight {
             shape,
             bytes,
             packed: Arc::default(),
+            quantizable: true,
         })
     }
 
@@ -127,10 +131,32 @@ impl Weight {
         }
     }
 
-    /// The weight in the GEMM's panel layout (2-D weights only); packed once, on first use.
+    /// Keeps this weight as stored whatever `--quantization` says (call before first use).
+    pub fn exact(mut self) -> Self {
+        self.quantizable = false;
+        self
+    }
+
+    /// The weight in the GEMM's panel layout (2-D weights only), quantized when the process
+    /// chose a quantization and the weight allows it; packed once, on first use.
     pub fn packed(&self) -> &PackedWeight {
+        self.packed.get_or_init(|| {
+            let (n, k) = (self.shape[0], self.shape[1]);
+            match crate::cpu::weight_quantization() {
+                WeightQuantization::Int8 if self.quantizable => {
+                    PackedWeight::pack_int8(self.data(), n, k)
+                }
+                _ => PackedWeight::pack(self.data(), n, k),
+            }
+        })
+    }
+
+    /// Bytes one pass of the kernels over this weight reads: the packed (maybe quantized)
+    /// form once it exists, else the stored bytes.
+    pub fn kernel_bytes(&self) -> usize {
         self.packed
-            .get_or_init(|| PackedWeight::pack(self.data(), self.shape[0], self.shape[1]))
+            .get()
+            .map_or(self.size_in_bytes(), PackedWeight::size_in_bytes)
     }
 
     /// Element `i` of the flattened tensor as f32 (slow; for small tensors and tests).

@@ -42,6 +42,14 @@ impl Lanes for bf16 {
     }
 }
 
+impl Lanes for i8 {
+    /// int8 → i32 → f32 (exact); the row's scale is applied to the finished sum.
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
+}
+
 impl Lanes for f16 {
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> __m512 {

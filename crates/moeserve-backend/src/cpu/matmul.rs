@@ -68,9 +68,10 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => match w.packed() {
-            PackedWeight::F32(p) => run_packed(x, d, p, out),
-            PackedWeight::F16(p) => run_packed(x, d, p, out),
-            PackedWeight::BF16(p) => run_packed(x, d, p, out),
+            PackedWeight::F32(p) => run_packed(x, d, p, out, None),
+            PackedWeight::F16(p) => run_packed(x, d, p, out, None),
+            PackedWeight::BF16(p) => run_packed(x, d, p, out, None),
+            PackedWeight::I8 { panels, scales } => run_packed(x, d, panels, out, Some(scales)),
         },
         _ => match w.data() {
             WeightData::F32(v) => run_scalar(x, v, d, out),
@@ -108,21 +109,24 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
 /// running sums live in a per-thread scratch between blocks. With more than one tile, a 16-bit
 /// block is widened to f32 once so the inner loop is loads and FMAs only. Every output is the
 /// same FMA chain over `p = 0..k` in order whatever the tiling, so results do not depend on the
-/// batch.
+/// batch. With `scales` (int8 weights, one per weight row and block) a block's sums start from
+/// zero and are added to the running sums times their scale.
 #[cfg(target_arch = "x86_64")]
 fn run_packed<T: super::avx512::Lanes + Sync>(
     x: &[f32],
     d: Dims,
     w: &PackedPanels<T>,
     out: OutPtr,
+    scales: Option<&[f32]>,
 ) {
     let tiles = row_tiles(d.m);
     let widen = tiles.len() > 1 && std::mem::size_of::<T>() < 4;
     for_each_task(w.num_panels(), d, |q| {
         let panel = w.panel(q);
         SCRATCH.with_borrow_mut(|s| {
-            let Scratch { acc, wide } = s;
+            let Scratch { acc, wide, part } = s;
             acc.resize(d.m * PANEL, 0.0);
+            let cols = PANEL.min(d.n - q * PANEL);
             for k0 in (0..d.k).step_by(KC) {
                 let kc = KC.min(d.k - k0);
                 let block = &panel[k0 * PANEL..(k0 + kc) * PANEL];
@@ -131,18 +135,33 @@ fn run_packed<T: super::avx512::Lanes + Sync>(
                     d,
                     k0,
                     kc,
-                    first: k0 == 0,
+                    first: k0 == 0 || scales.is_some(),
+                };
+                let sums = if scales.is_some() {
+                    part.resize(d.m * PANEL, 0.0);
+                    &mut *part
+                } else {
+                    &mut *acc
                 };
                 if widen {
                     wide.resize(block.len(), 0.0);
                     // SAFETY: `Isa::Avx512` was detected; a block is kc × 32 elements.
                     unsafe { super::avx512::widen(block, wide) };
-                    b.run_tiles(&tiles, wide, acc);
+                    b.run_tiles(&tiles, wide, sums);
                 } else {
-                    b.run_tiles(&tiles, block, acc);
+                    b.run_tiles(&tiles, block, sums);
+                }
+                if let Some(scales) = scales {
+                    let (groups, g) = (d.k.div_ceil(KC), k0 / KC);
+                    let col_scale = |c: usize| scales[(q * PANEL + c) * groups + g];
+                    for (a, p) in acc.chunks_exact_mut(PANEL).zip(part.chunks_exact(PANEL)) {
+                        for c in 0..cols {
+                            let base = if k0 == 0 { 0.0 } else { a[c] };
+                            a[c] = base + p[c] * col_scale(c);
+                        }
+                    }
                 }
             }
-            let cols = PANEL.min(d.n - q * PANEL);
             for (i, row) in acc.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
                 // writes them.
@@ -160,14 +179,15 @@ fn run_packed<T: super::avx512::Lanes + Sync>(
 
 /// Panel positions per block: a bf16 block is 16 KiB, widened 32 KiB, beside ≤ 12 KiB of
 /// activations, inside a 48 KiB L1.
-const KC: usize = 256;
+pub(super) const KC: usize = 256;
 
-/// Per-thread buffers reused across calls: the tiles' running sums (`m × PANEL`) and a widened
-/// block (`KC × PANEL`).
+/// Per-thread buffers reused across calls: the tiles' running sums (`m × PANEL`), a widened
+/// block (`KC × PANEL`) and one block's sums before scaling (int8, `m × PANEL`).
 #[derive(Default)]
 struct Scratch {
     acc: Vec<f32>,
     wide: Vec<f32>,
+    part: Vec<f32>,
 }
 
 thread_local! {
@@ -318,6 +338,54 @@ mod tests {
                 let mut alone = vec![0.0; n];
                 matmul_wt(&x[i * k..(i + 1) * k], 1, &w, &mut alone);
                 assert_eq!(&batched[i * n..(i + 1) * n], &alone[..], "{dtype} row {i}");
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn int8_matches_the_reference_on_dequantized_weights_whatever_the_batch() {
+        if isa() != Isa::Avx512 {
+            return;
+        }
+        for (m, n, k) in [(1, 7, 5), (3, 100, 67), (13, 40, 600), (30, 45, 700)] {
+            let x = pseudo_random(m * k, 9);
+            let wv = pseudo_random(n * k, 10);
+            let packed = PackedWeight::pack_int8(WeightData::F32(&wv), n, k);
+            let PackedWeight::I8 { panels, scales } = &packed else {
+                unreachable!()
+            };
+            let run = |x: &[f32], m: usize| {
+                let mut out = vec![0.0; m * n];
+                run_packed(
+                    x,
+                    Dims { m, n, k },
+                    panels,
+                    OutPtr(out.as_mut_ptr()),
+                    Some(scales),
+                );
+                out
+            };
+            let got = run(&x, m);
+            let (q, s) = super::super::quant::quantize_rows_int8(WeightData::F32(&wv), n, k);
+            let deq: Vec<f32> = q
+                .iter()
+                .enumerate()
+                .map(|(i, v)| *v as f32 * s[(i / k) * k.div_ceil(KC) + (i % k) / KC])
+                .collect();
+            let mut want = vec![0.0; m * n];
+            reference::matmul_wt(&x, m, &deq, n, &mut want);
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{m}x{n}x{k}: {a} vs {b}"
+                );
+            }
+            for i in 0..m {
+                assert_eq!(
+                    &got[i * n..(i + 1) * n],
+                    &run(&x[i * k..(i + 1) * k], 1)[..]
+                );
             }
         }
     }

@@ -8,12 +8,14 @@ mod avx512;
 pub mod convert;
 mod matmul;
 mod ops;
-pub mod probe;
 pub mod packed;
+pub mod probe;
+mod quant;
 pub mod reference;
 
 pub use matmul::matmul_wt;
 pub use ops::{add_assign, apply_rope, rms_norm, rope_inv_freq, silu_mul, softmax_in_place};
+pub use quant::{WeightQuantization, set_weight_quantization, weight_quantization};
 
 use std::sync::OnceLock;
 

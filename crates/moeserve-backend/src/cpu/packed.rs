@@ -20,6 +20,12 @@ pub enum PackedWeight {
     F32(PackedPanels<f32>),
     F16(PackedPanels<f16>),
     BF16(PackedPanels<bf16>),
+    /// Weight-only int8 (`--quantization int8`): `w[j][p] ≈ panels[j][p] · scales[j][p / GROUP]`.
+    I8 {
+        panels: PackedPanels<i8>,
+        /// `[n, k.div_ceil(GROUP)]`.
+        scales: Vec<f32>,
+    },
 }
 
 /// `num_panels × k × PANEL` elements.
@@ -30,7 +36,7 @@ pub struct PackedPanels<T> {
 }
 
 impl<T: Copy + Default> PackedPanels<T> {
-    fn pack(src: &[T], n: usize, k: usize) -> Self {
+    pub(super) fn pack(src: &[T], n: usize, k: usize) -> Self {
         let num_panels = n.div_ceil(PANEL);
         let len = num_panels * k * PANEL;
         let mut data: Vec<T> = Vec::with_capacity(len);
@@ -73,6 +79,25 @@ fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
 }
 
 impl PackedWeight {
+    /// Quantizes a row-major `[n, k]` weight to int8 rows with scales, then packs it.
+    pub fn pack_int8(data: WeightData<'_>, n: usize, k: usize) -> Self {
+        let (q, scales) = super::quant::quantize_rows_int8(data, n, k);
+        PackedWeight::I8 {
+            panels: PackedPanels::pack(&q, n, k),
+            scales,
+        }
+    }
+
+    /// Bytes the kernels read for one pass over the weight (scales included).
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            PackedWeight::F32(p) => p.data.len() * 4,
+            PackedWeight::F16(p) => p.data.len() * 2,
+            PackedWeight::BF16(p) => p.data.len() * 2,
+            PackedWeight::I8 { panels, scales } => panels.data.len() + scales.len() * 4,
+        }
+    }
+
     /// Repacks a row-major `[n, k]` weight.
     pub fn pack(data: WeightData<'_>, n: usize, k: usize) -> Self {
         match data {

@@ -153,32 +153,24 @@ impl MixtralModel {
         all
     }
 
-    /// Bytes of the matrices every step reads whatever the routing: attention projections,
+    /// Bytes (as the kernels store them) of the matrices every step reads whatever the routing: attention projections,
     /// routers and lm_head (the embedding rows a step gathers are negligible).
     pub fn dense_matrix_bytes(&self) -> usize {
         let per_layer: usize = self
             .layers
             .iter()
             .map(|l| {
-                let attn: usize = l
-                    .self_attn
-                    .weights()
-                    .iter()
-                    .map(|w| w.size_in_bytes())
-                    .sum();
-                attn + l.block_sparse_moe.gate.size_in_bytes()
+                let attn: usize = l.self_attn.weights().iter().map(|w| w.kernel_bytes()).sum();
+                attn + l.block_sparse_moe.gate.kernel_bytes()
             })
             .sum();
-        per_layer + self.lm_head.size_in_bytes()
+        per_layer + self.lm_head.kernel_bytes()
     }
 
     /// Bytes of expert `expert` of layer `layer` (its three matrices).
     pub fn expert_bytes(&self, layer: usize, expert: usize) -> usize {
         let e = &self.layers[layer].block_sparse_moe.experts[expert];
-        [&e.w1, &e.w2, &e.w3]
-            .iter()
-            .map(|w| w.size_in_bytes())
-            .sum()
+        [&e.w1, &e.w2, &e.w3].iter().map(|w| w.kernel_bytes()).sum()
     }
 
     /// Matmul parameters one token goes through below lm_head: attention, router and the

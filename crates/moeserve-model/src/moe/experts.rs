@@ -71,7 +71,11 @@ impl SparseMoe {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(SparseMoe {
-            gate: ckpt.weight(&format!("{prefix}.gate.weight"), &[n, h])?,
+            // The router stays as stored under --quantization: expert choice is sensitive and
+            // the matrix is tiny (llama.cpp keeps it unquantized too).
+            gate: ckpt
+                .weight(&format!("{prefix}.gate.weight"), &[n, h])?
+                .exact(),
             experts,
             top_k: config.num_experts_per_tok,
             router_bias: None,

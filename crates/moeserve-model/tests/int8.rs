@@ -1,0 +1,77 @@
+//! `--quantization int8` accuracy against the transformers references, teacher-forced: the
+//! reference's greedy tokens are fed one by one and, at each position, the int8 model's
+//! logprob of the reference token is compared with the reference's (mean |Δlogprob|) and its
+//! argmax with the reference token (greedy agreement). Its own process: the quantization is
+//! chosen once per process.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{SoloSequence, argmax, fixtures_dir, log_softmax, read_reference};
+use moeserve_backend::cpu::{self, WeightQuantization};
+use moeserve_model::models::MixtralModel;
+
+/// (mean |Δlogprob|, greedy agreement, positions) of `model` on the references in `reference`.
+fn teacher_forced(model: &MixtralModel, reference: &Path) -> (f64, f64, usize) {
+    let reference = read_reference(reference);
+    let (mut delta, mut agree, mut positions) = (0.0f64, 0usize, 0usize);
+    for want in &reference.prompts {
+        let n = want.greedy_ids.len();
+        let mut seq = SoloSequence::new(model, want.prompt_ids.len() + n, 16);
+        let mut logits = seq.feed(&want.prompt_ids);
+        for (i, &token) in want.greedy_ids.iter().enumerate() {
+            let lp = log_softmax(&logits);
+            delta += f64::from((lp[token as usize] - want.greedy_logprobs[i]).abs());
+            agree += usize::from(argmax(&logits) == token);
+            positions += 1;
+            logits = seq.feed(&[token]);
+        }
+    }
+    (
+        delta / positions as f64,
+        agree as f64 / positions as f64,
+        positions,
+    )
+}
+
+fn demo_model_dir() -> PathBuf {
+    std::env::var_os("MOESERVE_DEMO_MODEL").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/smolmoe-8x135m"),
+        PathBuf::from,
+    )
+}
+
+#[test]
+fn int8_weights_stay_close_to_the_references() {
+    if cpu::isa() != cpu::Isa::Avx512 {
+        eprintln!("int8 needs the AVX-512 kernels; MOESERVE_ISA=scalar is set");
+        return;
+    }
+    cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
+
+    // The demo model (real SmolLM2 weights, bf16) is the accuracy case. Measured 2026-11-29:
+    // mean |Δlogprob| 0.037, greedy agreement 97.5 % over 79 positions (the issue asks for
+    // ≤ 0.02; not met — see bench/RESULTS.md). The bounds here guard against regressions.
+    let dir = demo_model_dir();
+    let model = MixtralModel::load(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()));
+    let stored: usize = model.weight_bytes();
+    let read = model.dense_matrix_bytes();
+    eprintln!("demo model: {read} bytes of dense matrices read as int8 (stored {stored} in all)");
+    let (delta, agree, n) = teacher_forced(&model, &fixtures_dir().join("smolmoe-demo"));
+    eprintln!(
+        "demo model int8: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} ({n} positions)"
+    );
+    assert!(delta <= 0.05, "mean |Δlogprob| {delta}");
+    assert!(agree >= 0.95, "greedy agreement {agree}");
+
+    // The random fixtures have near-flat distributions, so they are only a sanity bound.
+    for case in ["mixtral-swa", "mixtral-tied", "mixtral-gqa"] {
+        let dir = fixtures_dir().join(case);
+        let model = MixtralModel::load(&dir).unwrap();
+        let (delta, agree, n) = teacher_forced(&model, &dir);
+        eprintln!("{case} int8: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} ({n})");
+        assert!(delta <= 0.1, "{case}: mean |Δlogprob| {delta}");
+    }
+}
