@@ -1,0 +1,114 @@
+//! The `.cu` files of the top-level `cuda/` folder, built into the binary (a deployed
+//! `moeserve` carries its kernel sources and compiles them for the device at start-up), and the
+//! entry points each one must define.
+
+/// `cuda/common.cuh`, prepended to every source before NVRTC compiles it.
+pub const COMMON: &str = include_str!("../../../../cuda/common.cuh");
+
+/// One kernel source file of `cuda/`, an op family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelFile {
+    Embedding,
+    RmsNorm,
+    Rope,
+    KvCache,
+    PagedAttention,
+    MoeRouter,
+    MoePermute,
+    SwiGlu,
+    Sampling,
+    Init,
+}
+
+impl KernelFile {
+    pub const ALL: [KernelFile; 10] = [
+        KernelFile::Embedding,
+        KernelFile::RmsNorm,
+        KernelFile::Rope,
+        KernelFile::KvCache,
+        KernelFile::PagedAttention,
+        KernelFile::MoeRouter,
+        KernelFile::MoePermute,
+        KernelFile::SwiGlu,
+        KernelFile::Sampling,
+        KernelFile::Init,
+    ];
+
+    /// The file name under `cuda/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            KernelFile::Embedding => "embedding.cu",
+            KernelFile::RmsNorm => "rmsnorm.cu",
+            KernelFile::Rope => "rope.cu",
+            KernelFile::KvCache => "kv_cache.cu",
+            KernelFile::PagedAttention => "paged_attention.cu",
+            KernelFile::MoeRouter => "moe_router.cu",
+            KernelFile::MoePermute => "moe_permute.cu",
+            KernelFile::SwiGlu => "swiglu.cu",
+            KernelFile::Sampling => "sampling.cu",
+            KernelFile::Init => "init.cu",
+        }
+    }
+
+    /// The file's text (without `common.cuh`).
+    pub fn source(self) -> &'static str {
+        match self {
+            KernelFile::Embedding => include_str!("../../../../cuda/embedding.cu"),
+            KernelFile::RmsNorm => include_str!("../../../../cuda/rmsnorm.cu"),
+            KernelFile::Rope => include_str!("../../../../cuda/rope.cu"),
+            KernelFile::KvCache => include_str!("../../../../cuda/kv_cache.cu"),
+            KernelFile::PagedAttention => include_str!("../../../../cuda/paged_attention.cu"),
+            KernelFile::MoeRouter => include_str!("../../../../cuda/moe_router.cu"),
+            KernelFile::MoePermute => include_str!("../../../../cuda/moe_permute.cu"),
+            KernelFile::SwiGlu => include_str!("../../../../cuda/swiglu.cu"),
+            KernelFile::Sampling => include_str!("../../../../cuda/sampling.cu"),
+            KernelFile::Init => include_str!("../../../../cuda/init.cu"),
+        }
+    }
+
+    /// Kernels instantiated per element type: `{name}_f32`, `{name}_f16`, `{name}_bf16`.
+    pub fn typed_kernels(self) -> &'static [&'static str] {
+        match self {
+            KernelFile::Embedding => &["embedding"],
+            KernelFile::RmsNorm => &["rms_norm_residual"],
+            KernelFile::Rope => &["rope"],
+            KernelFile::KvCache => &["write_kv"],
+            KernelFile::PagedAttention => &["paged_attention"],
+            KernelFile::MoeRouter => &["route_top_k"],
+            KernelFile::MoePermute => &["moe_permute", "moe_unpermute"],
+            KernelFile::SwiGlu => &["silu_mul"],
+            KernelFile::Sampling => &["argmax_logprob"],
+            KernelFile::Init => &["fill_uniform"],
+        }
+    }
+
+    /// Kernels with a single instantiation.
+    pub fn untyped_kernels(self) -> &'static [&'static str] {
+        match self {
+            KernelFile::Embedding => &["gather_rows_f32"],
+            KernelFile::MoePermute => &["moe_segment_offsets"],
+            _ => &[],
+        }
+    }
+
+    /// Every `extern "C"` entry point the file must define.
+    pub fn entry_points(self) -> Vec<String> {
+        let typed = self
+            .typed_kernels()
+            .iter()
+            .flat_map(|name| ["f32", "f16", "bf16"].map(|suffix| format!("{name}_{suffix}")));
+        typed
+            .chain(self.untyped_kernels().iter().map(|s| s.to_string()))
+            .collect()
+    }
+
+    /// What NVRTC compiles: `common.cuh`, then the file, with a `#line` so errors name the file
+    /// and its own line numbers.
+    pub fn program(self) -> String {
+        format!(
+            "{COMMON}\n#line 1 \"{}\"\n{}",
+            self.file_name(),
+            self.source()
+        )
+    }
+}

@@ -1,0 +1,96 @@
+//! Expert parallelism's exchange between GPUs: all-to-all-v over NCCL grouped send / receive
+//! (the dispatch and combine of the MoE core's `AllToAll`, see `cuda/README.md`).
+//!
+//! One process drives every local GPU (one communicator each, `Comm::from_devices`); all ranks'
+//! sends and receives are issued inside one NCCL group, which a single thread driving several
+//! GPUs needs so that no rank waits on a peer whose calls are not issued yet. `libnccl.so.2` is
+//! loaded at run time; [`NcclGroup::new`] checks that it loads.
+
+use std::sync::Arc;
+
+use cudarc::nccl::{Comm, NcclType};
+
+use super::{CudaError, CudaSlice, CudaStream};
+
+/// Communicators over the local GPUs, rank `r` on `streams[r]`.
+pub struct NcclGroup {
+    comms: Vec<Comm>,
+}
+
+impl NcclGroup {
+    pub fn new(streams: Vec<Arc<CudaStream>>) -> Result<Self, CudaError> {
+        // SAFETY: only tries to dlopen the library candidates (cudarc panics on a missing one).
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            return Err(CudaError::MissingLibrary {
+                library: "libnccl.so.2",
+                purpose: "exchanges expert rows between GPUs (--expert-parallel-size)",
+            });
+        }
+        let comms = Comm::from_devices(streams).map_err(|e| CudaError::Nccl(format!("{e:?}")))?;
+        Ok(NcclGroup { comms })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.comms.len()
+    }
+
+    /// Rank `r` sends `send_counts[r][p]` elements of `send[r]` to each peer `p` (contiguous, in
+    /// peer order) and receives into `recv[r]`, in source order, the `send_counts[p][r]`
+    /// elements each peer sends it.
+    pub fn all_to_all_v<T: NcclType>(
+        &self,
+        send: &[CudaSlice<T>],
+        send_counts: &[Vec<usize>],
+        recv: &mut [CudaSlice<T>],
+    ) -> Result<(), CudaError> {
+        let n = self.comms.len();
+        let shape_ok = send.len() == n
+            && recv.len() == n
+            && send_counts.len() == n
+            && send_counts.iter().all(|c| c.len() == n);
+        if !shape_ok {
+            return Err(CudaError::InvalidArgument {
+                op: "all_to_all_v",
+                message: format!("{n} ranks need {n} send / recv buffers and {n}×{n} counts"),
+            });
+        }
+        for r in 0..n {
+            let (sent, received): (usize, usize) = (
+                send_counts[r].iter().sum(),
+                (0..n).map(|p| send_counts[p][r]).sum(),
+            );
+            if sent > send[r].len() || received > recv[r].len() {
+                return Err(CudaError::InvalidArgument {
+                    op: "all_to_all_v",
+                    message: format!("rank {r} sends {sent} / receives {received} elements"),
+                });
+            }
+        }
+        let nccl = |e: cudarc::nccl::result::NcclError| CudaError::Nccl(format!("{e:?}"));
+        cudarc::nccl::result::group_start().map_err(nccl)?;
+        let issued = (|| {
+            for (r, comm) in self.comms.iter().enumerate() {
+                let mut offset = 0;
+                for (p, count) in send_counts[r].iter().enumerate() {
+                    if *count > 0 {
+                        comm.send(&send[r].slice(offset..offset + count), p as i32)?;
+                    }
+                    offset += count;
+                }
+                let mut offset = 0;
+                for (p, counts) in send_counts.iter().enumerate() {
+                    let count = counts[r];
+                    if count > 0 {
+                        comm.recv(&mut recv[r].slice_mut(offset..offset + count), p as i32)?;
+                    }
+                    offset += count;
+                }
+            }
+            Ok(())
+        })();
+        // The group is closed whatever happened inside it.
+        let closed = cudarc::nccl::result::group_end().map_err(nccl);
+        issued.map_err(nccl)?;
+        closed.map(|_| ())
+    }
+}

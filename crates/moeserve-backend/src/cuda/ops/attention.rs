@@ -1,0 +1,123 @@
+//! Paged attention over block tables (prefill and decode tokens in one launch).
+
+use cudarc::driver::DeviceRepr;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{ATTENTION_THREADS, ATTENTION_TILE, check, check_len, typed};
+use crate::cuda::kernels::KernelFile;
+use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaView, CudaViewMut};
+
+/// The shape of one layer's attention over the paged cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+    pub sliding_window: Option<usize>,
+}
+
+/// `PagedAttentionParams` of paged_attention.cu, field for field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PagedAttentionParams {
+    num_heads: i32,
+    num_kv_heads: i32,
+    head_dim: i32,
+    block_size: i32,
+    max_blocks_per_seq: i32,
+    sliding_window: i32,
+    scale: f32,
+}
+
+// SAFETY: a `#[repr(C)]` struct of 4-byte scalars, the layout of the C struct it mirrors.
+unsafe impl DeviceRepr for PagedAttentionParams {}
+
+/// Attention of every step token over its sequence's cached keys (the step's own included).
+pub struct PagedAttentionArgs<'a, T> {
+    /// `[num_tokens, num_heads * head_dim]`
+    pub out: CudaViewMut<'a, T>,
+    pub q: CudaView<'a, T>,
+    /// One layer: `[num_slots, num_kv_heads * head_dim]`.
+    pub k_cache: CudaView<'a, T>,
+    pub v_cache: CudaView<'a, T>,
+    /// `[num_seqs, max_blocks_per_seq]`
+    pub block_tables: CudaView<'a, i32>,
+    /// `[num_tokens]`: the sequence (row of `block_tables`) of each token.
+    pub token_seq: CudaView<'a, i32>,
+    /// `[num_tokens]`
+    pub positions: CudaView<'a, i32>,
+    pub shape: AttentionShape,
+}
+
+pub fn paged_attention<T: CudaElement>(
+    b: &CudaBackend,
+    mut a: PagedAttentionArgs<'_, T>,
+) -> Result<(), CudaError> {
+    let s = a.shape;
+    let n = a.positions.len();
+    check(
+        "paged_attention",
+        s.num_kv_heads > 0 && s.num_heads.is_multiple_of(s.num_kv_heads),
+        || {
+            format!(
+                "{} heads do not group over {} kv heads",
+                s.num_heads, s.num_kv_heads
+            )
+        },
+    )?;
+    check(
+        "paged_attention",
+        s.head_dim <= 4 * ATTENTION_THREADS as usize,
+        || format!("head_dim {} above {}", s.head_dim, 4 * ATTENTION_THREADS),
+    )?;
+    check_len(
+        "paged_attention",
+        "q",
+        a.q.len(),
+        n * s.num_heads * s.head_dim,
+    )?;
+    check_len(
+        "paged_attention",
+        "out",
+        a.out.len(),
+        n * s.num_heads * s.head_dim,
+    )?;
+    check_len("paged_attention", "token_seq", a.token_seq.len(), n)?;
+    check(
+        "paged_attention",
+        a.block_tables
+            .len()
+            .is_multiple_of(s.max_blocks_per_seq.max(1)),
+        || "block_tables is not [num_seqs, max_blocks_per_seq]".into(),
+    )?;
+    if n == 0 {
+        return Ok(());
+    }
+    let params = PagedAttentionParams {
+        num_heads: s.num_heads as i32,
+        num_kv_heads: s.num_kv_heads as i32,
+        head_dim: s.head_dim as i32,
+        block_size: s.block_size as i32,
+        max_blocks_per_seq: s.max_blocks_per_seq as i32,
+        sliding_window: s.sliding_window.unwrap_or(0) as i32,
+        scale: (s.head_dim as f32).powf(-0.5),
+    };
+    let f = typed(b, KernelFile::PagedAttention, "paged_attention", T::SUFFIX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, s.num_heads as u32, 1),
+        block_dim: (ATTENTION_THREADS, 1, 1),
+        shared_mem_bytes: (s.head_dim as u32 + ATTENTION_TILE + 32) * 4,
+    };
+    let mut l = b.stream().launch_builder(&f);
+    l.arg(&mut a.out)
+        .arg(&a.q)
+        .arg(&a.k_cache)
+        .arg(&a.v_cache)
+        .arg(&a.block_tables);
+    l.arg(&a.token_seq).arg(&a.positions).arg(&params);
+    // SAFETY: lengths checked; block tables and positions come from the KV manager.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! Paged attention over block tables, prefill and decode tokens in one step, against a scalar
+//! reference written as the CPU attention (`moeserve-model` `layers/attention.rs`) computes it.
+
+use moeserve_backend::cpu;
+use moeserve_backend::cuda::CudaElement;
+use moeserve_backend::cuda::ops::{self, AttentionShape, PagedAttentionArgs};
+
+use crate::common::*;
+use crate::for_each_dtype;
+
+/// One step's query tokens over a filled cache.
+struct Case {
+    shape: AttentionShape,
+    num_blocks: usize,
+    /// Per sequence: its block ids (a row of the block table).
+    tables: Vec<Vec<i32>>,
+    /// Per step token: (sequence, position).
+    tokens: Vec<(usize, usize)>,
+}
+
+fn case(head_dim: usize, sliding_window: Option<usize>) -> Case {
+    let block_size = 16;
+    // Three sequences of 300, 40 and 5 tokens on shuffled blocks (300 needs 19 blocks, spanning
+    // three key tiles of 128).
+    let lengths = [300usize, 40, 5];
+    let max_blocks = lengths[0].div_ceil(block_size);
+    let num_blocks = lengths
+        .iter()
+        .map(|l| l.div_ceil(block_size))
+        .sum::<usize>()
+        + 3;
+    let mut free: Vec<i32> = (1..num_blocks as i32).rev().collect();
+    let order = random(free.len(), 99, 1.0);
+    let mut idx: Vec<usize> = (0..free.len()).collect();
+    idx.sort_by(|a, b| order[*a].total_cmp(&order[*b]));
+    free = idx.iter().map(|i| free[*i]).collect();
+    let tables = lengths
+        .iter()
+        .map(|l| {
+            let mut row: Vec<i32> = (0..l.div_ceil(block_size))
+                .map(|_| free.pop().unwrap())
+                .collect();
+            row.resize(max_blocks, 0);
+            row
+        })
+        .collect();
+    // Sequence 0 decodes its last token; 1 prefills its last 6; 2 prefills all 5.
+    let mut tokens = vec![(0, 299)];
+    tokens.extend((34..40).map(|p| (1, p)));
+    tokens.extend((0..5).map(|p| (2, p)));
+    Case {
+        shape: AttentionShape {
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim,
+            block_size,
+            max_blocks_per_seq: max_blocks,
+            sliding_window,
+        },
+        num_blocks,
+        tables,
+        tokens,
+    }
+}
+
+fn reference(c: &Case, q: &[f32], k_cache: &[f32], v_cache: &[f32]) -> Vec<f32> {
+    let s = c.shape;
+    let (d, group, kv_dim) = (
+        s.head_dim,
+        s.num_heads / s.num_kv_heads,
+        s.num_kv_heads * s.head_dim,
+    );
+    let scale = (d as f32).powf(-0.5);
+    let mut out = vec![0.0; c.tokens.len() * s.num_heads * d];
+    for (t, (seq, pos)) in c.tokens.iter().enumerate() {
+        let first = s.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let slots: Vec<usize> = (first..=*pos)
+            .map(|p| c.tables[*seq][p / s.block_size] as usize * s.block_size + p % s.block_size)
+            .collect();
+        for h in 0..s.num_heads {
+            let kvh = h / group;
+            let qh = &q[(t * s.num_heads + h) * d..][..d];
+            let mut scores: Vec<f32> = slots
+                .iter()
+                .map(|slot| {
+                    let kh = &k_cache[slot * kv_dim + kvh * d..][..d];
+                    qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            cpu::softmax_in_place(&mut scores);
+            let oh = &mut out[(t * s.num_heads + h) * d..][..d];
+            for (p, slot) in scores.iter().zip(&slots) {
+                let vh = &v_cache[slot * kv_dim + kvh * d..][..d];
+                oh.iter_mut().zip(vh).for_each(|(o, v)| *o += p * v);
+            }
+        }
+    }
+    out
+}
+
+fn run<T: CudaElement>(c: &Case) {
+    let Some(gpu) = gpu() else { return };
+    let s = c.shape;
+    let kv_len = c.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
+    let n = c.tokens.len();
+    let (q, q_f32) = rounded::<T>(&random(n * s.num_heads * s.head_dim, 20, 1.0));
+    let (k, k_f32) = rounded::<T>(&random(kv_len, 21, 1.0));
+    let (v, v_f32) = rounded::<T>(&random(kv_len, 22, 1.0));
+    let table: Vec<i32> = c.tables.concat();
+    let token_seq: Vec<i32> = c.tokens.iter().map(|(s, _)| *s as i32).collect();
+    let positions: Vec<i32> = c.tokens.iter().map(|(_, p)| *p as i32).collect();
+    let (q_d, k_d, v_d) = (upload(gpu, &q), upload(gpu, &k), upload(gpu, &v));
+    let (table_d, seq_d, pos_d) = (
+        gpu.upload(&table).unwrap(),
+        gpu.upload(&token_seq).unwrap(),
+        gpu.upload(&positions).unwrap(),
+    );
+    let mut out = gpu.zeros::<T>(n * s.num_heads * s.head_dim).unwrap();
+    ops::paged_attention(
+        gpu,
+        PagedAttentionArgs {
+            out: out.as_view_mut(),
+            q: q_d.as_view(),
+            k_cache: k_d.as_view(),
+            v_cache: v_d.as_view(),
+            block_tables: table_d.as_view(),
+            token_seq: seq_d.as_view(),
+            positions: pos_d.as_view(),
+            shape: s,
+        },
+    )
+    .unwrap();
+    let want = reference(c, &q_f32, &k_f32, &v_f32);
+    let op = format!(
+        "paged_attention d={} window={:?}",
+        s.head_dim, s.sliding_window
+    );
+    assert_close(
+        &op,
+        T::DTYPE,
+        &download_f32(gpu, &out),
+        &want,
+        chained_tolerance(T::DTYPE),
+    );
+}
+
+fn paged_attention_matches_the_reference<T: CudaElement>() {
+    run::<T>(&case(128, None));
+}
+for_each_dtype!(
+    paged_attention_matches_the_reference,
+    paged_attention_matches_the_reference
+);
+
+fn paged_attention_with_a_sliding_window_and_odd_head_dim<T: CudaElement>() {
+    // head_dim 160 gives threads two output dims each; a window of 100 cuts into the tiles.
+    run::<T>(&case(160, Some(100)));
+}
+for_each_dtype!(
+    paged_attention_with_a_sliding_window_and_odd_head_dim,
+    paged_attention_with_a_sliding_window_and_odd_head_dim
+);

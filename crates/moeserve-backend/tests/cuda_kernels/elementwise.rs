@@ -1,0 +1,287 @@
+//! Row-wise kernels and the dense GEMM: embedding, row gather, RMSNorm with the residual add,
+//! SwiGLU, RoPE, the KV-cache write, cuBLAS `x · wᵀ`.
+
+use moeserve_backend::cpu;
+use moeserve_backend::cuda::CudaElement;
+use moeserve_backend::cuda::gemm::{GemmShape, matmul_wt};
+use moeserve_backend::cuda::ops::{
+    self, EmbeddingArgs, GatherRowsArgs, RmsNormArgs, RopeArgs, WriteKvArgs,
+};
+
+use crate::common::*;
+use crate::for_each_dtype;
+
+fn embedding_gathers_exact_rows<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (vocab, hidden) = (50, 96);
+    let (table, table_f32) = rounded::<T>(&random(vocab * hidden, 1, 1.0));
+    let ids: Vec<u32> = vec![3, 0, 49, 3, 17];
+    let table_d = upload(gpu, &table);
+    let ids_d = gpu.upload(&ids).unwrap();
+    let mut out = gpu.zeros::<f32>(ids.len() * hidden).unwrap();
+    ops::embedding(
+        gpu,
+        EmbeddingArgs {
+            table: table_d.as_view(),
+            ids: ids_d.as_view(),
+            out: out.as_view_mut(),
+            hidden,
+        },
+    )
+    .unwrap();
+    let got = gpu.download(&out).unwrap();
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|id| table_f32[*id as usize * hidden..][..hidden].to_vec())
+        .collect();
+    assert_eq!(got, want);
+    // And the last-token gather of f32 rows.
+    let rows: Vec<i32> = vec![4, 1];
+    let rows_d = gpu.upload(&rows).unwrap();
+    let mut picked = gpu.zeros::<f32>(rows.len() * hidden).unwrap();
+    ops::gather_rows(
+        gpu,
+        GatherRowsArgs {
+            src: out.as_view(),
+            rows: rows_d.as_view(),
+            dst: picked.as_view_mut(),
+            hidden,
+        },
+    )
+    .unwrap();
+    let want: Vec<f32> = rows
+        .iter()
+        .flat_map(|r| got[*r as usize * hidden..][..hidden].to_vec())
+        .collect();
+    assert_eq!(gpu.download(&picked).unwrap(), want);
+}
+for_each_dtype!(embedding_gathers_exact_rows, embedding_gathers_exact_rows);
+
+fn rms_norm_adds_the_residual_then_normalises<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (tokens, hidden, eps) = (7, 1000, 1e-5);
+    let residual = random(tokens * hidden, 2, 3.0);
+    let (delta, delta_f32) = rounded::<T>(&random(tokens * hidden, 3, 1.0));
+    let (gain, gain_f32) = rounded::<T>(&random(hidden, 4, 2.0));
+    let mut residual_d = gpu.upload(&residual).unwrap();
+    let (delta_d, gain_d) = (upload(gpu, &delta), upload(gpu, &gain));
+    let mut out = gpu.zeros::<T>(tokens * hidden).unwrap();
+    for with_delta in [true, false] {
+        let mut want_residual = gpu.download(&residual_d).unwrap();
+        if with_delta {
+            cpu::add_assign(&mut want_residual, &delta_f32);
+        }
+        ops::rms_norm_residual(
+            gpu,
+            RmsNormArgs {
+                residual: residual_d.as_view_mut(),
+                delta: with_delta.then(|| delta_d.as_view()),
+                weight: gain_d.as_view(),
+                out: out.as_view_mut(),
+                eps,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            gpu.download(&residual_d).unwrap(),
+            want_residual,
+            "the residual add is exact"
+        );
+        let mut want = vec![0.0; tokens * hidden];
+        cpu::rms_norm(
+            &want_residual,
+            &weight_of::<T>(vec![hidden], &gain_f32),
+            eps,
+            &mut want,
+        );
+        assert_close(
+            "rms_norm_residual",
+            T::DTYPE,
+            &download_f32(gpu, &out),
+            &want,
+            tolerance(T::DTYPE),
+        );
+    }
+}
+for_each_dtype!(
+    rms_norm_adds_the_residual_then_normalises,
+    rms_norm_adds_the_residual_then_normalises
+);
+
+fn silu_mul_matches_swiglu<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (rows, inter) = (5, 333);
+    let (gate_up, gu) = rounded::<T>(&random(rows * 2 * inter, 5, 6.0));
+    let gate_up_d = upload(gpu, &gate_up);
+    let mut out = gpu.zeros::<T>(rows * inter).unwrap();
+    ops::silu_mul(gpu, gate_up_d.as_view(), out.as_view_mut(), inter).unwrap();
+    let mut want = Vec::new();
+    for row in gu.chunks_exact(2 * inter) {
+        let mut gate = row[..inter].to_vec();
+        cpu::silu_mul(&mut gate, &row[inter..]);
+        want.extend(gate);
+    }
+    assert_close(
+        "silu_mul",
+        T::DTYPE,
+        &download_f32(gpu, &out),
+        &want,
+        tolerance(T::DTYPE),
+    );
+}
+for_each_dtype!(silu_mul_matches_swiglu, silu_mul_matches_swiglu);
+
+fn rope_matches_hf_rotate_half<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (heads, kv_heads, d) = (8, 2, 128);
+    let positions: Vec<i32> = vec![0, 1, 17, 4095, 32767];
+    let n = positions.len();
+    let inv_freq = cpu::rope_inv_freq(d, 1e6);
+    let (q, q_f32) = rounded::<T>(&random(n * heads * d, 6, 2.0));
+    let (k, k_f32) = rounded::<T>(&random(n * kv_heads * d, 7, 2.0));
+    let (mut q_d, mut k_d) = (upload(gpu, &q), upload(gpu, &k));
+    let (pos_d, freq_d) = (
+        gpu.upload(&positions).unwrap(),
+        gpu.upload(&inv_freq).unwrap(),
+    );
+    ops::rope(
+        gpu,
+        RopeArgs {
+            q: q_d.as_view_mut(),
+            k: k_d.as_view_mut(),
+            positions: pos_d.as_view(),
+            inv_freq: freq_d.as_view(),
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: d,
+        },
+    )
+    .unwrap();
+    let (mut want_q, mut want_k) = (q_f32, k_f32);
+    for (i, p) in positions.iter().enumerate() {
+        cpu::apply_rope(
+            &mut want_q[i * heads * d..][..heads * d],
+            d,
+            *p as usize,
+            &inv_freq,
+        );
+        cpu::apply_rope(
+            &mut want_k[i * kv_heads * d..][..kv_heads * d],
+            d,
+            *p as usize,
+            &inv_freq,
+        );
+    }
+    assert_close(
+        "rope q",
+        T::DTYPE,
+        &download_f32(gpu, &q_d),
+        &want_q,
+        tolerance(T::DTYPE),
+    );
+    assert_close(
+        "rope k",
+        T::DTYPE,
+        &download_f32(gpu, &k_d),
+        &want_k,
+        tolerance(T::DTYPE),
+    );
+}
+for_each_dtype!(rope_matches_hf_rotate_half, rope_matches_hf_rotate_half);
+
+fn write_kv_fills_the_mapped_slots_only<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (num_slots, kv_dim) = (64, 40);
+    let slots: Vec<i64> = vec![5, 63, -1, 0, 17];
+    let n = slots.len();
+    let (k, k_f32) = rounded::<T>(&random(n * kv_dim, 8, 1.0));
+    let (v, v_f32) = rounded::<T>(&random(n * kv_dim, 9, 1.0));
+    let (k_d, v_d) = (upload(gpu, &k), upload(gpu, &v));
+    let slots_d = gpu.upload(&slots).unwrap();
+    let mut k_cache = gpu.zeros::<T>(num_slots * kv_dim).unwrap();
+    let mut v_cache = gpu.zeros::<T>(num_slots * kv_dim).unwrap();
+    ops::write_kv(
+        gpu,
+        WriteKvArgs {
+            k: k_d.as_view(),
+            v: v_d.as_view(),
+            k_cache: k_cache.as_view_mut(),
+            v_cache: v_cache.as_view_mut(),
+            slot_mapping: slots_d.as_view(),
+            kv_dim,
+        },
+    )
+    .unwrap();
+    let (mut want_k, mut want_v) = (vec![0.0; num_slots * kv_dim], vec![0.0; num_slots * kv_dim]);
+    for (i, s) in slots.iter().enumerate() {
+        if *s >= 0 {
+            let s = *s as usize;
+            want_k[s * kv_dim..][..kv_dim].copy_from_slice(&k_f32[i * kv_dim..][..kv_dim]);
+            want_v[s * kv_dim..][..kv_dim].copy_from_slice(&v_f32[i * kv_dim..][..kv_dim]);
+        }
+    }
+    assert_eq!(download_f32(gpu, &k_cache), want_k);
+    assert_eq!(download_f32(gpu, &v_cache), want_v);
+}
+for_each_dtype!(
+    write_kv_fills_the_mapped_slots_only,
+    write_kv_fills_the_mapped_slots_only
+);
+
+fn cublas_matmul_wt_matches_the_reference<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (n, k) = (96, 256);
+    let (w, w_f32) = rounded::<T>(&random(n * k, 10, 0.1));
+    let w_d = upload(gpu, &w);
+    for m in [1, 7, 64] {
+        let (x, x_f32) = rounded::<T>(&random(m * k, 11 + m as u64, 1.0));
+        let x_d = upload(gpu, &x);
+        let mut y = gpu.zeros::<T>(m * n).unwrap();
+        matmul_wt(
+            gpu,
+            &x_d.as_view(),
+            &w_d.as_view(),
+            &mut y.as_view_mut(),
+            GemmShape { m, n, k },
+        )
+        .unwrap();
+        let mut want = vec![0.0; m * n];
+        cpu::reference::matmul_wt(&x_f32, m, &w_f32, n, &mut want);
+        assert_close(
+            "matmul_wt",
+            T::DTYPE,
+            &download_f32(gpu, &y),
+            &want,
+            tolerance(T::DTYPE) * 10.0,
+        );
+    }
+}
+for_each_dtype!(
+    cublas_matmul_wt_matches_the_reference,
+    cublas_matmul_wt_matches_the_reference
+);
+
+fn fill_uniform_is_seeded_and_in_range<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let n = 100_003;
+    let fill = |seed| {
+        let mut w = gpu.zeros::<T>(n).unwrap();
+        ops::fill_uniform(gpu, w.as_view_mut(), seed, 0.5).unwrap();
+        download_f32(gpu, &w)
+    };
+    let (a, b, c) = (fill(7), fill(7), fill(8));
+    assert_eq!(a, b, "same seed, same values");
+    assert_ne!(a, c, "another seed, other values");
+    assert!(a.iter().all(|v| (-0.5..=0.5).contains(v)));
+    let mean = a.iter().map(|v| *v as f64).sum::<f64>() / n as f64;
+    let var = a.iter().map(|v| (*v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+    // Uniform(-0.5, 0.5): mean 0, variance 1/12.
+    assert!(
+        mean.abs() < 0.01 && (var - 1.0 / 12.0).abs() < 0.005,
+        "{mean} {var}"
+    );
+}
+for_each_dtype!(
+    fill_uniform_is_seeded_and_in_range,
+    fill_uniform_is_seeded_and_in_range
+);

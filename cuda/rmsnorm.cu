@@ -1,0 +1,37 @@
+// RMSNorm fused with the residual add (one pass over the row for the add and the sum of squares,
+// one for the scaling), as vLLM's `fused_add_rms_norm`. The residual stream stays f32, as on the
+// CPU backend; the normed output is T, the input of the next GEMM.
+//
+// HF: `hidden_states * torch.rsqrt(variance + eps)` then `self.weight * hidden_states`.
+
+// residual[t] += delta[t] (when `delta` is not null); out[t] = rmsnorm(residual[t]) * weight.
+// Grid: one block per token; any multiple of 32 threads up to 1024.
+template <typename T>
+__device__ void rms_norm_residual(float* residual, const T* delta, const T* weight, T* out,
+                                  int hidden, float eps) {
+    __shared__ float scratch[32];
+    float* row = residual + (i64)blockIdx.x * hidden;
+    const T* d = delta ? delta + (i64)blockIdx.x * hidden : nullptr;
+    T* o = out + (i64)blockIdx.x * hidden;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float v = row[i];
+        if (d) {
+            v += to_f32(d[i]);
+            row[i] = v;
+        }
+        sum_sq += v * v;
+    }
+    const float inv = rsqrtf(block_sum(sum_sq, scratch) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        o[i] = from_f32<T>(to_f32(weight[i]) * (row[i] * inv));
+    }
+}
+
+#define DEFINE_RMS_NORM(SUFFIX, T)                                                              \
+    extern "C" __global__ void rms_norm_residual_##SUFFIX(float* residual, const T* delta,      \
+                                                          const T* weight, T* out, int hidden,  \
+                                                          float eps) {                          \
+        rms_norm_residual<T>(residual, delta, weight, out, hidden, eps);                        \
+    }
+MOESERVE_FOR_EACH_DTYPE(DEFINE_RMS_NORM)
