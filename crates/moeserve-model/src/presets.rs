@@ -28,13 +28,17 @@ pub enum Preset {
     MixtralBench1b,
     /// Mixtral-8x7B's exact layer shapes with only 2 layers (≈ 3.2 B parameters, 6.3 GB).
     Mixtral8x7b2l,
+    /// hidden 32, 48 layers, 64 experts top-2, vocab 512 (≈ 10 M parameters): many small experts,
+    /// for per-expert views at the scale of large MoE models (the dashboard's 64 × 48 test).
+    MixtralWide,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 3] = [
+    pub const ALL: [Preset; 4] = [
         Preset::MixtralTiny,
         Preset::MixtralBench1b,
         Preset::Mixtral8x7b2l,
+        Preset::MixtralWide,
     ];
 
     pub fn name(self) -> &'static str {
@@ -42,6 +46,7 @@ impl Preset {
             Preset::MixtralTiny => "mixtral-tiny",
             Preset::MixtralBench1b => "mixtral-bench-1b",
             Preset::Mixtral8x7b2l => "mixtral-8x7b-2l",
+            Preset::MixtralWide => "mixtral-wide",
         }
     }
 
@@ -97,6 +102,16 @@ impl Preset {
                 num_key_value_heads: 8,
                 head_dim: 128,
                 max_position_embeddings: 32768,
+                ..base
+            },
+            Preset::MixtralWide => MixtralSpec {
+                hidden_size: 32,
+                intermediate_size: 32,
+                num_hidden_layers: 48,
+                num_attention_heads: 2,
+                num_key_value_heads: 1,
+                head_dim: 16,
+                num_local_experts: 64,
                 ..base
             },
         }

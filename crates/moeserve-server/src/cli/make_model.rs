@@ -11,7 +11,7 @@ use moeserve_model::presets::{MakeModelOptions, Preset, make_model};
 
 #[derive(Debug, Args)]
 pub struct MakeModelArgs {
-    /// A random preset (mixtral-tiny, mixtral-bench-1b, mixtral-8x7b-2l).
+    /// A random preset (mixtral-tiny, mixtral-bench-1b, mixtral-8x7b-2l, mixtral-wide).
     #[arg(
         long,
         conflicts_with = "from_gguf",
