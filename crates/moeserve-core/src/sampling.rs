@@ -67,6 +67,16 @@ pub struct SamplingParamsError {
 /// Largest number of alternatives a request may ask for per token (as OpenAI's `top_logprobs`).
 pub const MAX_LOGPROBS: usize = 20;
 
+/// Most stop strings one request may give (OpenAI allows 4; vLLM sets no limit): each one is
+/// checked after every generated token.
+pub const MAX_STOP_STRINGS: usize = 64;
+
+/// Longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+
+/// Most `stop_token_ids` one request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+
 impl SamplingParams {
     pub fn greedy(max_tokens: usize) -> Self {
         SamplingParams {
@@ -125,6 +135,33 @@ impl SamplingParams {
         if self.stop.iter().any(|s| s.is_empty()) {
             return err("stop", "stop strings must not be empty".to_string());
         }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return err(
+                "stop",
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                    self.stop.len()
+                ),
+            );
+        }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return err(
+                "stop",
+                format!(
+                    "stop strings may be at most {MAX_STOP_STRING_BYTES} bytes long, got one of {}",
+                    long.len()
+                ),
+            );
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return err(
+                "stop_token_ids",
+                format!(
+                    "at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {}",
+                    self.stop_token_ids.len()
+                ),
+            );
+        }
         Ok(())
     }
 }
@@ -156,5 +193,29 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(p.validate().unwrap_err().field, "max_tokens");
+    }
+
+    #[test]
+    fn stop_lists_are_bounded() {
+        let p = SamplingParams {
+            stop: vec!["x".to_string(); MAX_STOP_STRINGS + 1],
+            ..Default::default()
+        };
+        assert_eq!(p.validate().unwrap_err().field, "stop");
+        let p = SamplingParams {
+            stop: vec!["x".repeat(MAX_STOP_STRING_BYTES + 1)],
+            ..Default::default()
+        };
+        assert_eq!(p.validate().unwrap_err().field, "stop");
+        let p = SamplingParams {
+            stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
+            ..Default::default()
+        };
+        assert_eq!(p.validate().unwrap_err().field, "stop_token_ids");
+        let p = SamplingParams {
+            stop: vec!["x".to_string(); MAX_STOP_STRINGS],
+            ..Default::default()
+        };
+        assert!(p.validate().is_ok());
     }
 }

@@ -71,6 +71,18 @@ impl ModelAssets {
         Ok(ids)
     }
 
+    /// Refuses `stop_token_ids` outside the vocabulary (they could never be generated).
+    pub fn check_stop_token_ids(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.model.config().vocab_size;
+        match ids.iter().find(|id| **id as usize >= vocab) {
+            Some(bad) => Err(EngineError::InvalidRequest {
+                field: "stop_token_ids",
+                message: format!("token id {bad} is out of the vocabulary (size {vocab})"),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Renders chat messages with the model's template, ending with the assistant's turn.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self

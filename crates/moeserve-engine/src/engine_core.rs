@@ -146,6 +146,8 @@ impl EngineCore {
     /// Validates and queues a request; refuses it at once when it could never be served.
     pub fn add_request(&mut self, request: GenerateRequest) -> Result<RequestId> {
         request.params.validate()?;
+        self.assets
+            .check_stop_token_ids(&request.params.stop_token_ids)?;
         let prompt_ids = self.assets.prompt_ids(&request.prompt)?;
         let id = RequestId(self.next_id);
         self.next_id += 1;

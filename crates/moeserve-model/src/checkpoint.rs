@@ -100,6 +100,11 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// The shape the header gives tensor `name`.
+    pub fn tensor_shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|t| t.shape.as_slice())
+    }
+
     /// The tensor `name`, checked to have `expected_shape` and a float dtype; zero-copy.
     pub fn weight(&self, name: &str, expected_shape: &[usize]) -> Result<Weight> {
         let entry = self

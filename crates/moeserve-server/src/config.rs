@@ -2,6 +2,7 @@
 //! as in `configs/*.toml`) and the resolved [`ServeConfig`] after flags override the file.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use moeserve_core::DType;
 use moeserve_engine::engine_core::EngineConfig;
@@ -95,6 +96,12 @@ pub struct ServeFile {
     pub max_request_bytes: Option<SizeValue>,
     pub max_waiting_requests: Option<usize>,
     pub metrics_compat: Option<MetricsCompat>,
+    pub metrics_auth: Option<bool>,
+    pub max_connections: Option<usize>,
+    pub max_header_bytes: Option<SizeValue>,
+    pub request_read_timeout: Option<f64>,
+    pub request_timeout: Option<f64>,
+    pub shutdown_timeout: Option<f64>,
     pub max_num_seqs: Option<usize>,
     pub max_num_batched_tokens: Option<usize>,
     pub block_size: Option<usize>,
@@ -130,7 +137,58 @@ pub struct ServeConfig {
     pub max_request_bytes: usize,
     pub max_waiting_requests: usize,
     pub metrics_compat: MetricsCompat,
+    /// `/metrics` needs the API key too.
+    pub metrics_auth: bool,
+    pub limits: ServerLimits,
     pub engine: EngineConfig,
+}
+
+/// Connection and time limits of the HTTP layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ServerLimits {
+    /// Open connections beyond this wait in the kernel's accept queue.
+    pub max_connections: usize,
+    /// Largest request head (request line and headers); 431 beyond.
+    pub max_header_bytes: usize,
+    /// The request head and body must arrive within this.
+    pub request_read_timeout: Duration,
+    /// A generation request is cancelled with 504 after this; `None`: no limit.
+    pub request_timeout: Option<Duration>,
+    /// After SIGTERM / Ctrl-C, requests in flight get this long before they are cancelled.
+    pub shutdown_timeout: Duration,
+}
+
+impl ServerLimits {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_connections == 0 {
+            return Err("--max-connections must be at least 1".to_string());
+        }
+        if self.max_header_bytes < 1024 {
+            return Err(format!(
+                "--max-header-bytes must be at least 1KiB, got {} bytes",
+                self.max_header_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a positive number of seconds, like `30` or `0.5`.
+pub fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text
+        .trim()
+        .trim_end_matches('s')
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    seconds_to_duration(seconds)
+}
+
+/// A positive, finite number of seconds as a [`Duration`].
+pub fn seconds_to_duration(seconds: f64) -> Result<Duration, String> {
+    if !(seconds.is_finite() && seconds > 0.0 && seconds < 1e9) {
+        return Err(format!("{seconds} is not a positive number of seconds"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
 }
 
 /// The default served name: the model directory's name (`.` and `..` resolved first).

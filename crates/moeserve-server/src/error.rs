@@ -33,6 +33,8 @@ pub enum ApiError {
     RouteNotFound { method: String, path: String },
     /// 405: the route exists, with other methods.
     MethodNotAllowed,
+    /// 408: the body did not arrive within `--request-read-timeout`.
+    BodyTimeout { seconds: f64 },
     /// 413: the body is larger than `--max-request-bytes`.
     PayloadTooLarge { limit: usize },
     /// 429: `--max-waiting-requests` requests already wait for their first token.
@@ -43,6 +45,8 @@ pub enum ApiError {
     ShuttingDown,
     /// 500: the request failed inside the engine (other requests are unaffected).
     Internal(String),
+    /// 504: the request did not finish within `--request-timeout`; it was cancelled.
+    RequestTimeout { seconds: f64 },
 }
 
 impl ApiError {
@@ -63,10 +67,12 @@ impl ApiError {
                 StatusCode::NOT_FOUND
             }
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotReady | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::RequestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -107,6 +113,12 @@ impl ApiError {
                 None,
                 None,
             ),
+            ApiError::BodyTimeout { seconds } => (
+                format!("the request body did not arrive within {seconds} s"),
+                "invalid_request_error",
+                None,
+                Some("request_timeout".to_string()),
+            ),
             ApiError::PayloadTooLarge { limit } => (
                 format!("the request body is larger than the limit of {limit} bytes"),
                 "invalid_request_error",
@@ -137,6 +149,15 @@ impl ApiError {
                 None,
             ),
             ApiError::Internal(message) => (message.clone(), "internal_error", None, None),
+            ApiError::RequestTimeout { seconds } => (
+                format!(
+                    "the request did not finish within {seconds} s (--request-timeout) and \
+                     was cancelled"
+                ),
+                "timeout_error",
+                None,
+                Some("request_timeout".to_string()),
+            ),
         };
         ErrorDetail {
             message,

@@ -3,16 +3,20 @@
 //! per-request metrics observed on the way (inter-token gaps are measured here).
 //!
 //! Dropping a [`Generation`] drops its `RequestStream`, which cancels the request: the engine
-//! frees its blocks before the next step. A client that disconnects drops it with the response.
+//! frees its blocks before the next step. A client that disconnects drops it with the response;
+//! so does a request past `--request-timeout` (504) or one cancelled by the shutdown drain (503).
+//! From [`Target::new`] on, the request counts as in flight for the drain.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::RequestEvent;
 use moeserve_engine::handle::{Engine, RequestStream};
 use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
+use tokio::sync::watch;
 
+use crate::drain::InFlight;
 use crate::error::ApiError;
 use crate::state::{AppState, WaitingSlot};
 
@@ -27,13 +31,21 @@ pub struct TokenizedPrompt {
 pub struct Target {
     state: AppState,
     engine: Arc<Engine>,
+    in_flight: InFlight,
+    /// When `--request-timeout` runs out for this request, and the timeout.
+    deadline: Option<(Instant, Duration)>,
 }
 
 impl Target {
     pub fn new(state: &AppState) -> Result<Target, ApiError> {
+        // Counted before the shutdown check, so a drain that begins in between waits for it.
+        let in_flight = state.drain().enter();
+        let deadline = state.time_limits().request.map(|d| (Instant::now() + d, d));
         Ok(Target {
             state: state.clone(),
             engine: state.engine()?,
+            in_flight,
+            deadline,
         })
     }
 
@@ -61,10 +73,13 @@ impl Target {
         let stream = self.engine.submit(request).await?;
         Ok(Generation {
             stream,
+            cancelled: self.state.drain().cancelled(),
             state: self.state,
             slot,
             prompt_len,
             last_token_at: None,
+            deadline: self.deadline,
+            _in_flight: self.in_flight,
         })
     }
 }
@@ -77,12 +92,31 @@ pub struct Generation {
     slot: WaitingSlot,
     prompt_len: usize,
     last_token_at: Option<Instant>,
+    deadline: Option<(Instant, Duration)>,
+    /// Turns `true` when the shutdown drain gives up waiting.
+    cancelled: watch::Receiver<bool>,
+    _in_flight: InFlight,
 }
 
 impl Generation {
-    /// The next event (`None` if the engine went away), observed for the metrics.
-    pub async fn next(&mut self) -> Option<RequestEvent> {
-        let event = self.stream.next().await;
+    /// The next token or the final output, observed for the metrics. Everything that ends the
+    /// request early is an error: a failure inside the engine (500), the engine gone (500),
+    /// `--request-timeout` (504), the shutdown drain (503).
+    pub async fn next(&mut self) -> Result<RequestEvent, ApiError> {
+        let deadline = self.deadline;
+        let cancelled = &mut self.cancelled;
+        let event = tokio::select! {
+            event = self.stream.next() => event,
+            () = sleep_until(deadline.map(|(at, _)| at)) => {
+                self.slot.release();
+                let seconds = deadline.map_or(0.0, |(_, limit)| limit.as_secs_f64());
+                return Err(ApiError::RequestTimeout { seconds });
+            }
+            () = wait_cancelled(cancelled) => {
+                self.slot.release();
+                return Err(ApiError::ShuttingDown);
+            }
+        };
         let metrics = self.state.metrics();
         match &event {
             Some(RequestEvent::Token { .. }) => {
@@ -101,19 +135,36 @@ impl Generation {
             Some(RequestEvent::Finished { output, .. }) => metrics.observe_finished(output),
             Some(RequestEvent::Failed { .. }) | None => self.slot.release(),
         }
-        event
+        match event {
+            Some(RequestEvent::Failed { error, .. }) => Err(ApiError::Internal(error)),
+            Some(event) => Ok(event),
+            None => Err(engine_gone()),
+        }
     }
 
     /// Waits for the whole output (non-streaming responses).
     pub async fn collect(mut self) -> Result<GenerateOutput, ApiError> {
         loop {
-            match self.next().await {
-                Some(RequestEvent::Token { .. }) => {}
-                Some(RequestEvent::Finished { output, .. }) => return Ok(output),
-                Some(RequestEvent::Failed { error, .. }) => return Err(ApiError::Internal(error)),
-                None => return Err(engine_gone()),
+            if let RequestEvent::Finished { output, .. } = self.next().await? {
+                return Ok(output);
             }
         }
+    }
+}
+
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when the drain cancels requests in flight.
+async fn wait_cancelled(cancelled: &mut watch::Receiver<bool>) {
+    if cancelled.wait_for(|&c| c).await.is_err() {
+        // The sender lives in the state this request holds; if it were gone, never cancel.
+        std::future::pending::<()>().await;
     }
 }
 

@@ -1,6 +1,8 @@
 //! `moeserve serve` at run time: checks what is cheap to check, binds the port (printing
 //! `listening on http://ADDR`), loads the model in the background (`/health` is 503 until then)
-//! and shuts down gracefully on Ctrl-C or SIGTERM.
+//! and drains on Ctrl-C or SIGTERM: new requests and `/health` get 503 while the requests in
+//! flight finish, those still running after `--shutdown-timeout` are cancelled, then the process
+//! exits 0. A model that fails to load stops the server with its error (exit 1).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,15 +12,17 @@ use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::handle::Engine;
 use moeserve_model::config::MixtralConfig;
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
 use crate::app::app;
 use crate::config::ServeConfig;
+use crate::listener::{ConnectionLimits, accept};
 use crate::metrics::{ServerMetrics, install_recorder};
-use crate::state::{AppOptions, AppState};
+use crate::state::{AppOptions, AppState, TimeLimits};
 
-/// How long in-flight requests may take to finish once shutdown has begun.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// How long cancelled requests get to send their last chunk, and open connections to close,
+/// once the drain is over.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Start-up and shutdown progress, one line per stage, on stderr.
 fn log(message: impl std::fmt::Display) {
@@ -42,11 +46,17 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let exporter =
         install_recorder(config.metrics_compat, max_model_len).map_err(anyhow::Error::msg)?;
     let metrics = ServerMetrics::new(exporter, &config.served_model_name, config.metrics_compat);
+    let limits = config.limits;
     let options = AppOptions {
         served_model_name: config.served_model_name.clone(),
         api_key: config.api_key.clone(),
         max_request_bytes: config.max_request_bytes,
         max_waiting_requests: config.max_waiting_requests,
+        metrics_auth: config.metrics_auth,
+        time_limits: TimeLimits {
+            read: limits.request_read_timeout,
+            request: limits.request_timeout,
+        },
     };
     let state = AppState::new(options, metrics);
     let listener = TcpListener::bind((config.host.as_str(), config.port))
@@ -55,31 +65,79 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let address = listener.local_addr().context("no local address")?;
     log(format_args!("listening on http://{address}"));
     if config.api_key.is_some() {
-        log("an API key is required on /v1/*");
+        let metrics = if config.metrics_auth {
+            " and /metrics"
+        } else {
+            ""
+        };
+        log(format_args!("an API key is required on /v1/*{metrics}"));
     }
 
-    let stop = Arc::new(Notify::new());
-    let shutdown_begun = Arc::new(Notify::new());
-    let loader = tokio::spawn(load_in_background(config, state.clone(), stop.clone()));
-    let server = axum::serve(listener, app(state.clone()))
-        .with_graceful_shutdown(wait_for_shutdown(state, stop, shutdown_begun.clone()));
-    tokio::select! {
-        result = server.into_future() => result.context("the HTTP server failed")?,
-        _ = async {
-            shutdown_begun.notified().await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
-        } => log(format_args!(
-            "closing connections still open {} s after shutdown began",
-            SHUTDOWN_GRACE.as_secs()
-        )),
+    let load_failed = Arc::new(Notify::new());
+    let loader = tokio::spawn(load_in_background(
+        config,
+        state.clone(),
+        load_failed.clone(),
+    ));
+    let (stop_accepting, accepting) = watch::channel(false);
+    let connection_limits = ConnectionLimits {
+        max_connections: limits.max_connections,
+        max_header_bytes: limits.max_header_bytes,
+        header_read_timeout: limits.request_read_timeout,
+    };
+    let acceptor = tokio::spawn(accept(
+        listener,
+        app(state.clone()),
+        connection_limits,
+        async move {
+            let mut accepting = accepting;
+            let _ = accepting.wait_for(|&stop| stop).await;
+        },
+    ));
+    let reason = wait_for_shutdown(&load_failed).await;
+    if reason == Shutdown::Signal {
+        drain(&state, limits.shutdown_timeout).await;
     }
-    if loader.is_finished() {
+    let _ = stop_accepting.send(true);
+    let connections = acceptor.await.context("the accept loop panicked")?;
+    let still_open = connections.close(CLOSE_GRACE).await;
+    if still_open > 0 {
+        log(format_args!("closed {still_open} connections still open"));
+    }
+    // A failed load has signalled just before returning its error: wait for that error.
+    if reason == Shutdown::LoadFailed || loader.is_finished() {
         loader.await.context("the model loader panicked")??;
     } else {
         loader.abort();
     }
     log("stopped");
     Ok(())
+}
+
+/// Stops admitting (503 on new requests and `/health`), waits for the requests in flight at
+/// most `timeout`, then cancels the rest (they end with a 503 error).
+async fn drain(state: &AppState, timeout: Duration) {
+    state.begin_shutdown();
+    let drain = state.drain();
+    log(format_args!(
+        "draining: {} requests in flight, new ones get 503 (--shutdown-timeout {} s)",
+        drain.num_in_flight(),
+        timeout.as_secs_f64()
+    ));
+    if tokio::time::timeout(timeout, drain.wait_idle())
+        .await
+        .is_ok()
+    {
+        log("drained: every request finished");
+        return;
+    }
+    log(format_args!(
+        "cancelling {} requests still running after {} s",
+        drain.num_in_flight(),
+        timeout.as_secs_f64()
+    ));
+    drain.cancel_all();
+    let _ = tokio::time::timeout(CLOSE_GRACE, drain.wait_idle()).await;
 }
 
 async fn load_in_background(
@@ -138,16 +196,23 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
     Ok(engine)
 }
 
-/// Resolves on Ctrl-C, SIGTERM or a failed load; from then on new requests get 503.
-async fn wait_for_shutdown(state: AppState, stop: Arc<Notify>, begun: Arc<Notify>) {
+/// Why the server stops.
+#[derive(Debug, PartialEq, Eq)]
+enum Shutdown {
+    /// Ctrl-C or SIGTERM: drain.
+    Signal,
+    /// The model failed to load: nothing to drain.
+    LoadFailed,
+}
+
+/// Resolves on Ctrl-C, SIGTERM or a failed load.
+async fn wait_for_shutdown(load_failed: &Notify) -> Shutdown {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => log("interrupted"),
         _ = terminate_signal() => log("terminated"),
-        _ = stop.notified() => {}
+        _ = load_failed.notified() => return Shutdown::LoadFailed,
     }
-    state.begin_shutdown();
-    begun.notify_one();
-    log("shutting down: finishing requests in flight");
+    Shutdown::Signal
 }
 
 /// SIGTERM (what `docker stop` and Kubernetes send).

@@ -3,11 +3,12 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use moeserve_engine::handle::Engine;
 
 use crate::auth::ApiKey;
+use crate::drain::Drain;
 use crate::error::ApiError;
 use crate::metrics::ServerMetrics;
 
@@ -20,6 +21,40 @@ pub struct AppOptions {
     pub max_request_bytes: usize,
     /// Requests waiting for their first token beyond this are refused with 429.
     pub max_waiting_requests: usize,
+    /// `--metrics-auth`: `/metrics` needs the API key too.
+    pub metrics_auth: bool,
+    pub time_limits: TimeLimits,
+}
+
+impl Default for AppOptions {
+    fn default() -> Self {
+        AppOptions {
+            served_model_name: String::new(),
+            api_key: None,
+            max_request_bytes: 1 << 20,
+            max_waiting_requests: 1024,
+            metrics_auth: false,
+            time_limits: TimeLimits::default(),
+        }
+    }
+}
+
+/// How long the server waits for a client, and a request for the engine.
+#[derive(Clone, Copy, Debug)]
+pub struct TimeLimits {
+    /// `--request-read-timeout`: the request head and body must arrive within this.
+    pub read: Duration,
+    /// `--request-timeout`: a generation request is cancelled (504) after this; `None`: never.
+    pub request: Option<Duration>,
+}
+
+impl Default for TimeLimits {
+    fn default() -> Self {
+        TimeLimits {
+            read: Duration::from_secs(30),
+            request: None,
+        }
+    }
 }
 
 /// Shared state of the router.
@@ -31,6 +66,8 @@ struct Shared {
     /// Set once, when the model has loaded; `/health` answers 503 until then.
     engine: OnceLock<Arc<Engine>>,
     shutting_down: AtomicBool,
+    /// Generation requests in flight, for the drain at shutdown.
+    drain: Drain,
     /// Requests submitted that have not produced their first token yet.
     num_waiting: AtomicUsize,
     metrics: ServerMetrics,
@@ -44,6 +81,7 @@ impl AppState {
             options,
             engine: OnceLock::new(),
             shutting_down: AtomicBool::new(false),
+            drain: Drain::default(),
             num_waiting: AtomicUsize::new(0),
             metrics,
             started_at: unix_now(),
@@ -93,6 +131,18 @@ impl AppState {
 
     pub fn max_request_bytes(&self) -> usize {
         self.0.options.max_request_bytes
+    }
+
+    pub fn metrics_auth(&self) -> bool {
+        self.0.options.metrics_auth
+    }
+
+    pub fn time_limits(&self) -> TimeLimits {
+        self.0.options.time_limits
+    }
+
+    pub fn drain(&self) -> &Drain {
+        &self.0.drain
     }
 
     pub fn metrics(&self) -> &ServerMetrics {
@@ -154,6 +204,7 @@ mod tests {
             api_key: None,
             max_request_bytes: 1024,
             max_waiting_requests,
+            ..AppOptions::default()
         };
         AppState::new(options, ServerMetrics::unexported("m"))
     }

@@ -21,6 +21,7 @@ fn state() -> AppState {
         api_key: None,
         max_request_bytes: 64 * 1024,
         max_waiting_requests: 16,
+        ..AppOptions::default()
     };
     AppState::new(options, ServerMetrics::unexported("tiny"))
 }

@@ -25,7 +25,7 @@ pub enum AdmissionError {
     #[error(
         "this model's maximum context length is {max_model_len} tokens, but the request has \
          {prompt_len} prompt tokens and asks for {max_tokens} more ({} in all)",
-        prompt_len + max_tokens
+        prompt_len.saturating_add(*max_tokens)
     )]
     ContextTooLong {
         max_model_len: usize,
@@ -102,7 +102,8 @@ impl Scheduler {
             return Err(AdmissionError::DuplicateId(id));
         }
         let (prompt_len, max_model_len) = (prompt_ids.len(), self.limits.max_model_len);
-        if prompt_len + max_tokens > max_model_len {
+        // Saturating: a client's `max_tokens` may be as large as usize::MAX.
+        if prompt_len.saturating_add(max_tokens) > max_model_len {
             return Err(AdmissionError::ContextTooLong {
                 max_model_len,
                 prompt_len,

@@ -136,6 +136,14 @@ fn never_fitting_requests_are_refused_at_admission() {
             .contains("maximum context length is 16 tokens"),
         "{err}"
     );
+    // A `max_tokens` that would overflow the sum is refused too, not wrapped around.
+    let err = s
+        .add_request(RequestId(2), prompt(10, 0), usize::MAX)
+        .unwrap_err();
+    assert!(
+        matches!(err, AdmissionError::ContextTooLong { .. }),
+        "{err}"
+    );
     assert!(!s.has_unfinished());
 }
 

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
-use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage};
+use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
 use crate::generation::Target;
 use crate::state::AppState;
@@ -81,7 +81,7 @@ impl ChatRequest {
         match (self.logprobs, self.top_logprobs) {
             (_, Some(k)) if k > MAX_LOGPROBS => Err(ApiError::invalid(
                 "top_logprobs",
-                format!("must be at most {MAX_LOGPROBS}, got {k}"),
+                format!("invalid `top_logprobs`: must be at most {MAX_LOGPROBS}, got {k}"),
             )),
             (Some(true), k) => Ok(Some(k.unwrap_or(0))),
             (_, Some(_)) => Err(ApiError::invalid(
@@ -98,7 +98,10 @@ fn text_of_parts(parts: &[ContentPart], index: usize) -> Result<String, ApiError
         ("text", Some(text)) => Ok(text.as_str()),
         (kind, _) => Err(ApiError::invalid(
             &format!("messages[{index}].content"),
-            format!("content parts of type {kind:?} are not supported (only \"text\")"),
+            format!(
+                "invalid `messages[{index}].content`: content parts of type {kind:?} are not \
+                 supported (only \"text\")"
+            ),
         )),
     });
     Ok(texts.collect::<Result<Vec<_>, _>>()?.join("\n"))
@@ -157,12 +160,47 @@ pub struct Delta {
     pub content: Option<String>,
 }
 
-pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
-    let request: ChatRequest = body.parse()?;
-    let fields: SamplingFields = body.parse()?;
-    state.check_model(request.model.as_deref())?;
+/// A chat request read and checked as far as it can be without the model.
+pub struct ParsedChat {
+    pub request: ChatRequest,
+    pub fields: SamplingFields,
+    pub messages: Vec<ChatMessage>,
+    pub num_logprobs: Option<usize>,
+}
+
+/// Reads and checks a chat request body: every field a client sends is checked here (the
+/// fuzz target `openai_request` drives this), except what needs the model.
+pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
+    let request: ChatRequest = parse_json(body)?;
+    let fields: SamplingFields = parse_json(body)?;
     let messages = request.chat_messages()?;
     let num_logprobs = request.num_logprobs()?;
+    // The sampling fields are checked before any work; the output limit may depend on the
+    // prompt's length, so the parameters are made again once it is known.
+    if request.max_completion_tokens == Some(0) {
+        return Err(ApiError::invalid(
+            "max_completion_tokens",
+            "invalid `max_completion_tokens`: must be at least 1",
+        ));
+    }
+    let max_tokens = request.max_completion_tokens.or(request.max_tokens);
+    fields.to_params(max_tokens.unwrap_or(1), num_logprobs)?;
+    Ok(ParsedChat {
+        request,
+        fields,
+        messages,
+        num_logprobs,
+    })
+}
+
+pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
+    let ParsedChat {
+        request,
+        fields,
+        messages,
+        num_logprobs,
+    } = parse_request(body.bytes())?;
+    state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
     let tokenized = target.tokenize(&Prompt::Chat(messages))?;
     // With no limit the answer may fill the context; a full prompt is refused by the engine.

@@ -5,6 +5,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
+use moeserve_core::SamplingParams;
 use moeserve_engine::output::TokenUpdate;
 use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
 use moeserve_engine::sampler::SampleOutput;
@@ -12,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::logprobs::{CompletionLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
-use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage};
+use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
 use crate::generation::Target;
 use crate::state::AppState;
@@ -62,6 +63,8 @@ pub struct CompletionRequest {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub echo: Option<bool>,
+    /// Only 1 (or absent): one completion per request.
+    pub best_of: Option<u64>,
 }
 
 /// A `text_completion` object: the whole response, or one streamed chunk.
@@ -97,19 +100,50 @@ impl Completion {
     }
 }
 
-pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
-    let request: CompletionRequest = body.parse()?;
-    let fields: SamplingFields = body.parse()?;
-    state.check_model(request.model.as_deref())?;
+/// A completions request read and checked as far as it can be without the model.
+pub struct ParsedCompletion {
+    pub request: CompletionRequest,
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+}
+
+/// Reads and checks a completions request body: every field a client sends is checked here
+/// (the fuzz target `openai_request` drives this), except what needs the model.
+pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
+    let mut request: CompletionRequest = parse_json(body)?;
+    let fields: SamplingFields = parse_json(body)?;
     if request.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
+    if let Some(best_of) = request.best_of
+        && best_of != 1
+    {
+        return Err(ApiError::invalid(
+            "best_of",
+            format!("only best_of = 1 is supported, got {best_of}"),
+        ));
+    }
     let prompt = request
         .prompt
+        .take()
         .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?
         .into_prompt()?;
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     let params = fields.to_params(max_tokens, request.logprobs)?;
+    Ok(ParsedCompletion {
+        request,
+        prompt,
+        params,
+    })
+}
+
+pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
+    let ParsedCompletion {
+        request,
+        prompt,
+        params,
+    } = parse_request(body.bytes())?;
+    state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
     let tokenized = target.tokenize(&prompt)?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());

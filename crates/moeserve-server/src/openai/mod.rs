@@ -24,15 +24,20 @@ use serde::{Deserialize, Serialize};
 use crate::error::ApiError;
 use crate::state::AppState;
 
-/// A request body, read within `--max-request-bytes` (413 beyond).
+/// A request body, read within `--max-request-bytes` (413 beyond) and within
+/// `--request-read-timeout` (408 beyond: a client that trickles its body holds no task forever).
 pub struct JsonBody(Bytes);
 
 impl FromRequest<AppState> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
-        let bytes = Bytes::from_request(request, state)
-            .await
+        let limit = state.time_limits().read;
+        let read = tokio::time::timeout(limit, Bytes::from_request(request, state)).await;
+        let bytes = read
+            .map_err(|_| ApiError::BodyTimeout {
+                seconds: limit.as_secs_f64(),
+            })?
             .map_err(|r| ApiError::from_body_rejection(r, state.max_request_bytes()))?;
         Ok(JsonBody(bytes))
     }
@@ -41,15 +46,25 @@ impl FromRequest<AppState> for JsonBody {
 impl JsonBody {
     /// The body as `T`; a bad field is named in the error's `param`.
     pub fn parse<T: DeserializeOwned>(&self) -> Result<T, ApiError> {
-        let mut de = serde_json::Deserializer::from_slice(&self.0);
-        let value = serde_path_to_error::deserialize(&mut de).map_err(ApiError::from_json_error)?;
-        de.end().map_err(|e| ApiError::BadRequest {
-            message: format!("the body is not valid JSON for this endpoint: {e}"),
-            param: None,
-            code: None,
-        })?;
-        Ok(value)
+        parse_json(&self.0)
     }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// `body` as `T`, every byte of it; a bad field is named in the error's `param`. Unknown fields
+/// are ignored; nesting deeper than serde_json's limit (128) is an error, not a stack overflow.
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(ApiError::from_json_error)?;
+    de.end().map_err(|e| ApiError::BadRequest {
+        message: format!("the body is not valid JSON for this endpoint: {e}"),
+        param: None,
+        code: None,
+    })?;
+    Ok(value)
 }
 
 /// `stop`: one string or a list.
@@ -109,7 +124,7 @@ impl SamplingFields {
             Some(k) => {
                 return Err(ApiError::invalid(
                     "top_k",
-                    format!("must be -1 (off) or at least 1, got {k}"),
+                    format!("invalid `top_k`: must be -1 (off) or at least 1, got {k}"),
                 ));
             }
         };

@@ -17,7 +17,7 @@ use moeserve_engine::sampler::SampleOutput;
 use serde::Serialize;
 
 use crate::error::ApiError;
-use crate::generation::{Generation, engine_gone};
+use crate::generation::Generation;
 
 /// Turns one request's events into the endpoint's chunk objects.
 pub trait ChunkMaker: Send + 'static {
@@ -47,16 +47,17 @@ impl<M: ChunkMaker> StreamState<M> {
     async fn fill(&mut self) {
         while self.queued.is_empty() && !self.done {
             let error = match self.generation.next().await {
-                Some(RequestEvent::Token { sample, update, .. }) => {
+                Ok(RequestEvent::Token { sample, update, .. }) => {
                     self.queued.extend(self.maker.token(&sample, &update));
                     continue;
                 }
-                Some(RequestEvent::Finished { output, .. }) => {
+                Ok(RequestEvent::Finished { output, .. }) => {
                     self.queued.extend(self.maker.finish(&output));
                     None
                 }
-                Some(RequestEvent::Failed { error, .. }) => Some(ApiError::Internal(error)),
-                None => Some(engine_gone()),
+                // `next` turns failures into errors; this arm is never taken.
+                Ok(RequestEvent::Failed { error, .. }) => Some(ApiError::Internal(error)),
+                Err(error) => Some(error),
             };
             if let Some(error) = error {
                 // Headers are gone already: the error travels as a chunk, as vLLM sends it.

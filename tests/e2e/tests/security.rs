@@ -1,0 +1,116 @@
+//! Security defaults end to end: the default bind address is loopback, `--metrics-auth` puts
+//! `/metrics` behind the API key (and needs one), and nothing a request names reaches the
+//! filesystem (model names and paths are matched, never opened).
+
+use std::time::Duration;
+
+use moeserve_e2e::{Server, client, run_to_exit, send, tiny_model, tiny_model_path};
+use serde_json::json;
+
+const KEY: &str = "sk-e2e-Metrics-456";
+
+async fn status_of(request: reqwest::RequestBuilder) -> u16 {
+    request
+        .send()
+        .await
+        .expect("request sent")
+        .status()
+        .as_u16()
+}
+
+#[tokio::test]
+async fn the_default_bind_address_is_loopback() {
+    // A model directory without weights: the server binds, prints its address, then stops.
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    std::fs::remove_file(path.join("model.safetensors")).unwrap();
+    let (_, log) = run_to_exit(
+        &["serve", "--model", path.to_str().unwrap(), "--port", "0"],
+        Duration::from_secs(60),
+    );
+    assert!(log.contains("listening on http://127.0.0.1:"), "{log}");
+}
+
+#[tokio::test]
+async fn metrics_auth_puts_metrics_behind_the_key() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let server = Server::start(&[
+        "--model",
+        path.to_str().unwrap(),
+        "--api-key",
+        KEY,
+        "--metrics-auth",
+    ])
+    .await;
+    let c = client();
+    let metrics = server.url("/metrics");
+    let refused = send(c.get(&metrics)).await;
+    assert_eq!(refused.status, 401, "{}", refused.body);
+    assert_eq!(refused.error()["code"], "invalid_api_key");
+    assert_eq!(
+        status_of(c.get(&metrics).bearer_auth("sk-wrong")).await,
+        401
+    );
+    assert_eq!(status_of(c.get(&metrics).bearer_auth(KEY)).await, 200);
+    // Health stays open for load balancers; every /v1 route needs the key.
+    assert_eq!(status_of(c.get(server.url("/health"))).await, 200);
+    for path in ["/v1/models", "/v1/moe/load"] {
+        assert_eq!(status_of(c.get(server.url(path))).await, 401, "{path}");
+        assert_eq!(
+            status_of(c.get(server.url(path)).bearer_auth(KEY)).await,
+            200,
+            "{path}"
+        );
+    }
+    assert!(server.log_shows("/metrics", Duration::from_secs(5)));
+    assert!(!server.logs().contains(KEY), "the key was logged");
+}
+
+#[tokio::test]
+async fn metrics_auth_without_a_key_is_refused_at_start_up() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let (status, log) = run_to_exit(
+        &[
+            "serve",
+            "--model",
+            path.to_str().unwrap(),
+            "--port",
+            "0",
+            "--metrics-auth",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!status.success());
+    assert!(log.contains("--metrics-auth needs an API key"), "{log}");
+    assert!(!log.contains("listening on"), "{log}");
+}
+
+#[tokio::test]
+async fn paths_in_requests_never_reach_the_filesystem() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let server = Server::start(&["--model", path.to_str().unwrap()]).await;
+    let c = client();
+    // A model name that is a path is a name like any other: not served, nothing opened.
+    let dir = path.to_str().unwrap();
+    for name in [dir, "../tiny", "/etc/passwd", "tiny/../../etc"] {
+        let r = send(
+            c.post(server.url("/v1/completions"))
+                .json(&json!({"model": name, "prompt": "x", "max_tokens": 1})),
+        )
+        .await;
+        assert_eq!(r.status, 404, "{name}: {}", r.body);
+        assert_eq!(r.error()["code"], "model_not_found");
+    }
+    // Path tricks in the URL match no route.
+    for url in [
+        "/v1/../etc/passwd",
+        "/%2e%2e/%2e%2e/etc/passwd",
+        "/v1/models/../../config.json",
+    ] {
+        let r = send(c.get(server.url(url))).await;
+        assert_eq!(r.status, 404, "{url}: {}", r.body);
+    }
+}
