@@ -29,3 +29,7 @@ if [[ $status -ne 0 ]]; then
     echo "error: the openai client tests failed (pytest exit status $status)" >&2
     exit "$status"
 fi
+
+# The CUDA backend without a GPU: NVRTC 13.0 from PyPI compiles every kernel for sm_80 / sm_90,
+# the `--features cuda` build and its `--device` selection (scripts/test-cuda.sh).
+scripts/test-cuda.sh

@@ -5,6 +5,12 @@
 //! start-up). Model code never names an instruction set.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+pub mod cuda;
+pub mod device;
 mod weight;
 
 pub use weight::{Weight, WeightBytes, WeightData};
@@ -25,6 +31,8 @@ pub enum BackendError {
         shape: Vec<usize>,
         dtype: moeserve_core::DType,
     },
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
 }
 
 pub type Result<T> = std::result::Result<T, BackendError>;

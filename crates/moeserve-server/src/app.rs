@@ -1,5 +1,6 @@
-//! The router: OpenAI endpoints and `GET /v1/moe/load` under `/v1` (behind the API key when one is set), `/health`,
-//! `/version`, and `/metrics` on its own router merged in. Unknown routes and methods answer in
+//! The router: OpenAI endpoints, `GET /v1/moe/load` and `GET /v1/stats` under `/v1` (behind the
+//! API key when one is set), `/health`, `/version`, `/dashboard` (the page only; its data comes
+//! from `/v1`), and `/metrics` on its own router merged in. Unknown routes and methods answer in
 //! the OpenAI error shape; bodies are limited to `--max-request-bytes`.
 
 use axum::Router;
@@ -10,6 +11,7 @@ use axum::response::{IntoResponse, Json};
 use axum::routing::{get, post};
 
 use crate::auth::require_api_key;
+use crate::dashboard;
 use crate::error::ApiError;
 use crate::metrics;
 use crate::moe;
@@ -23,6 +25,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat::create))
         .route("/v1/models", get(models::list))
         .route("/v1/moe/load", get(moe::load))
+        .route("/v1/stats", get(dashboard::stats::stats))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -31,11 +34,24 @@ pub fn app(state: AppState) -> Router {
         .merge(v1)
         .route("/health", get(health))
         .route("/version", get(version))
-        .merge(metrics::router())
+        .merge(metrics_router(&state))
+        .merge(dashboard::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.max_request_bytes()))
         .with_state(state)
+}
+
+/// `/metrics`, behind the API key with `--metrics-auth`.
+fn metrics_router(state: &AppState) -> Router<AppState> {
+    let router = metrics::router();
+    if !state.metrics_auth() {
+        return router;
+    }
+    router.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        require_api_key,
+    ))
 }
 
 /// 200 once the model is loaded; 503 while loading or shutting down.

@@ -7,15 +7,22 @@
 //! - `openai`: wire types and handlers, one module per endpoint, and SSE streaming.
 //! - `generation`: one request's trip through the engine (queue limit, events, metrics).
 //! - `error`: [`ApiError`], the one HTTP error type; `auth`: the API key.
+//! - `listener`: the accept loop (connection, header-size and header-time limits);
+//!   `drain`: requests in flight, waited for or cancelled at shutdown.
 //! - `metrics`: the Prometheus exporter and `/metrics`; `moe`: the MoE series and
-//!   `GET /v1/moe/load`.
+//!   `GET /v1/moe/load`; `dashboard`: `GET /dashboard` and its stats JSON `GET /v1/stats`;
+//!   `latency_window`: the recent latencies behind its percentiles.
 
 pub mod app;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod dashboard;
+pub mod drain;
 pub mod error;
 pub mod generation;
+pub mod latency_window;
+pub mod listener;
 pub mod metrics;
 pub mod moe;
 pub mod openai;

@@ -22,6 +22,7 @@ use moeserve_engine::request::{FinishReason, GenerateOutput};
 use moeserve_engine::stats::EngineStats;
 
 use crate::config::MetricsCompat;
+use crate::latency_window::{LatencyWindow, RequestLatency};
 use crate::state::AppState;
 
 static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -115,6 +116,8 @@ pub struct ServerMetrics {
     decode_time: Series<Histogram>,
     request_prompt_tokens: Series<Histogram>,
     request_generation_tokens: Series<Histogram>,
+    /// Latencies of the last minutes, for the dashboard's percentiles.
+    recent_latencies: LatencyWindow,
 }
 
 impl ServerMetrics {
@@ -201,6 +204,7 @@ impl ServerMetrics {
             decode_time: histogram(names::REQUEST_DECODE_TIME_SECONDS),
             request_prompt_tokens: histogram(names::REQUEST_PROMPT_TOKENS),
             request_generation_tokens: histogram(names::REQUEST_GENERATION_TOKENS),
+            recent_latencies: LatencyWindow::default(),
         }
     }
 
@@ -237,10 +241,15 @@ impl ServerMetrics {
         let generated = output.token_ids.len();
         self.time_to_first_token
             .record(t.time_to_first_token_seconds);
-        if generated > 1 {
-            self.time_per_output_token
-                .record(t.decode_seconds / (generated - 1) as f64);
+        let tpot = (generated > 1).then(|| t.decode_seconds / (generated - 1) as f64);
+        if let Some(tpot) = tpot {
+            self.time_per_output_token.record(tpot);
         }
+        self.recent_latencies.record(RequestLatency {
+            time_to_first_token: t.time_to_first_token_seconds,
+            time_per_output_token: tpot,
+            e2e: t.e2e_seconds,
+        });
         self.e2e_latency.record(t.e2e_seconds);
         self.queue_time.record(t.queue_seconds);
         self.prefill_time.record(t.prefill_seconds);
@@ -252,6 +261,11 @@ impl ServerMetrics {
             FinishReason::Stop => self.success_stop.increment(1),
             FinishReason::Length => self.success_length.increment(1),
         }
+    }
+
+    /// Latencies of the requests finished in the last minutes.
+    pub fn recent_latencies(&self) -> &LatencyWindow {
+        &self.recent_latencies
     }
 
     /// The Prometheus text exposition, or `None` without an exporter.

@@ -150,6 +150,20 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
+    /// The server's process id (for signals and /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends SIGTERM, as `docker stop` and Kubernetes do.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed: {status}");
+    }
+
     /// Everything the server printed on stderr so far.
     pub fn logs(&self) -> String {
         self.log.lock().expect("log lock").join("\n")
@@ -218,4 +232,25 @@ pub fn run_to_exit(args: &[&str], timeout: Duration) -> (ExitStatus, String) {
         .unwrap_or_else(|| panic!("moeserve did not exit in time:\n{}", server.logs()));
     let _ = reader.join();
     (status, server.logs())
+}
+
+/// Runs `moeserve ARGS...` to completion within `timeout`, capturing stdout and stderr (the
+/// command-line tools: `bench serve`, `plan`, `tune`).
+pub fn run_with_output(args: &[&str], timeout: Duration) -> std::process::Output {
+    let child = Command::new(moeserve_bin())
+        .args(args)
+        .env_remove("MOESERVE_API_KEY")
+        .env_remove("OPENAI_API_KEY")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start moeserve");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    rx.recv_timeout(timeout)
+        .unwrap_or_else(|_| panic!("moeserve {args:?} did not finish in {timeout:?}"))
+        .expect("moeserve output")
 }

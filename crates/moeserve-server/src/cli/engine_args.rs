@@ -1,6 +1,7 @@
 //! Engine flags shared by `generate` and `serve`, named as vLLM's engine arguments.
 
 use clap::Args;
+use moeserve_backend::device::DeviceRequest;
 use moeserve_core::{CacheConfig, SchedulerConfig};
 use moeserve_engine::engine_core::EngineConfig;
 
@@ -33,11 +34,29 @@ pub struct EngineArgs {
     pub enable_prefix_caching: bool,
     #[arg(long, hide = true)]
     pub no_enable_prefix_caching: bool,
+    /// Device: auto (CUDA when it can serve the model, else the CPU, saying why), cpu or cuda.
+    #[arg(long, env = "MOESERVE_DEVICE", default_value = "auto")]
+    pub device: DeviceRequest,
+    /// Threads for the CPU kernels (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Weight quantization made at load: none (as stored) or int8 (per-output-channel scales,
+    /// f32 activations; half the bytes per decode step of bf16). Routers stay as stored.
+    #[arg(long, default_value = "none")]
+    pub quantization: moeserve_backend::cpu::WeightQuantization,
     #[command(flatten)]
     pub moe: MoeArgs,
 }
 
 impl EngineArgs {
+    /// Starts the kernels' thread pool (`--threads`) and fixes `--quantization`; call once,
+    /// before loading a model. Returns the pool's size.
+    pub fn init_kernels(&self) -> anyhow::Result<usize> {
+        moeserve_backend::cpu::set_weight_quantization(self.quantization)
+            .map_err(anyhow::Error::msg)?;
+        moeserve_backend::cpu::init_threads(self.threads).map_err(anyhow::Error::msg)
+    }
+
     pub fn to_config(&self) -> EngineConfig {
         EngineConfig {
             cache: CacheConfig {

@@ -95,6 +95,8 @@ struct JsonOutput<'a> {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    super::device::select(args.engine.device)?;
+    args.engine.init_kernels()?;
     let start = Instant::now();
     let assets = ModelAssets::load(&args.model)
         .with_context(|| format!("loading {}", args.model.display()))?;
@@ -208,7 +210,7 @@ fn requests(args: &GenerateArgs) -> anyhow::Result<Vec<GenerateRequest>> {
     Ok(vec![GenerateRequest { prompt, params }])
 }
 
-fn read_prompts_file(
+pub(super) fn read_prompts_file(
     path: &Path,
     defaults: &SamplingParams,
     chat: bool,

@@ -1,11 +1,16 @@
 //! Command-line arguments, one module per subcommand; flag names follow vLLM where the concept
 //! is the same.
 
+mod bench_offline;
+mod bench_serve;
+mod device;
 pub mod engine_args;
 mod generate;
 mod make_model;
 pub mod moe_args;
+mod plan;
 pub mod serve;
+mod tune;
 
 use clap::{ArgMatches, Parser, Subcommand};
 
@@ -28,6 +33,26 @@ enum Command {
     MakeModel(make_model::MakeModelArgs),
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(Box<serve::ServeArgs>),
+    /// Benchmarks: `serve` load-tests any OpenAI-compatible server; `plot` compares results.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Size a deployment from a `bench serve` result: max batch within a TPOT target and the KV
+    /// cache, replicas by Little's law, recommended flags.
+    Plan(plan::PlanArgs),
+    /// Tune engine settings with data: `capacity-factor`.
+    #[command(subcommand)]
+    Tune(tune::TuneCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Load-test an OpenAI-compatible server over concurrency levels (TTFT, TPOT, ITL, e2e).
+    Serve(bench_serve::BenchServeArgs),
+    /// Draw several `bench serve` results on one latency-versus-throughput chart.
+    Plot(bench_serve::BenchPlotArgs),
+    /// Time prefill and decode of B sequences through the engine, no server (tokens/s, GB/s,
+    /// GFLOP/s).
+    Offline(Box<bench_offline::BenchOfflineArgs>),
 }
 
 /// Runs the chosen subcommand; `matches` tells which flags were given explicitly (the config
@@ -42,5 +67,10 @@ pub fn run(cli: Cli, matches: &ArgMatches) -> anyhow::Result<()> {
                 .expect("the serve subcommand was parsed from these matches");
             serve::run(*args, serve_matches)
         }
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
+        Command::Bench(BenchCommand::Plot(args)) => bench_serve::plot(args),
+        Command::Bench(BenchCommand::Offline(args)) => bench_offline::run(*args),
+        Command::Plan(args) => plan::run(args),
+        Command::Tune(command) => tune::run(command),
     }
 }

@@ -3,6 +3,7 @@
 //! variable) override the file, which overrides the defaults.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::parser::ValueSource;
@@ -13,7 +14,8 @@ use moeserve_engine::engine_core::EngineConfig;
 use super::engine_args::{EngineArgs, parse_size};
 use crate::auth::ApiKey;
 use crate::config::{
-    DtypeChoice, MetricsCompat, ServeConfig, ServeFile, SizeValue, default_served_model_name,
+    DtypeChoice, MetricsCompat, ServeConfig, ServeFile, ServerLimits, SizeValue,
+    default_served_model_name, parse_seconds, seconds_to_duration,
 };
 
 #[derive(Debug, Args)]
@@ -47,6 +49,26 @@ pub struct ServeArgs {
     /// Also export metrics under vLLM's names, so vLLM dashboards work unchanged.
     #[arg(long, value_enum, default_value_t = MetricsCompat::None)]
     metrics_compat: MetricsCompat,
+    /// Require the API key on /metrics too (needs --api-key).
+    #[arg(long)]
+    metrics_auth: bool,
+    /// Most open client connections; more wait in the kernel's accept queue.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Largest request head (request line and headers), e.g. 32KiB; larger gets 431.
+    #[arg(long, default_value = "32KiB", value_parser = parse_size)]
+    max_header_bytes: u64,
+    /// Seconds a client has to send the request head and body (then: closed, or 408).
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    request_read_timeout: Duration,
+    /// Seconds a generation request may take in all before it is cancelled with 504
+    /// (default: no limit).
+    #[arg(long, value_parser = parse_seconds)]
+    request_timeout: Option<Duration>,
+    /// Seconds in-flight requests get to finish after SIGTERM / Ctrl-C before they are
+    /// cancelled (meanwhile new requests and /health get 503).
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    shutdown_timeout: Duration,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -95,6 +117,52 @@ fn size(value: Option<SizeValue>, key: &str) -> anyhow::Result<Option<u64>> {
         .map_err(|e| anyhow::anyhow!("config file `{key}`: {e}"))
 }
 
+fn seconds(value: Option<f64>, key: &str) -> anyhow::Result<Option<Duration>> {
+    value
+        .map(seconds_to_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("config file `{key}`: {e}"))
+}
+
+/// The connection and time limits: flags over the file over the defaults.
+fn resolve_limits(
+    args: &ServeArgs,
+    file: &ServeFile,
+    x: &Explicit,
+) -> anyhow::Result<ServerLimits> {
+    let max_header_bytes = x.pick(
+        "max_header_bytes",
+        args.max_header_bytes,
+        size(file.max_header_bytes.clone(), "max_header_bytes")?,
+    );
+    let limits = ServerLimits {
+        max_connections: x.pick(
+            "max_connections",
+            args.max_connections,
+            file.max_connections,
+        ),
+        max_header_bytes: usize::try_from(max_header_bytes)
+            .context("--max-header-bytes is too large")?,
+        request_read_timeout: x.pick(
+            "request_read_timeout",
+            args.request_read_timeout,
+            seconds(file.request_read_timeout, "request_read_timeout")?,
+        ),
+        request_timeout: x.pick_opt(
+            "request_timeout",
+            args.request_timeout,
+            seconds(file.request_timeout, "request_timeout")?,
+        ),
+        shutdown_timeout: x.pick(
+            "shutdown_timeout",
+            args.shutdown_timeout,
+            seconds(file.shutdown_timeout, "shutdown_timeout")?,
+        ),
+    };
+    limits.validate().map_err(anyhow::Error::msg)?;
+    Ok(limits)
+}
+
 /// Merges flags over the config file over the defaults.
 pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeConfig> {
     let file = match &args.config {
@@ -102,6 +170,7 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
         None => ServeFile::default(),
     };
     let x = Explicit(matches);
+    let limits = resolve_limits(&args, &file, &x)?;
     let model = x
         .pick_opt("model", args.model, file.model)
         .context("give --model DIR (or `model` in the --config file)")?;
@@ -155,10 +224,15 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
             file.served_model_name,
         )
         .unwrap_or_else(|| default_served_model_name(&model));
+    let api_key = x.pick_opt("api_key", args.api_key, file.api_key);
+    let metrics_auth = x.pick("metrics_auth", args.metrics_auth, file.metrics_auth);
+    if metrics_auth && api_key.is_none() {
+        anyhow::bail!("--metrics-auth needs an API key (--api-key or MOESERVE_API_KEY)");
+    }
     Ok(ServeConfig {
         host: x.pick("host", args.host, file.host),
         port: x.pick("port", args.port, file.port),
-        api_key: x.pick_opt("api_key", args.api_key, file.api_key),
+        api_key,
         dtype: x.pick("dtype", args.dtype, file.dtype),
         max_request_bytes: usize::try_from(max_request_bytes)
             .context("--max-request-bytes is too large")?,
@@ -168,6 +242,8 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
             file.max_waiting_requests,
         ),
         metrics_compat: x.pick("metrics_compat", args.metrics_compat, file.metrics_compat),
+        metrics_auth,
+        limits,
         served_model_name,
         model,
         engine,
@@ -175,6 +251,8 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
 }
 
 pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
+    super::device::select(args.engine.device)?;
+    args.engine.init_kernels()?;
     let config = resolve(args, matches)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -238,6 +316,53 @@ mod tests {
         assert!(c.engine.cache.enable_prefix_caching && c.engine.scheduler.enable_chunked_prefill);
         assert_eq!(c.metrics_compat, MetricsCompat::None);
         assert!(c.api_key.is_none());
+    }
+
+    #[test]
+    fn connection_and_time_limits_come_from_flags_or_the_file() {
+        let c = resolve_args(&["x", "--model", "m"]).unwrap();
+        assert_eq!(c.limits.max_connections, 1024);
+        assert_eq!(c.limits.max_header_bytes, 32 << 10);
+        assert_eq!(c.limits.request_read_timeout, Duration::from_secs(30));
+        assert_eq!(c.limits.request_timeout, None);
+        assert_eq!(c.limits.shutdown_timeout, Duration::from_secs(30));
+        let file = config_file(
+            "request_timeout = 2.5\nshutdown_timeout = 5\nmax_connections = 8\n\
+             max_header_bytes = \"16KiB\"\n",
+        );
+        let path = file.path().to_str().unwrap();
+        let c = resolve_args(&[
+            "x",
+            "--model",
+            "m",
+            "--config",
+            path,
+            "--shutdown-timeout",
+            "1",
+        ])
+        .unwrap();
+        assert_eq!(c.limits.request_timeout, Some(Duration::from_millis(2500)));
+        assert_eq!(c.limits.shutdown_timeout, Duration::from_secs(1));
+        assert_eq!(c.limits.max_connections, 8);
+        assert_eq!(c.limits.max_header_bytes, 16 << 10);
+        for bad in [
+            &["--request-timeout", "0"][..],
+            &["--shutdown-timeout", "-1"],
+            &["--request-read-timeout", "soon"],
+            &["--max-connections", "0"],
+            &["--max-header-bytes", "100"],
+        ] {
+            let argv: Vec<&str> = ["x", "--model", "m"].iter().chain(bad).copied().collect();
+            assert!(resolve_args(&argv).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn metrics_auth_needs_an_api_key() {
+        let err = resolve_args(&["x", "--model", "m", "--metrics-auth"]).unwrap_err();
+        assert!(err.to_string().contains("--metrics-auth"), "{err}");
+        let c = resolve_args(&["x", "--model", "m", "--metrics-auth", "--api-key", "k"]).unwrap();
+        assert!(c.metrics_auth);
     }
 
     #[test]
