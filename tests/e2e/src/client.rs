@@ -43,6 +43,16 @@ impl JsonResponse {
 }
 
 /// POSTs `body` as JSON and reads a JSON answer (any status).
+/// Sends `request` and returns only its HTTP status (auth and routing checks).
+pub async fn status_of(request: reqwest::RequestBuilder) -> u16 {
+    request
+        .send()
+        .await
+        .expect("request sent")
+        .status()
+        .as_u16()
+}
+
 pub async fn post_json(url: &str, body: &Value) -> JsonResponse {
     let request = client().post(url).json(body);
     send(request).await

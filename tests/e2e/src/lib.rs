@@ -12,9 +12,10 @@ mod server;
 pub use browser::{Browser, find_tool, free_port};
 pub use client::{
     JsonResponse, REQUEST_TIMEOUT, Sample, SseData, SseReader, client, engine_idle, metric_sum,
-    parse_metrics, post_json, post_stream, scrape, scrape_until, send,
+    parse_metrics, post_json, post_stream, scrape, scrape_until, send, status_of,
 };
 pub use prometheus::{Prometheus, promtool};
 pub use server::{
-    Server, moeserve_bin, repo_root, run_to_exit, run_with_output, tiny_model, tiny_model_path,
+    Server, demo_model_dir, moeserve_bin, repo_root, run_to_exit, run_with_output, tiny_model,
+    tiny_model_path,
 };

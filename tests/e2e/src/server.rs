@@ -15,6 +15,20 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The demo model (`MOESERVE_DEMO_MODEL`, else models/smolmoe-8x135m); panics with how to
+/// make it when it is missing.
+pub fn demo_model_dir() -> PathBuf {
+    let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
+    assert!(
+        dir.join("config.json").exists(),
+        "{} is missing: run models/smolmoe-8x135m.sh",
+        dir.display()
+    );
+    dir
+}
+
 /// The binary under test: `MOESERVE_BIN`, else `target/<profile>/moeserve` of this workspace
 /// (`cargo test --workspace` builds it; scripts/test.sh builds it first explicitly).
 pub fn moeserve_bin() -> PathBuf {

@@ -3,19 +3,10 @@
 
 use std::time::Duration;
 
-use moeserve_e2e::{Server, client, send, tiny_model, tiny_model_path};
+use moeserve_e2e::{Server, client, send, status_of, tiny_model, tiny_model_path};
 use serde_json::json;
 
 const KEY: &str = "sk-e2e-Secret-123";
-
-async fn status_of(request: reqwest::RequestBuilder) -> u16 {
-    request
-        .send()
-        .await
-        .expect("request sent")
-        .status()
-        .as_u16()
-}
 
 async fn check_key_is_required(server: &Server) {
     let c = client();

@@ -8,30 +8,17 @@
 //! README's `docs/dashboard.png` is made). The other tests: the page's API-key flow, and the
 //! heatmap at 64 experts × 48 layers (the `mixtral-wide` preset) on a laptop-sized window.
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use futures_util::future::join_all;
 use moeserve_e2e::{
-    Browser, Server, client, engine_idle, moeserve_bin, repo_root, scrape_until, send, tiny_model,
-    tiny_model_path,
+    Browser, Server, client, demo_model_dir, engine_idle, moeserve_bin, repo_root, scrape_until,
+    send, tiny_model, tiny_model_path,
 };
 use serde_json::{Value, json};
 
 const PAGE_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn demo_model_dir() -> PathBuf {
-    let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
-    assert!(
-        dir.join("config.json").exists(),
-        "{} is missing: run models/smolmoe-8x135m.sh",
-        dir.display()
-    );
-    dir
-}
 
 /// `count` requests whose prompt repeats `token`, `concurrency` at a time.
 async fn skewed_load(server: &Server, token: u32, count: usize, concurrency: usize) {

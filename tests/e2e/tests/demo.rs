@@ -2,22 +2,8 @@
 //! `models/smolmoe-8x135m.sh`, which scripts/test.sh runs first; `MOESERVE_DEMO_MODEL`
 //! overrides the location) answers the README's chat request with real text.
 
-use std::path::PathBuf;
-
-use moeserve_e2e::{Server, post_json, repo_root};
+use moeserve_e2e::{Server, demo_model_dir, post_json};
 use serde_json::json;
-
-fn demo_model_dir() -> PathBuf {
-    let dir = std::env::var_os("MOESERVE_DEMO_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("models/smolmoe-8x135m"));
-    assert!(
-        dir.join("config.json").exists(),
-        "{} is missing: run models/smolmoe-8x135m.sh",
-        dir.display()
-    );
-    dir
-}
 
 #[tokio::test]
 async fn the_demo_model_answers_the_readme_chat_request() {

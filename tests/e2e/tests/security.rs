@@ -4,19 +4,10 @@
 
 use std::time::Duration;
 
-use moeserve_e2e::{Server, client, run_to_exit, send, tiny_model, tiny_model_path};
+use moeserve_e2e::{Server, client, run_to_exit, send, status_of, tiny_model, tiny_model_path};
 use serde_json::json;
 
 const KEY: &str = "sk-e2e-Metrics-456";
-
-async fn status_of(request: reqwest::RequestBuilder) -> u16 {
-    request
-        .send()
-        .await
-        .expect("request sent")
-        .status()
-        .as_u16()
-}
 
 #[tokio::test]
 async fn the_default_bind_address_is_loopback() {
