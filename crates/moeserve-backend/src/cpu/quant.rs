@@ -70,14 +70,23 @@ pub const GROUP: usize = super::matmul::KC;
 
 /// `[n, k]` weights as int8 and their scales, `[n, k.div_ceil(GROUP)]` (`w ≈ q · scale`).
 pub fn quantize_rows_int8(data: WeightData<'_>, n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
-    let values: Vec<f32> = match data {
-        WeightData::F32(v) => v.to_vec(),
-        WeightData::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        WeightData::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-    };
     let mut q = Vec::with_capacity(n * k);
     let mut scales = Vec::with_capacity(n);
-    for row in values.chunks_exact(k.max(1)).take(n) {
+    // One row widened at a time: no f32 copy of the whole matrix at load.
+    let mut row = vec![0.0f32; k];
+    for r in 0..n {
+        let span = r * k..(r + 1) * k;
+        match &data {
+            WeightData::F32(v) => row.copy_from_slice(&v[span]),
+            WeightData::F16(v) => row
+                .iter_mut()
+                .zip(&v[span])
+                .for_each(|(d, s)| *d = s.to_f32()),
+            WeightData::BF16(v) => row
+                .iter_mut()
+                .zip(&v[span])
+                .for_each(|(d, s)| *d = s.to_f32()),
+        }
         for group in row.chunks(GROUP) {
             let max = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
