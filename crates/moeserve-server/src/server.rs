@@ -174,10 +174,12 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
         ModelAssets::load(dir).with_context(|| format!("cannot load {}", dir.display()))?;
     let yes_no = |present: bool| if present { "yes" } else { "no" };
     log(format_args!(
-        "loaded weights: {:.2} GB in {:.1} s (kernels: {}); tokenizer: {}, chat template: {}",
+        "loaded weights: {:.2} GB in {:.1} s (kernels: {}, quantization: {}); tokenizer: {}, \
+         chat template: {}",
         assets.model.weight_bytes() as f64 / 1e9,
         start.elapsed().as_secs_f64(),
         moeserve_backend::cpu::isa(),
+        moeserve_backend::cpu::weight_quantization(),
         yes_no(assets.tokenizer.is_some()),
         yes_no(assets.chat_template.is_some()),
     ));

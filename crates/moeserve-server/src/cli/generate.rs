@@ -101,11 +101,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let assets = ModelAssets::load(&args.model)
         .with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
-        "loaded {} in {:.2} s ({:.2} GB of weights, kernels: {})",
+        "loaded {} in {:.2} s ({:.2} GB of weights, kernels: {}, quantization: {})",
         args.model.display(),
         start.elapsed().as_secs_f64(),
         assets.model.weight_bytes() as f64 / 1e9,
-        moeserve_backend::cpu::isa()
+        moeserve_backend::cpu::isa(),
+        moeserve_backend::cpu::weight_quantization()
     );
     let requests = requests(&args)?;
     let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config())?;
