@@ -73,6 +73,13 @@ impl PagedKvCache {
         let o = self.offset(layer, slot);
         &self.v[o..o + self.layout.kv_dim]
     }
+
+    /// All key and value rows of `layer`: `[num_slots, kv_dim]` each.
+    pub fn layer_rows(&self, layer: usize) -> (&[f32], &[f32]) {
+        let len = self.layout.num_slots() * self.layout.kv_dim;
+        let o = self.offset(layer, 0);
+        (&self.k[o..o + len], &self.v[o..o + len])
+    }
 }
 
 /// Slot of `position` for a sequence with `block_table`.

@@ -3,6 +3,7 @@
 //! The instruction set is detected once ([`isa`]) and logged by the caller; every kernel entry
 //! point here dispatches on it. Tests compare each variant against `reference`.
 
+pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod convert;

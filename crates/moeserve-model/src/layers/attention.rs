@@ -5,7 +5,8 @@
 //! mask, `o_proj`. The window admits keys `j` with `q_pos - j < sliding_window`, as HF's
 //! `sliding_window_causal_mask_function` does.
 
-use moeserve_backend::{Weight, cpu};
+use moeserve_backend::Weight;
+use moeserve_backend::cpu::{self, attention};
 use rayon::prelude::*;
 
 use crate::Result;
@@ -89,54 +90,58 @@ impl Attention {
         }
         let mut attn = vec![0.0; t * qd]; // [num_tokens, num_heads * head_dim]
         let kv = &*kv;
-        attn.par_chunks_mut(qd)
-            .zip(q.par_chunks(qd))
-            .zip(step.places.par_iter())
-            .for_each(|((o, q), place)| {
+        let d = self.head_dim;
+        let group = self.num_heads / self.num_kv_heads;
+        // One task per (token, KV head): the heads of a group share their K/V rows, and a
+        // batch-1 decode still spreads over the cores.
+        attn.par_chunks_mut(group * d).enumerate().for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(slots, scores), (i, out)| {
+                let (token, kvh) = (i / self.num_kv_heads, i % self.num_kv_heads);
+                let place = step.places[token];
                 let table = step.batch.sequences[place.sequence].block_table;
-                self.attend_one_token(
-                    AttendOne {
-                        layer: step.layer,
-                        q,
-                        place: *place,
-                        table,
-                        kv,
-                    },
-                    o,
-                )
-            });
+                let q = &q[token * qd + kvh * group * d..][..group * d];
+                self.attend(step.layer, kv, (place, table, kvh), q, slots, scores, out);
+            },
+        );
         cpu::matmul_wt(&attn, t, &self.o_proj, out);
     }
 
-    /// All heads of one query token against its visible keys.
-    fn attend_one_token(&self, a: AttendOne<'_>, out: &mut [f32]) {
+    /// The query heads of KV head `kvh` of one token against its visible keys.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        layer: usize,
+        kv: &PagedKvCache,
+        (place, table, kvh): (TokenPlace, &[u32], usize),
+        q: &[f32],
+        slots: &mut Vec<usize>,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
         let d = self.head_dim;
-        let group = self.num_heads / self.num_kv_heads;
-        let scale = (d as f32).powf(-0.5);
         let first = match self.sliding_window {
-            Some(w) => (a.place.position + 1).saturating_sub(w),
+            Some(w) => (place.position + 1).saturating_sub(w),
             None => 0,
         };
-        let block_size = a.kv.layout().block_size;
-        let slots: Vec<usize> = (first..=a.place.position)
-            .map(|p| slot_of(a.table, block_size, p))
-            .collect();
-        let mut scores = vec![0.0f32; slots.len()];
-        for h in 0..self.num_heads {
-            let kvh = h / group;
-            let qh = &a.q[h * d..(h + 1) * d];
-            for (s, slot) in scores.iter_mut().zip(&slots) {
-                let kh = &a.kv.key(a.layer, *slot)[kvh * d..(kvh + 1) * d];
-                *s = qh.iter().zip(kh).map(|(x, y)| x * y).sum::<f32>() * scale;
-            }
-            cpu::softmax_in_place(&mut scores);
-            let oh = &mut out[h * d..(h + 1) * d];
-            oh.fill(0.0);
-            for (p, slot) in scores.iter().zip(&slots) {
-                let vh = &a.kv.value(a.layer, *slot)[kvh * d..(kvh + 1) * d];
-                oh.iter_mut().zip(vh).for_each(|(o, v)| *o += p * v);
-            }
-        }
+        let block_size = kv.layout().block_size;
+        slots.clear();
+        slots.extend((first..=place.position).map(|p| slot_of(table, block_size, p)));
+        let (keys, values) = kv.layer_rows(layer);
+        let rows = |data| attention::HeadRows {
+            data,
+            stride: kv.layout().kv_dim,
+            offset: kvh * d,
+        };
+        let query = attention::KvHeadQuery {
+            q,
+            head_dim: d,
+            scale: (d as f32).powf(-0.5),
+            keys: rows(keys),
+            values: rows(values),
+            slots,
+        };
+        attention::attend_kv_head(&query, scores, out);
     }
 }
 
@@ -147,13 +152,4 @@ pub struct AttentionStep<'a> {
     pub places: &'a [TokenPlace],
     /// `[num_tokens, hidden]`, normed input.
     pub x: &'a [f32],
-}
-
-/// One query token's view of the cache.
-struct AttendOne<'a> {
-    layer: usize,
-    q: &'a [f32],
-    place: TokenPlace,
-    table: &'a [u32],
-    kv: &'a PagedKvCache,
 }

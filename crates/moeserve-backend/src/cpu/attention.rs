@@ -1,0 +1,214 @@
+//! Attention of one query token against the cached rows of one KV head, for every query head
+//! that shares it (grouped-query attention): `softmax(q·kᵀ · scale) · v`.
+//!
+//! The caller (the model's attention layer) runs one call per (token, KV head), in parallel, so
+//! a batch-1 decode keeps every core busy. Each key and value row is loaded once per call and
+//! used by all heads of the group. A call's arithmetic depends only on its own query and rows —
+//! never on which other tokens share the step — so results do not depend on the batch.
+
+use super::{Isa, isa};
+
+/// One KV head's rows inside a layer's cache: row of slot `s` is
+/// `data[s * stride + offset .. s * stride + offset + head_dim]`.
+#[derive(Clone, Copy)]
+pub struct HeadRows<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub offset: usize,
+}
+
+impl HeadRows<'_> {
+    fn row(&self, slot: usize, head_dim: usize) -> &[f32] {
+        let start = slot * self.stride + self.offset;
+        &self.data[start..start + head_dim]
+    }
+}
+
+/// The operands of one (token, KV head) attention.
+pub struct KvHeadQuery<'a> {
+    /// `[group, head_dim]`: the query heads that read this KV head.
+    pub q: &'a [f32],
+    pub head_dim: usize,
+    /// Multiplies every score (`head_dim^-0.5`).
+    pub scale: f32,
+    pub keys: HeadRows<'a>,
+    pub values: HeadRows<'a>,
+    /// The visible positions' slots, in position order.
+    pub slots: &'a [usize],
+}
+
+/// `out: [group, head_dim]` ← attention of each query head of `a`; `scores` is scratch, resized
+/// to `group × slots.len()`.
+pub fn attend_kv_head(a: &KvHeadQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let d = a.head_dim;
+    let group = a.q.len() / d;
+    assert_eq!(a.q.len(), group * d, "attention: q is not whole heads");
+    assert_eq!(out.len(), a.q.len(), "attention: out must match q");
+    let n = a.slots.len();
+    scores.clear();
+    scores.resize(group * n, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && d.is_multiple_of(16) {
+        // SAFETY: AVX-512F was detected; rows hold head_dim = 16·j elements.
+        unsafe { avx512::attend(a, scores, out) };
+        return;
+    }
+    let _ = Isa::Scalar;
+    attend_scalar(a, scores, out);
+}
+
+/// The portable path: the same steps, one head and one row at a time.
+fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
+    let (d, n) = (a.head_dim, a.slots.len());
+    for (s, slot) in a.slots.iter().enumerate() {
+        let k = a.keys.row(*slot, d);
+        for (h, qh) in a.q.chunks_exact(d).enumerate() {
+            scores[h * n + s] = qh.iter().zip(k).map(|(x, y)| x * y).sum::<f32>() * a.scale;
+        }
+    }
+    for row in scores.chunks_exact_mut(n) {
+        super::softmax_in_place(row);
+    }
+    out.fill(0.0);
+    for (s, slot) in a.slots.iter().enumerate() {
+        let v = a.values.row(*slot, d);
+        for (h, oh) in out.chunks_exact_mut(d).enumerate() {
+            let p = scores[h * n + s];
+            oh.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::KvHeadQuery;
+
+    /// As `attend_scalar`, 16 lanes at a time: a score is the lanes' products summed by
+    /// `_mm512_reduce_add_ps` (a fixed tree), the output a chain of FMAs over the rows in order.
+    ///
+    /// # Safety
+    /// AVX-512F is available and `head_dim` is a multiple of 16.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
+        let (d, n) = (a.head_dim, a.slots.len());
+        let group = a.q.len() / d;
+        unsafe {
+            for (s, slot) in a.slots.iter().enumerate() {
+                let k = a.keys.row(*slot, d).as_ptr();
+                for h in 0..group {
+                    let q = a.q.as_ptr().add(h * d);
+                    let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+                    for c in (16..d).step_by(16) {
+                        acc = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(q.add(c)),
+                            _mm512_loadu_ps(k.add(c)),
+                            acc,
+                        );
+                    }
+                    scores[h * n + s] = _mm512_reduce_add_ps(acc) * a.scale;
+                }
+            }
+            for row in scores.chunks_exact_mut(n) {
+                super::super::softmax_in_place(row);
+            }
+            out.fill(0.0);
+            for (s, slot) in a.slots.iter().enumerate() {
+                let v = a.values.row(*slot, d).as_ptr();
+                for h in 0..group {
+                    let p = _mm512_set1_ps(scores[h * n + s]);
+                    let o = out.as_mut_ptr().add(h * d);
+                    for c in (0..d).step_by(16) {
+                        let acc = _mm512_fmadd_ps(
+                            p,
+                            _mm512_loadu_ps(v.add(c)),
+                            _mm512_loadu_ps(o.add(c)),
+                        );
+                        _mm512_storeu_ps(o.add(c), acc);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = (i as u32).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503);
+                ((h >> 8) as f32 / (1u32 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    /// softmax(q·kᵀ·scale)·v in f64, the definition.
+    fn reference(a: &KvHeadQuery<'_>) -> Vec<f64> {
+        let d = a.head_dim;
+        let mut out = vec![0.0f64; a.q.len()];
+        for (h, qh) in a.q.chunks_exact(d).enumerate() {
+            let s: Vec<f64> = a
+                .slots
+                .iter()
+                .map(|slot| {
+                    let k = a.keys.row(*slot, d);
+                    qh.iter()
+                        .zip(k)
+                        .map(|(x, y)| *x as f64 * *y as f64)
+                        .sum::<f64>()
+                        * a.scale as f64
+                })
+                .collect();
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (p, slot) in e.iter().zip(a.slots) {
+                let v = a.values.row(*slot, d);
+                for c in 0..d {
+                    out[h * d + c] += p / sum * v[c] as f64;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_the_definition_for_simd_and_odd_head_sizes() {
+        for (head_dim, group, kv_heads, kvh) in [(64, 4, 4, 2), (16, 1, 1, 0), (12, 2, 3, 1)] {
+            let stride = kv_heads * head_dim;
+            let num_slots = 40;
+            let k = values(num_slots * stride, 1);
+            let v = values(num_slots * stride, 2);
+            let q = values(group * head_dim, 3);
+            let slots: Vec<usize> = (0..29).map(|i| (i * 7) % num_slots).collect();
+            let a = KvHeadQuery {
+                q: &q,
+                head_dim,
+                scale: (head_dim as f32).powf(-0.5),
+                keys: HeadRows {
+                    data: &k,
+                    stride,
+                    offset: kvh * head_dim,
+                },
+                values: HeadRows {
+                    data: &v,
+                    stride,
+                    offset: kvh * head_dim,
+                },
+                slots: &slots,
+            };
+            let mut out = vec![f32::NAN; q.len()];
+            attend_kv_head(&a, &mut Vec::new(), &mut out);
+            for (got, want) in out.iter().zip(reference(&a)) {
+                assert!(
+                    (*got as f64 - want).abs() < 1e-5,
+                    "d={head_dim}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
