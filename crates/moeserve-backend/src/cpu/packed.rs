@@ -66,14 +66,21 @@ impl<T> PackedPanels<T> {
 }
 
 /// Asks for 2 MiB pages behind a weight buffer before it is first touched: decode streams every
-/// weight once per step, and with 4 KiB pages the hardware prefetchers stop at every page.
+/// weight once per step, and with 4 KiB pages the hardware prefetchers stop at every page and
+/// the TLB misses on every one. `madvise` wants a page-aligned start, and only whole 2 MiB
+/// pages can be huge, so the advice covers the aligned 2 MiB pages inside the buffer.
 fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
+    const HUGE: usize = 2 << 20;
     #[cfg(target_os = "linux")]
-    if bytes >= 2 << 20 {
-        // SAFETY: the range is inside one live allocation; MADV_HUGEPAGE only changes how the
-        // kernel backs it, and a refusal is harmless.
-        unsafe {
-            libc::madvise(ptr as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE);
+    {
+        let start = (ptr as usize).next_multiple_of(HUGE);
+        let end = (ptr as usize + bytes) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: [start, end) lies inside one live allocation; MADV_HUGEPAGE only changes
+            // how the kernel backs it, and a refusal is harmless.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
         }
     }
 }
