@@ -1,0 +1,53 @@
+//! Weight streaming of the GEMM from DRAM: `matmul_wt` over many distinct bf16 expert-shaped
+//! matrices (1 GiB in all, far past the caches), against the read bandwidth measured in the
+//! same run.
+//!
+//!   cargo run --release -p moeserve-backend --example stream_matmul -- [M...]
+
+use std::time::Instant;
+
+use half::bf16;
+use moeserve_backend::cpu::{matmul_wt, probe};
+use moeserve_backend::{Weight, WeightBytes};
+use moeserve_core::DType;
+
+fn main() {
+    let ms: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("M"))
+        .collect();
+    let ms = if ms.is_empty() { vec![1, 8, 32] } else { ms };
+    let (n, k) = (3584, 1024);
+    let count = (1usize << 30) / (n * k * 2);
+    let weights: Vec<Weight> = (0..count)
+        .map(|j| {
+            let bytes: Vec<u8> = (0..n * k)
+                .flat_map(|i| bf16::from_f32(((i + j) % 251) as f32 * 1e-3).to_le_bytes())
+                .collect();
+            let w = Weight::new(DType::BF16, vec![n, k], WeightBytes::owned(&bytes)).unwrap();
+            w.packed();
+            w
+        })
+        .collect();
+    let bytes = (count * n * k * 2) as f64;
+    for m in ms {
+        let x = vec![0.01f32; m * k];
+        let mut out = vec![0.0f32; m * n];
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let start = Instant::now();
+            for w in &weights {
+                matmul_wt(&x, m, w, &mut out);
+            }
+            times.push(start.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let bw = probe::read_bandwidth_gbps(1 << 30, 3);
+        let gbps = bytes / times[2] / 1e9;
+        println!(
+            "m={m}: {gbps:.1} GB/s of weights ({:.0} GFLOP/s), read bandwidth {bw:.1} GB/s → {:.0} %",
+            2.0 * (m * n * k * count) as f64 / times[2] / 1e9,
+            100.0 * gbps / bw
+        );
+    }
+}
