@@ -232,6 +232,18 @@ impl MixtralModel {
         kv: &mut PagedKvCache,
         opts: ForwardOptions<'_>,
     ) -> Result<Vec<f32>> {
+        // The whole pass runs on a kernel pool thread: each of the step's ~500 parallel kernels
+        // then forks from inside the pool instead of waking the pool from outside and sleeping
+        // until it is done (a futex round trip per kernel).
+        rayon::scope(|_| self.forward_on_pool(batch, kv, opts))
+    }
+
+    fn forward_on_pool(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut PagedKvCache,
+        opts: ForwardOptions<'_>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let layout = *kv.layout();
         if layout.num_layers != c.num_hidden_layers || layout.kv_dim != c.kv_dim() {
