@@ -18,14 +18,14 @@ const MAX_MR: usize = 12;
 
 /// A raw output pointer shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: tasks write disjoint elements (distinct weight rows = distinct output columns).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// A method (not a field access) so closures capture the whole `Sync` wrapper.
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -104,13 +104,26 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
     });
 }
 
-/// One task per 32-row panel. A task walks the panel in blocks of `KC` positions; each block
-/// (16–32 KiB) stays in L1 while every tile of activation rows runs through it, and the tiles'
-/// running sums live in a per-thread scratch between blocks. With more than one tile, a 16-bit
-/// block is widened to f32 once so the inner loop is loads and FMAs only. Every output is the
-/// same FMA chain over `p = 0..k` in order whatever the tiling, so results do not depend on the
-/// batch. With `scales` (int8 weights, one per weight row and block) a block's sums start from
-/// zero and are added to the running sums times their scale.
+/// Panel `q` of `x · Wᵀ` for `x: [m, k]` into `acc: [m, PANEL]`, whatever the weight's stored
+/// type, on the calling thread (the AVX-512 path's unit of work, for kernels that schedule
+/// panels of several matrices themselves).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn weight_panel(x: &[f32], m: usize, w: &Weight, q: usize, acc: &mut [f32]) {
+    let d = Dims {
+        m,
+        n: w.shape()[0],
+        k: w.shape()[1],
+    };
+    debug_assert!(x.len() == m * d.k && acc.len() == m * PANEL && q < d.n.div_ceil(PANEL));
+    match w.packed() {
+        PackedWeight::F32(p) => panel_product(x, d, p, q, None, acc),
+        PackedWeight::F16(p) => panel_product(x, d, p, q, None, acc),
+        PackedWeight::BF16(p) => panel_product(x, d, p, q, None, acc),
+        PackedWeight::I8 { panels, scales } => panel_product(x, d, panels, q, Some(scales), acc),
+    }
+}
+
+/// One task per 32-row panel (see [`panel_product`]), written to its 32 output columns.
 #[cfg(target_arch = "x86_64")]
 fn run_packed<T: super::avx512::Lanes + Sync>(
     x: &[f32],
@@ -119,49 +132,11 @@ fn run_packed<T: super::avx512::Lanes + Sync>(
     out: OutPtr,
     scales: Option<&[f32]>,
 ) {
-    let tiles = row_tiles(d.m);
-    let widen = tiles.len() > 1 && std::mem::size_of::<T>() < 4;
     for_each_task(w.num_panels(), d, |q| {
-        let panel = w.panel(q);
-        SCRATCH.with_borrow_mut(|s| {
-            let Scratch { acc, wide, part } = s;
+        PANEL_OUT.with_borrow_mut(|acc| {
             acc.resize(d.m * PANEL, 0.0);
+            panel_product(x, d, w, q, scales, acc);
             let cols = PANEL.min(d.n - q * PANEL);
-            for k0 in (0..d.k).step_by(KC) {
-                let kc = KC.min(d.k - k0);
-                let block = &panel[k0 * PANEL..(k0 + kc) * PANEL];
-                let b = Block {
-                    x,
-                    d,
-                    k0,
-                    kc,
-                    first: k0 == 0 || scales.is_some(),
-                };
-                let sums = if scales.is_some() {
-                    part.resize(d.m * PANEL, 0.0);
-                    &mut *part
-                } else {
-                    &mut *acc
-                };
-                if widen {
-                    wide.resize(block.len(), 0.0);
-                    // SAFETY: `Isa::Avx512` was detected; a block is kc × 32 elements.
-                    unsafe { super::avx512::widen(block, wide) };
-                    b.run_tiles(&tiles, wide, sums);
-                } else {
-                    b.run_tiles(&tiles, block, sums);
-                }
-                if let Some(scales) = scales {
-                    let (groups, g) = (d.k.div_ceil(KC), k0 / KC);
-                    let col_scale = |c: usize| scales[(q * PANEL + c) * groups + g];
-                    for (a, p) in acc.chunks_exact_mut(PANEL).zip(part.chunks_exact(PANEL)) {
-                        for c in 0..cols {
-                            let base = if k0 == 0 { 0.0 } else { a[c] };
-                            a[c] = base + p[c] * col_scale(c);
-                        }
-                    }
-                }
-            }
             for (i, row) in acc.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
                 // writes them.
@@ -177,36 +152,93 @@ fn run_packed<T: super::avx512::Lanes + Sync>(
     });
 }
 
+/// Panel `q` of `x · Wᵀ` (output columns `32q .. 32q + 32`) for all `m` rows into
+/// `acc: [m, PANEL]`, on the calling thread.
+///
+/// The panel is walked in blocks of `KC` positions; each block (16–32 KiB) stays in L1 while
+/// every tile of activation rows runs through it, the tiles' running sums carried in `acc`
+/// between blocks. With more than one tile, a 16-bit block is widened to f32 once so the inner
+/// loop is loads and FMAs only. Every output is the same FMA chain over `p = 0..k` in order
+/// whatever the tiling, so results do not depend on the batch. With `scales` (int8 weights, one
+/// per weight row and block) a block's sums start from zero and are added to the running sums
+/// times their scale.
+#[cfg(target_arch = "x86_64")]
+fn panel_product<T: super::avx512::Lanes>(
+    x: &[f32],
+    d: Dims,
+    w: &PackedPanels<T>,
+    q: usize,
+    scales: Option<&[f32]>,
+    acc: &mut [f32],
+) {
+    let widen = d.m > MAX_MR && std::mem::size_of::<T>() < 4;
+    let panel = w.panel(q);
+    let cols = PANEL.min(d.n - q * PANEL);
+    BLOCK_SCRATCH.with_borrow_mut(|s| {
+        let BlockScratch { wide, part } = s;
+        for k0 in (0..d.k).step_by(KC) {
+            let kc = KC.min(d.k - k0);
+            let block = &panel[k0 * PANEL..(k0 + kc) * PANEL];
+            let b = Block {
+                x,
+                d,
+                k0,
+                kc,
+                first: k0 == 0 || scales.is_some(),
+            };
+            let sums = if scales.is_some() {
+                part.resize(d.m * PANEL, 0.0);
+                &mut part[..]
+            } else {
+                &mut *acc
+            };
+            if widen {
+                wide.resize(block.len(), 0.0);
+                // SAFETY: `Isa::Avx512` was detected; a block is kc × 32 elements.
+                unsafe { super::avx512::widen(block, wide) };
+                b.run_tiles(wide, sums);
+            } else {
+                b.run_tiles(block, sums);
+            }
+            if let Some(scales) = scales {
+                let (groups, g) = (d.k.div_ceil(KC), k0 / KC);
+                let col_scale = |c: usize| scales[(q * PANEL + c) * groups + g];
+                for (a, p) in acc.chunks_exact_mut(PANEL).zip(part.chunks_exact(PANEL)) {
+                    for c in 0..cols {
+                        let base = if k0 == 0 { 0.0 } else { a[c] };
+                        a[c] = base + p[c] * col_scale(c);
+                    }
+                }
+            }
+        }
+    })
+}
+
 /// Panel positions per block: a bf16 block is 16 KiB, widened 32 KiB, beside ≤ 12 KiB of
 /// activations, inside a 48 KiB L1.
 pub(super) const KC: usize = 256;
 
-/// Per-thread buffers reused across calls: the tiles' running sums (`m × PANEL`), a widened
-/// block (`KC × PANEL`) and one block's sums before scaling (int8, `m × PANEL`).
+/// Per-thread buffers of [`panel_product`] reused across calls: a widened block
+/// (`KC × PANEL`) and one block's sums before scaling (int8, `m × PANEL`).
 #[derive(Default)]
-struct Scratch {
-    acc: Vec<f32>,
+struct BlockScratch {
     wide: Vec<f32>,
     part: Vec<f32>,
 }
 
 thread_local! {
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    static BLOCK_SCRATCH: std::cell::RefCell<BlockScratch> =
+        std::cell::RefCell::new(BlockScratch::default());
+    /// A panel's `m × PANEL` sums in [`run_packed`].
+    static PANEL_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `m` rows cut into the fewest tiles of at most `MAX_MR` rows, sizes as equal as possible
 /// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
-fn row_tiles(m: usize) -> Vec<(usize, usize)> {
+fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
     let count = m.div_ceil(MAX_MR).max(1);
     let (base, extra) = (m / count, m % count);
-    let mut tiles = Vec::with_capacity(count);
-    let mut i0 = 0;
-    for t in 0..count {
-        let rows = base + usize::from(t < extra);
-        tiles.push((i0, rows));
-        i0 += rows;
-    }
-    tiles
+    (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
 }
 
 /// One block of positions `k0 .. k0 + kc` of a panel.
@@ -222,14 +254,9 @@ struct Block<'a> {
 #[cfg(target_arch = "x86_64")]
 impl Block<'_> {
     /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
-    fn run_tiles<U: super::avx512::Lanes>(
-        self,
-        tiles: &[(usize, usize)],
-        block: &[U],
-        acc: &mut [f32],
-    ) {
+    fn run_tiles<U: super::avx512::Lanes>(self, block: &[U], acc: &mut [f32]) {
         use super::avx512::{PanelTile, panel_tile};
-        for &(i0, mr) in tiles {
+        for (i0, mr) in row_tiles(self.d.m) {
             let t = PanelTile {
                 x: self.x[i0 * self.d.k + self.k0..].as_ptr(),
                 x_stride: self.d.k,

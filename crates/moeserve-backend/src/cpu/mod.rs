@@ -7,6 +7,7 @@ pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod convert;
+mod grouped;
 mod matmul;
 mod ops;
 pub mod packed;
@@ -14,6 +15,7 @@ pub mod probe;
 mod quant;
 pub mod reference;
 
+pub use grouped::{ExpertRows, grouped_swiglu};
 pub use matmul::matmul_wt;
 pub use ops::{add_assign, apply_rope, rms_norm, rope_inv_freq, silu_mul, softmax_in_place};
 pub use quant::{WeightQuantization, set_weight_quantization, weight_quantization};

@@ -129,14 +129,19 @@ impl SparseMoe {
 
 impl Expert {
     /// SwiGLU of `x: [n, hidden]` into `out: [n, hidden]`, each weight read once for all rows.
+    #[cfg(test)]
     pub(crate) fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        let inter = self.w1.shape()[0];
-        let mut gate = vec![0.0; n * inter]; // [n, intermediate]
-        let mut up = vec![0.0; n * inter];
-        cpu::matmul_wt(x, n, &self.w1, &mut gate);
-        cpu::matmul_wt(x, n, &self.w3, &mut up);
-        cpu::silu_mul(&mut gate, &up);
-        cpu::matmul_wt(&gate, n, &self.w2, out);
+        cpu::grouped_swiglu(x, &[self.rows(n)], out);
+    }
+
+    /// This expert applied to `rows` rows of a grouped SwiGLU.
+    pub(crate) fn rows(&self, rows: usize) -> cpu::ExpertRows<'_> {
+        cpu::ExpertRows {
+            rows,
+            w1: &self.w1,
+            w3: &self.w3,
+            w2: &self.w2,
+        }
     }
 
     pub fn size_in_bytes(&self) -> usize {

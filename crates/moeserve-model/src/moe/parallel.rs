@@ -9,6 +9,7 @@
 
 use std::time::Instant;
 
+use moeserve_backend::cpu;
 use moeserve_core::ExpertId;
 
 use super::experts::Expert;
@@ -159,24 +160,20 @@ fn spawn_on_each(pools: &[rayon::ThreadPool], jobs: Jobs<'_, '_>) {
     });
 }
 
-/// Runs every segment of `work` through its expert (`expert_for`), one GEMM per matrix.
+/// Runs every segment of `work` through its expert (`expert_for`): all segments as one
+/// grouped SwiGLU, each expert matrix read once.
 pub fn compute_segments<'e>(
     work: &DeviceWork,
     expert_for: impl Fn(&Segment) -> &'e Expert,
 ) -> DeviceOutput {
     let started = Instant::now();
-    let h = work.hidden;
     let mut output = vec![0.0; work.input.len()];
-    let mut row = 0;
-    for segment in &work.segments {
-        let rows = row * h..(row + segment.num_rows) * h;
-        expert_for(segment).forward(
-            &work.input[rows.clone()],
-            segment.num_rows,
-            &mut output[rows],
-        );
-        row += segment.num_rows;
-    }
+    let experts: Vec<cpu::ExpertRows<'_>> = work
+        .segments
+        .iter()
+        .map(|segment| expert_for(segment).rows(segment.num_rows))
+        .collect();
+    cpu::grouped_swiglu(&work.input, &experts, &mut output);
     DeviceOutput {
         output,
         compute_seconds: started.elapsed().as_secs_f64(),
