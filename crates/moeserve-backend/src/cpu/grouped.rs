@@ -57,7 +57,7 @@ pub fn grouped_swiglu(x: &[f32], experts: &[ExpertRows<'_>], out: &mut [f32]) {
         );
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 {
+    if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
         by_panels(x, hidden, experts, out);
         return;
     }
@@ -103,13 +103,16 @@ fn by_panels(x: &[f32], hidden: usize, experts: &[ExpertRows<'_>], out: &mut [f3
         row += e.rows;
         act_len += e.rows * e.w1.shape()[0];
     }
-    // Every element of `act` is written in phase 1, so the buffer is reused unzeroed.
-    ACT.with_borrow_mut(|act| {
-        if act.len() < act_len {
-            act.resize(act_len, 0.0);
-        }
-        two_phases(x, hidden, &placed, &mut act[..act_len], out);
-    });
+    // Every element of `act` is written in phase 1, so the buffer is reused unzeroed. It is
+    // taken out of the thread-local, not borrowed: while this thread waits for the phases it
+    // may run another layer's job (expert-parallel devices, concurrent forwards), which then
+    // starts from an empty buffer of its own.
+    let mut act = ACT.take();
+    if act.len() < act_len {
+        act.resize(act_len, 0.0);
+    }
+    two_phases(x, hidden, &placed, &mut act[..act_len], out);
+    ACT.set(act);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -130,8 +133,8 @@ fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], 
         GATE_UP.with_borrow_mut(|(gate, up)| {
             gate.resize(p.e.rows * PANEL, 0.0);
             up.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(xe, p.e.rows, p.e.w1, q, gate);
-            weight_panel(xe, p.e.rows, p.e.w3, q, up);
+            weight_panel(isa(), xe, p.e.rows, p.e.w1, q, gate);
+            weight_panel(isa(), xe, p.e.rows, p.e.w3, q, up);
             silu_mul(gate, up);
             let cols = PANEL.min(inter - q * PANEL);
             for (i, g) in gate.chunks_exact(PANEL).enumerate() {
@@ -153,7 +156,7 @@ fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], 
         let ae = &act[p.act_offset..p.act_offset + p.e.rows * inter];
         GATE_UP.with_borrow_mut(|(down, _)| {
             down.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(ae, p.e.rows, p.e.w2, q, down);
+            weight_panel(isa(), ae, p.e.rows, p.e.w2, q, down);
             let cols = PANEL.min(hidden - q * PANEL);
             for (i, d) in down.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
