@@ -21,7 +21,7 @@ fn bf16_weight(n: usize, k: usize) -> (Weight, Vec<f32>) {
 
 #[test]
 fn int8_weights_halve_the_bytes_and_stay_close_to_bf16() {
-    if cpu::isa() != cpu::Isa::Avx512 {
+    if !cpu::isa().packs_weights() {
         assert!(cpu::set_weight_quantization(WeightQuantization::Int8).is_err());
         return;
     }

@@ -44,7 +44,7 @@ fn demo_model_dir() -> PathBuf {
 
 #[test]
 fn int8_weights_stay_close_to_the_references() {
-    if cpu::isa() != cpu::Isa::Avx512 {
+    if !cpu::isa().packs_weights() {
         eprintln!("int8 needs the AVX-512 kernels; MOESERVE_ISA=scalar is set");
         return;
     }

@@ -48,12 +48,19 @@ pub fn attend_kv_head(a: &KvHeadQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32
     scores.clear();
     scores.resize(group * n, 0.0);
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && d.is_multiple_of(16) {
-        // SAFETY: AVX-512F was detected; rows hold head_dim = 16·j elements.
-        unsafe { avx512::attend(a, scores, out) };
-        return;
+    match isa() {
+        Isa::Avx512 if d.is_multiple_of(16) => {
+            // SAFETY: AVX-512F was detected; rows hold head_dim = 16·j elements.
+            unsafe { avx512::attend(a, scores, out) };
+            return;
+        }
+        Isa::Avx2 if d.is_multiple_of(8) => {
+            // SAFETY: AVX2 and FMA were detected; rows hold head_dim = 8·j elements.
+            unsafe { avx2::attend(a, scores, out) };
+            return;
+        }
+        _ => {}
     }
-    let _ = Isa::Scalar;
     attend_scalar(a, scores, out);
 }
 
@@ -126,6 +133,64 @@ mod avx512 {
                             _mm512_loadu_ps(o.add(c)),
                         );
                         _mm512_storeu_ps(o.add(c), acc);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::KvHeadQuery;
+
+    /// As the AVX-512 variant, 8 lanes at a time; a score's lanes are summed as
+    /// `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`, a fixed order.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available and `head_dim` is a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
+        let (d, n) = (a.head_dim, a.slots.len());
+        let group = a.q.len() / d;
+        unsafe {
+            for (s, slot) in a.slots.iter().enumerate() {
+                let k = a.keys.row(*slot, d).as_ptr();
+                for h in 0..group {
+                    let q = a.q.as_ptr().add(h * d);
+                    let mut acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+                    for c in (8..d).step_by(8) {
+                        acc = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(q.add(c)),
+                            _mm256_loadu_ps(k.add(c)),
+                            acc,
+                        );
+                    }
+                    let four =
+                        _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+                    let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+                    let one = _mm_add_ss(two, _mm_shuffle_ps(two, two, 1));
+                    scores[h * n + s] = _mm_cvtss_f32(one) * a.scale;
+                }
+            }
+            for row in scores.chunks_exact_mut(n) {
+                super::super::softmax_in_place(row);
+            }
+            out.fill(0.0);
+            for (s, slot) in a.slots.iter().enumerate() {
+                let v = a.values.row(*slot, d).as_ptr();
+                for h in 0..group {
+                    let p = _mm256_set1_ps(scores[h * n + s]);
+                    let o = out.as_mut_ptr().add(h * d);
+                    for c in (0..d).step_by(8) {
+                        let acc = _mm256_fmadd_ps(
+                            p,
+                            _mm256_loadu_ps(v.add(c)),
+                            _mm256_loadu_ps(o.add(c)),
+                        );
+                        _mm256_storeu_ps(o.add(c), acc);
                     }
                 }
             }

@@ -18,7 +18,7 @@ use super::packed::PANEL;
 /// prefetchers stop at 4 KiB pages. 8 KiB beat 1 KiB by 7–8 % in batch-1 and batch-32 decode of
 /// mixtral-bench-1b (alternating runs); in `examples/stream_matmul` 2–32 KiB were all within
 /// the noise of 8 KiB.
-const PREFETCH_BYTES: usize = 8192;
+pub(super) const PREFETCH_BYTES: usize = 8192;
 
 /// An element type that can be widened to 16 f32 lanes at once.
 pub(super) trait Lanes: Copy {

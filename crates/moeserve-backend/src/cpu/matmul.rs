@@ -40,6 +40,11 @@ struct Dims {
 
 /// `out[i, j] = Σ_k x[i, k] · w[j, k]` for `x: [m, k]`, `w: [n, k]`, `out: [m, n]`.
 pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    matmul_wt_on(isa(), x, m, w, out)
+}
+
+/// [`matmul_wt`] on the kernels of `isa`, which the CPU must support.
+fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     assert_eq!(w.shape().len(), 2, "matmul_wt: weight must be 2-D");
     let d = Dims {
         m,
@@ -65,13 +70,13 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         return;
     }
     let out = OutPtr(out.as_mut_ptr());
-    match isa() {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => match w.packed() {
-            PackedWeight::F32(p) => run_packed(x, d, p, out, None),
-            PackedWeight::F16(p) => run_packed(x, d, p, out, None),
-            PackedWeight::BF16(p) => run_packed(x, d, p, out, None),
-            PackedWeight::I8 { panels, scales } => run_packed(x, d, panels, out, Some(scales)),
+        Isa::Avx512 | Isa::Avx2 => match w.packed() {
+            PackedWeight::F32(p) => run_packed(isa, x, d, p, out, None),
+            PackedWeight::F16(p) => run_packed(isa, x, d, p, out, None),
+            PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, None),
+            PackedWeight::I8 { panels, scales } => run_packed(isa, x, d, panels, out, Some(scales)),
         },
         _ => match w.data() {
             WeightData::F32(v) => run_scalar(x, v, d, out),
@@ -108,7 +113,7 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
 /// type, on the calling thread (the AVX-512 path's unit of work, for kernels that schedule
 /// panels of several matrices themselves).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn weight_panel(x: &[f32], m: usize, w: &Weight, q: usize, acc: &mut [f32]) {
+pub(super) fn weight_panel(isa: Isa, x: &[f32], m: usize, w: &Weight, q: usize, acc: &mut [f32]) {
     let d = Dims {
         m,
         n: w.shape()[0],
@@ -116,16 +121,19 @@ pub(super) fn weight_panel(x: &[f32], m: usize, w: &Weight, q: usize, acc: &mut 
     };
     debug_assert!(x.len() == m * d.k && acc.len() == m * PANEL && q < d.n.div_ceil(PANEL));
     match w.packed() {
-        PackedWeight::F32(p) => panel_product(x, d, p, q, None, acc),
-        PackedWeight::F16(p) => panel_product(x, d, p, q, None, acc),
-        PackedWeight::BF16(p) => panel_product(x, d, p, q, None, acc),
-        PackedWeight::I8 { panels, scales } => panel_product(x, d, panels, q, Some(scales), acc),
+        PackedWeight::F32(p) => panel_product(isa, x, d, p, q, None, acc),
+        PackedWeight::F16(p) => panel_product(isa, x, d, p, q, None, acc),
+        PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, None, acc),
+        PackedWeight::I8 { panels, scales } => {
+            panel_product(isa, x, d, panels, q, Some(scales), acc)
+        }
     }
 }
 
 /// One task per 32-row panel (see [`panel_product`]), written to its 32 output columns.
 #[cfg(target_arch = "x86_64")]
-fn run_packed<T: super::avx512::Lanes + Sync>(
+fn run_packed<T: Element + Sync>(
+    isa: Isa,
     x: &[f32],
     d: Dims,
     w: &PackedPanels<T>,
@@ -135,7 +143,7 @@ fn run_packed<T: super::avx512::Lanes + Sync>(
     for_each_task(w.num_panels(), d, |q| {
         PANEL_OUT.with_borrow_mut(|acc| {
             acc.resize(d.m * PANEL, 0.0);
-            panel_product(x, d, w, q, scales, acc);
+            panel_product(isa, x, d, w, q, scales, acc);
             let cols = PANEL.min(d.n - q * PANEL);
             for (i, row) in acc.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
@@ -163,7 +171,8 @@ fn run_packed<T: super::avx512::Lanes + Sync>(
 /// per weight row and block) a block's sums start from zero and are added to the running sums
 /// times their scale.
 #[cfg(target_arch = "x86_64")]
-fn panel_product<T: super::avx512::Lanes>(
+fn panel_product<T: Element>(
+    isa: Isa,
     x: &[f32],
     d: Dims,
     w: &PackedPanels<T>,
@@ -171,7 +180,7 @@ fn panel_product<T: super::avx512::Lanes>(
     scales: Option<&[f32]>,
     acc: &mut [f32],
 ) {
-    let widen = d.m > MAX_MR && std::mem::size_of::<T>() < 4;
+    let widen = d.m > max_rows_per_tile(isa) && std::mem::size_of::<T>() < 4;
     let panel = w.panel(q);
     let cols = PANEL.min(d.n - q * PANEL);
     BLOCK_SCRATCH.with_borrow_mut(|s| {
@@ -194,11 +203,16 @@ fn panel_product<T: super::avx512::Lanes>(
             };
             if widen {
                 wide.resize(block.len(), 0.0);
-                // SAFETY: `Isa::Avx512` was detected; a block is kc × 32 elements.
-                unsafe { super::avx512::widen(block, wide) };
-                b.run_tiles(wide, sums);
+                // SAFETY: the caller's `isa` is supported; a block is kc × 32 elements.
+                unsafe {
+                    match isa {
+                        Isa::Avx2 => super::avx2::widen(block, wide),
+                        _ => super::avx512::widen(block, wide),
+                    }
+                };
+                b.run_tiles(isa, wide, sums);
             } else {
-                b.run_tiles(block, sums);
+                b.run_tiles(isa, block, sums);
             }
             if let Some(scales) = scales {
                 let (groups, g) = (d.k.div_ceil(KC), k0 / KC);
@@ -233,10 +247,25 @@ thread_local! {
     static PANEL_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `m` rows cut into the fewest tiles of at most `MAX_MR` rows, sizes as equal as possible
+/// An element type both SIMD microkernels widen.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Element: super::avx512::Lanes + super::avx2::Lanes8 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: super::avx512::Lanes + super::avx2::Lanes8> Element for T {}
+
+/// The most activation rows one microkernel call of `isa` takes.
+fn max_rows_per_tile(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => super::avx2::MAX_MR,
+        _ => MAX_MR,
+    }
+}
+
+/// `m` rows cut into the fewest tiles of at most `max_mr` rows, sizes as equal as possible
 /// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
-fn row_tiles(m: usize) -> impl Iterator<Item = (usize, usize)> {
-    let count = m.div_ceil(MAX_MR).max(1);
+fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
+    let count = m.div_ceil(max_mr).max(1);
     let (base, extra) = (m / count, m % count);
     (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
 }
@@ -254,9 +283,9 @@ struct Block<'a> {
 #[cfg(target_arch = "x86_64")]
 impl Block<'_> {
     /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
-    fn run_tiles<U: super::avx512::Lanes>(self, block: &[U], acc: &mut [f32]) {
+    fn run_tiles<U: Element>(self, isa: Isa, block: &[U], acc: &mut [f32]) {
         use super::avx512::{PanelTile, panel_tile};
-        for (i0, mr) in row_tiles(self.d.m) {
+        for (i0, mr) in row_tiles(self.d.m, max_rows_per_tile(isa)) {
             let t = PanelTile {
                 x: self.x[i0 * self.d.k + self.k0..].as_ptr(),
                 x_stride: self.d.k,
@@ -265,9 +294,19 @@ impl Block<'_> {
                 acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
                 first: self.first,
             };
-            // SAFETY: `Isa::Avx512` was detected; x holds rows i0..i0+mr with kc positions from
-            // k0, the block kc × 32 elements, acc mr × 32.
+            // SAFETY: the caller's `isa` is supported; x holds rows i0..i0+mr with kc positions
+            // from k0, the block kc × 32 elements, acc mr × 32.
             unsafe {
+                if isa == Isa::Avx2 {
+                    use super::avx2::panel_tile as tile;
+                    match mr {
+                        3 => tile::<U, 3>(t),
+                        2 => tile::<U, 2>(t),
+                        1 => tile::<U, 1>(t),
+                        _ => unreachable!("AVX2 row tiles hold 1..=3 rows"),
+                    }
+                    continue;
+                }
                 match mr {
                     12 => panel_tile::<U, 12>(t),
                     11 => panel_tile::<U, 11>(t),
@@ -371,8 +410,31 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
+    fn avx2_equals_avx512_bit_for_bit() {
+        use std::arch::is_x86_feature_detected as has;
+        let both = has!("avx512f") && has!("avx512bw") && has!("avx2") && has!("fma");
+        if !(both && has!("f16c") && isa().packs_weights()) {
+            eprintln!("skipped: needs a CPU with both AVX-512 and AVX2");
+            return;
+        }
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for (m, n, k) in [(1, 70, 300), (4, 33, 257), (13, 64, 600), (40, 45, 96)] {
+                let x = pseudo_random(m * k, 5);
+                let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 6));
+                let run = |isa| {
+                    let mut out = vec![0.0; m * n];
+                    matmul_wt_on(isa, &x, m, &w, &mut out);
+                    out
+                };
+                assert_eq!(run(Isa::Avx2), run(Isa::Avx512), "{dtype} {m}x{n}x{k}");
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
     fn int8_matches_the_reference_on_dequantized_weights_whatever_the_batch() {
-        if isa() != Isa::Avx512 {
+        if !isa().packs_weights() {
             return;
         }
         for (m, n, k) in [(1, 7, 5), (3, 100, 67), (13, 40, 600), (30, 45, 700)] {
@@ -385,6 +447,7 @@ mod tests {
             let run = |x: &[f32], m: usize| {
                 let mut out = vec![0.0; m * n];
                 run_packed(
+                    isa(),
                     x,
                     Dims { m, n, k },
                     panels,

@@ -5,6 +5,8 @@
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod convert;
 mod grouped;
@@ -43,6 +45,8 @@ pub fn init_threads(threads: Option<usize>) -> Result<usize, String> {
 pub enum Isa {
     /// AVX-512F (with BW): 16-lane f32 FMA, bf16 widened by shifts, f16 by `vcvtph2ps`.
     Avx512,
+    /// AVX2 + FMA + F16C: the same kernels 8 lanes wide, bit-identical results.
+    Avx2,
     /// Portable scalar code (auto-vectorised by the compiler for the baseline target).
     Scalar,
 }
@@ -51,6 +55,7 @@ impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
             Isa::Scalar => "scalar",
         })
     }
@@ -62,17 +67,30 @@ pub fn isa() -> Isa {
     *ISA.get_or_init(detect_isa)
 }
 
+/// The widest supported ISA, or a narrower one named by `MOESERVE_ISA` (`avx2`, `scalar`; for
+/// tests and comparisons; a wider one than the CPU has is not taken).
 fn detect_isa() -> Isa {
-    if std::env::var("MOESERVE_ISA").is_ok_and(|v| v == "scalar") {
+    let wanted = std::env::var("MOESERVE_ISA").unwrap_or_default();
+    if wanted == "scalar" {
         return Isa::Scalar;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-        {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && wanted != "avx2" {
             return Isa::Avx512;
+        }
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            return Isa::Avx2;
         }
     }
     Isa::Scalar
+}
+
+impl Isa {
+    /// Whether matmuls run on panel-packed weights (`packed.rs`), which the model then packs at
+    /// load.
+    pub fn packs_weights(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Avx2)
+    }
 }

@@ -25,9 +25,12 @@ pub fn read_bandwidth_gbps(bytes: usize, repeats: usize) -> f64 {
 /// 16-byte loads cannot keep up with memory on one core).
 fn sum_words(words: &[u64]) -> u64 {
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 {
+    match super::isa() {
         // SAFETY: AVX-512F was detected.
-        return unsafe { sum_words_avx512(words) };
+        super::Isa::Avx512 => return unsafe { sum_words_avx512(words) },
+        // SAFETY: AVX2 was detected.
+        super::Isa::Avx2 => return unsafe { sum_words_avx2(words) },
+        super::Isa::Scalar => {}
     }
     sum_words_portable(words)
 }
@@ -51,6 +54,33 @@ unsafe fn sum_words_avx512(words: &[u64]) -> u64 {
         _mm512_add_epi64(acc[2], acc[3]),
     );
     _mm512_reduce_add_epi64(total) as u64 + sum_words_portable(rounds.remainder())
+}
+
+/// Eight 32-byte loads per round into independent sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_words_avx2(words: &[u64]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_si256(); 8];
+    let mut rounds = words.chunks_exact(32);
+    for r in &mut rounds {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: the round holds 32 words, 4 per load.
+            let v = unsafe { _mm256_loadu_si256(r.as_ptr().add(4 * i) as *const __m256i) };
+            *a = _mm256_add_epi64(*a, v);
+        }
+    }
+    let mut lanes = [0u64; 4];
+    for a in acc {
+        let mut l = [0u64; 4];
+        // SAFETY: `l` holds 4 words.
+        unsafe { _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, a) };
+        lanes
+            .iter_mut()
+            .zip(l)
+            .for_each(|(s, v)| *s = s.wrapping_add(v));
+    }
+    lanes.iter().fold(0u64, |a, b| a.wrapping_add(*b)) + sum_words_portable(rounds.remainder())
 }
 
 /// Eight independent sums so the compiler vectorises the loop and no add chain limits it.
@@ -78,13 +108,21 @@ pub fn fma_peak_gflops() -> f64 {
     flops / start.elapsed().as_secs_f64() / 1e9
 }
 
-/// FLOPs done by `iters` rounds of 12 independent 16-lane FMAs (scalar: 12 chains of 1 lane).
+/// FLOPs done by `iters` rounds of 12 independent FMAs of the ISA's width (16, 8 or 1 lanes).
 fn fma_chains(iters: usize) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 {
-        // SAFETY: AVX-512F was detected.
-        unsafe { avx512_fma_chains(iters) };
-        return (iters * 12 * 16 * 2) as f64;
+    match super::isa() {
+        super::Isa::Avx512 => {
+            // SAFETY: AVX-512F was detected.
+            unsafe { avx512_fma_chains(iters) };
+            return (iters * 12 * 16 * 2) as f64;
+        }
+        super::Isa::Avx2 => {
+            // SAFETY: AVX2 and FMA were detected.
+            unsafe { avx2_fma_chains(iters) };
+            return (iters * 12 * 8 * 2) as f64;
+        }
+        super::Isa::Scalar => {}
     }
     let mut acc = [0.0f32; 12];
     for _ in 0..iters {
@@ -107,6 +145,21 @@ unsafe fn avx512_fma_chains(iters: usize) {
     for _ in 0..iters {
         for a in &mut acc {
             *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    std::hint::black_box(acc);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_fma_chains(iters: usize) {
+    use std::arch::x86_64::*;
+    let b = std::hint::black_box(_mm256_set1_ps(0.999_999));
+    let c = std::hint::black_box(_mm256_set1_ps(1e-9));
+    let mut acc = [_mm256_setzero_ps(); 12];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = _mm256_fmadd_ps(*a, b, c);
         }
     }
     std::hint::black_box(acc);

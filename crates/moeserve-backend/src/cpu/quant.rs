@@ -49,9 +49,9 @@ pub fn weight_quantization() -> WeightQuantization {
 
 /// Chooses the quantization for this process; call before loading a model.
 pub fn set_weight_quantization(q: WeightQuantization) -> Result<(), String> {
-    if q == WeightQuantization::Int8 && super::isa() != super::Isa::Avx512 {
+    if q == WeightQuantization::Int8 && !super::isa().packs_weights() {
         return Err(
-            "--quantization int8 needs the AVX-512 kernels (this CPU or \
+            "--quantization int8 needs the AVX-512 or AVX2 kernels (this CPU or \
                     MOESERVE_ISA=scalar rules them out)"
                 .into(),
         );

@@ -217,7 +217,7 @@ impl MixtralModel {
     /// so the first request does not pay for it.
     pub fn prepare_kernels(&self) {
         use rayon::prelude::*;
-        if cpu::isa() == cpu::Isa::Avx512 {
+        if cpu::isa().packs_weights() {
             self.matrices().par_iter().for_each(|w| {
                 w.packed();
             });

@@ -160,7 +160,7 @@ impl Expert {
             w2: copy(&self.w2)?,
             w3: copy(&self.w3)?,
         };
-        if cpu::isa() == cpu::Isa::Avx512 {
+        if cpu::isa().packs_weights() {
             for w in [&expert.w1, &expert.w2, &expert.w3] {
                 w.packed();
             }

@@ -1,0 +1,107 @@
+//! AVX2 + FMA microkernel for `x · Wᵀ` over the same panel-packed weights as the AVX-512 one
+//! (`packed.rs`), for x86-64 CPUs without AVX-512 (AMD Zen 2/3, most Intel client cores).
+//!
+//! A 32-column panel row is four 8-lane vectors; with 16 vector registers a call takes at most
+//! [`MAX_MR`] activation rows (12 accumulators, one weight vector, three broadcasts). Every
+//! output lane is the same FMA chain over `p = 0..k` in order as on AVX-512, so the two paths
+//! give bit-identical results (a test checks it) and batch invariance carries over.
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::packed::PANEL;
+
+/// Activation rows per microkernel call.
+pub(super) const MAX_MR: usize = 3;
+
+/// An element type that can be widened to 8 f32 lanes at once.
+pub(super) trait Lanes8: Copy {
+    /// # Safety
+    /// `p` must point at 8 readable elements and the CPU must support AVX2, FMA and F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl Lanes8 for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl Lanes8 for bf16 {
+    /// bf16 → f32 is a 16-bit left shift of the raw bits.
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        unsafe {
+            let raw = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+        }
+    }
+}
+
+impl Lanes8 for f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+}
+
+impl Lanes8 for i8 {
+    /// int8 → i32 → f32 (exact); the row's scale is applied to the finished sum.
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+    }
+}
+
+/// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block; the
+/// operands as for the AVX-512 kernel ([`super::avx512::PanelTile`]).
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C and the pointers cover the sizes `PanelTile` describes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::PanelTile<T>) {
+    let mut acc = [[_mm256_setzero_ps(); 4]; MR];
+    unsafe {
+        if !t.first {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (j, a) in row.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(t.acc.add(i * PANEL + 8 * j));
+                }
+            }
+        }
+        for p in 0..t.kc {
+            let wp = t.w.add(p * PANEL);
+            _mm_prefetch::<_MM_HINT_T0>(
+                wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8
+            );
+            let xs: [__m256; MR] =
+                std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(i * t.x_stride + p)));
+            for j in 0..4 {
+                let w = T::load8(wp.add(8 * j));
+                for (row, x) in acc.iter_mut().zip(&xs) {
+                    row[j] = _mm256_fmadd_ps(w, *x, row[j]);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, a) in row.iter().enumerate() {
+                _mm256_storeu_ps(t.acc.add(i * PANEL + 8 * j), *a);
+            }
+        }
+    }
+}
+
+/// `dst[i] = src[i]` widened to f32, 8 lanes at a time (`src.len()` a multiple of 8).
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn widen<T: Lanes8>(src: &[T], dst: &mut [f32]) {
+    assert!(src.len().is_multiple_of(8) && dst.len() == src.len());
+    for (s, d) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)) {
+        // SAFETY: both chunks hold 8 elements.
+        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), T::load8(s.as_ptr())) };
+    }
+}
