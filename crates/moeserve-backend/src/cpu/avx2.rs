@@ -73,7 +73,7 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
         }
         for p in 0..t.kc {
             let wp = t.w.add(p * PANEL);
-            _mm_prefetch::<_MM_HINT_T0>(
+            _mm_prefetch::<_MM_HINT_T2>(
                 wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8
             );
             let xs: [__m256; MR] =
