@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# moeserve against llama.cpp on the same machine, same weights (bf16), same run: batch-1
+# prefill and decode of mixtral-bench-1b, the two engines alternated ROUNDS times, medians.
+# llama.cpp runs through llama-cpp-python on a GGUF that bench/peers/export_gguf.py writes from
+# the same checkpoint; a greedy continuation from both checks that they run the same model.
+#   bench/peer_llamacpp.sh [PROMPT_LEN] [OUTPUT_LEN] [ROUNDS]
+# Environment: PEER_PYTHON — a python with llama_cpp, gguf and numpy (default: a venv made under
+# target/peer-venv with llama-cpp-python==0.3.36, which compiles llama.cpp: needs cmake and a
+# C++ compiler, about 10 minutes on 2 cores); THREADS (default: all cores); QUANT=int8 compares
+# moeserve's `--quantization int8` with llama.cpp's Q8_0 instead of bf16 with bf16.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+prompt_len=${1:-128}; output_len=${2:-64}; rounds=${3:-3}
+threads=${THREADS:-$(nproc)}
+source bench/common.sh
+py=${PEER_PYTHON:-target/peer-venv/bin/python}
+if ! "$py" -c "import llama_cpp, gguf, numpy" 2> /dev/null; then
+    python3 -m venv target/peer-venv
+    target/peer-venv/bin/pip install --quiet "llama-cpp-python==0.3.36" "gguf==0.19.0" numpy
+    py=target/peer-venv/bin/python
+fi
+case ${QUANT:-bf16} in
+    bf16) gguf_type=bf16; ours=(--quantization none) ;;
+    int8) gguf_type=q8_0; ours=(--quantization int8) ;;
+    *) echo "QUANT must be bf16 or int8" >&2; exit 2 ;;
+esac
+gguf=target/peers/mixtral-bench-1b-$gguf_type.gguf
+if [[ ! -f $gguf ]]; then
+    mkdir -p target/peers
+    "$py" bench/peers/export_gguf.py "$model" "$gguf.tmp" $([[ $gguf_type = q8_0 ]] && echo q8_0)
+    mv "$gguf.tmp" "$gguf"
+fi
+python3 - "$prompt_len" > "$work/prompt.json" <<'PY'
+import json, random, sys
+rng = random.Random(0)
+print(json.dumps([rng.randrange(5, 49152) for _ in range(int(sys.argv[1]))]))
+PY
+for r in $(seq "$rounds"); do
+    "$py" bench/peers/llama_cpp_bench.py "$gguf" "$work/prompt.json" "$output_len" "$threads" 1 \
+        > "$work/llama-$r.json"
+    "$bin" bench offline --model "$model" --batch 1 --prompt-len "$prompt_len" \
+        --output-len "$output_len" --threads "$threads" "${ours[@]}" --json --no-probe \
+        > "$work/moeserve-$r.json" 2> /dev/null
+done
+python3 -c "import json,sys; print(json.dumps({'prompt_ids': json.load(open(sys.argv[1])), 'max_tokens': 16, 'ignore_eos': True}))" \
+    "$work/prompt.json" > "$work/prompt.jsonl"
+"$bin" generate --model "$model" --prompts-file "$work/prompt.jsonl" --json --threads "$threads" "${ours[@]}" \
+    > "$work/greedy.jsonl" 2> /dev/null
+python3 - "$work" "$rounds" "$prompt_len" "$output_len" "$threads" "$gguf_type" <<'PY'
+import json, statistics, sys
+work, rounds, plen, olen, threads, peer_type = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+load = lambda name: [json.load(open(f"{work}/{name}-{r}.json")) for r in range(1, rounds + 1)]
+llama, ours = load("llama"), load("moeserve")
+med = lambda runs, key: statistics.median(run[key] for run in runs)
+ours_ids = json.loads(open(f"{work}/greedy.jsonl").readline())["token_ids"]
+same = next((i for i, (a, b) in enumerate(zip(ours_ids, llama[0]["token_ids"])) if a != b), 16)
+weights = "bf16" if peer_type == "bf16" else "moeserve int8 / llama.cpp Q8_0"
+print(f"mixtral-bench-1b {weights}, batch 1, prompt {plen}, output {olen}, {threads} threads, "
+      f"medians of {rounds} alternating rounds")
+print(f"{'':10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+for name, runs in [("llama.cpp", llama), ("moeserve", ours)]:
+    print(f"{name:10} {med(runs, 'prefill_tokens_per_s'):14.1f} {med(runs, 'decode_tokens_per_s'):13.1f}")
+print(f"moeserve / llama.cpp: prefill {med(ours, 'prefill_tokens_per_s') / med(llama, 'prefill_tokens_per_s'):.2f}x, "
+      f"decode {med(ours, 'decode_tokens_per_s') / med(llama, 'decode_tokens_per_s'):.2f}x")
+print(f"greedy continuation: the first {same} of 16 tokens agree")
+PY
