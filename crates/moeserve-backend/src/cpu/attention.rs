@@ -92,8 +92,13 @@ mod avx512 {
 
     use super::KvHeadQuery;
 
-    /// As `attend_scalar`, 16 lanes at a time: a score is the lanes' products summed by
-    /// `_mm512_reduce_add_ps` (a fixed tree), the output a chain of FMAs over the rows in order.
+    /// As `attend_scalar`, 16 lanes at a time, in three passes per head:
+    /// - scores, 16 keys at a time: each key's lane products are summed together with the other
+    ///   15 keys' by one transposing tree ([`sum_lanes_16`]), not one horizontal sum per key;
+    /// - softmax with a vectorised `exp` ([`exp`]);
+    /// - the output, an FMA chain over the rows in order held in registers.
+    ///
+    /// Every sum has a fixed order, so a token's result does not depend on the batch.
     ///
     /// # Safety
     /// AVX-512F is available and `head_dim` is a multiple of 16.
@@ -102,41 +107,138 @@ mod avx512 {
         let (d, n) = (a.head_dim, a.slots.len());
         let group = a.q.len() / d;
         unsafe {
-            for (s, slot) in a.slots.iter().enumerate() {
-                let k = a.keys.row(*slot, d).as_ptr();
-                for h in 0..group {
-                    let q = a.q.as_ptr().add(h * d);
-                    let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-                    for c in (16..d).step_by(16) {
-                        acc = _mm512_fmadd_ps(
-                            _mm512_loadu_ps(q.add(c)),
-                            _mm512_loadu_ps(k.add(c)),
-                            acc,
-                        );
+            for h in 0..group {
+                let q = a.q.as_ptr().add(h * d);
+                let row = &mut scores[h * n..(h + 1) * n];
+                for (b, keys) in a.slots.chunks(16).enumerate() {
+                    let mut lanes = [_mm512_setzero_ps(); 16];
+                    for (l, slot) in lanes.iter_mut().zip(keys) {
+                        let k = a.keys.row(*slot, d).as_ptr();
+                        let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+                        for c in (16..d).step_by(16) {
+                            acc = _mm512_fmadd_ps(
+                                _mm512_loadu_ps(q.add(c)),
+                                _mm512_loadu_ps(k.add(c)),
+                                acc,
+                            );
+                        }
+                        *l = acc;
                     }
-                    scores[h * n + s] = _mm512_reduce_add_ps(acc) * a.scale;
+                    let sums = _mm512_mul_ps(sum_lanes_16(&lanes), _mm512_set1_ps(a.scale));
+                    _mm512_mask_storeu_ps(row.as_mut_ptr().add(16 * b), mask(keys.len()), sums);
                 }
+                softmax(row);
             }
-            for row in scores.chunks_exact_mut(n) {
-                super::super::softmax_in_place(row);
-            }
-            out.fill(0.0);
-            for (s, slot) in a.slots.iter().enumerate() {
-                let v = a.values.row(*slot, d).as_ptr();
-                for h in 0..group {
-                    let p = _mm512_set1_ps(scores[h * n + s]);
-                    let o = out.as_mut_ptr().add(h * d);
-                    for c in (0..d).step_by(16) {
-                        let acc = _mm512_fmadd_ps(
-                            p,
-                            _mm512_loadu_ps(v.add(c)),
-                            _mm512_loadu_ps(o.add(c)),
-                        );
-                        _mm512_storeu_ps(o.add(c), acc);
+            for h in 0..group {
+                let p = &scores[h * n..(h + 1) * n];
+                for c0 in (0..d).step_by(128) {
+                    let width = (d - c0).min(128) / 16;
+                    let mut o = [_mm512_setzero_ps(); 8];
+                    for (w, slot) in p.iter().zip(a.slots) {
+                        let v = a.values.row(*slot, d).as_ptr().add(c0);
+                        let w = _mm512_set1_ps(*w);
+                        for (i, o) in o.iter_mut().enumerate().take(width) {
+                            *o = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16 * i)), *o);
+                        }
+                    }
+                    for (i, o) in o.iter().enumerate().take(width) {
+                        _mm512_storeu_ps(out.as_mut_ptr().add(h * d + c0 + 16 * i), *o);
                     }
                 }
             }
         }
+    }
+
+    /// The low `len` (≤ 16) lanes.
+    fn mask(len: usize) -> __mmask16 {
+        if len >= 16 { 0xFFFF } else { (1u16 << len) - 1 }
+    }
+
+    /// `[Σ lanes of v[0], …, Σ lanes of v[15]]`: pairs of vectors interleaved and added within
+    /// 128-bit lanes, then the four 128-bit lanes folded — 15 adds for 16 sums.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn sum_lanes_16(v: &[__m512; 16]) -> __m512 {
+        // Per 128-bit lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of that lane's 4 elements.
+        let pair = |a, b| _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        // Per lane: [Σ a, Σ b, Σ c, Σ d] over that lane's elements.
+        let quad = |ab, cd| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x44>(ab, cd),
+                _mm512_shuffle_ps::<0xEE>(ab, cd),
+            )
+        };
+        let q: [__m512; 4] = std::array::from_fn(|i| {
+            quad(
+                pair(v[4 * i], v[4 * i + 1]),
+                pair(v[4 * i + 2], v[4 * i + 3]),
+            )
+        });
+        // Lanes 0+1 and 2+3 of two quads, then of those: each 128-bit lane ends with four sums.
+        let fold = |x, y| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(x, y),
+                _mm512_shuffle_f32x4::<0xDD>(x, y),
+            )
+        };
+        fold(fold(q[0], q[1]), fold(q[2], q[3]))
+    }
+
+    /// Softmax of one row in place: max, `exp(x - max)`, sum, scale — 16 lanes at a time.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn softmax(row: &mut [f32]) {
+        let p = row.as_mut_ptr();
+        let chunks = row.len().div_ceil(16);
+        let mask_of = |c: usize| mask(row.len() - 16 * c);
+        unsafe {
+            let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+            let mut max = neg_inf;
+            for c in 0..chunks {
+                let x = _mm512_mask_loadu_ps(neg_inf, mask_of(c), p.add(16 * c));
+                max = _mm512_max_ps(max, x);
+            }
+            let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+            let mut sum = _mm512_setzero_ps();
+            for c in 0..chunks {
+                let m = mask_of(c);
+                let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(16 * c)), max));
+                sum = _mm512_mask_add_ps(sum, m, sum, e);
+                _mm512_mask_storeu_ps(p.add(16 * c), m, e);
+            }
+            let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
+            for c in 0..chunks {
+                let m = mask_of(c);
+                let e = _mm512_maskz_loadu_ps(m, p.add(16 * c));
+                _mm512_mask_storeu_ps(p.add(16 * c), m, _mm512_mul_ps(e, inv));
+            }
+        }
+    }
+
+    /// `e^x` for `x ≤ 0` to about 1 ulp (Cephes `expf`: `2^n · e^r`, `|r| ≤ ln2/2`, a degree-6
+    /// polynomial); below -100 the result underflows to 0.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn exp(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-100.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+        }
+        let y = _mm512_fmadd_ps(
+            _mm512_mul_ps(y, r),
+            r,
+            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+        );
+        _mm512_scalef_ps(y, n)
     }
 }
 
@@ -239,6 +341,37 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn simd_exp_and_lane_sums_are_accurate() {
+        use std::arch::x86_64::*;
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        // SAFETY: AVX-512F was detected.
+        unsafe {
+            for base in [0.0f32, -0.3, -1.7, -10.0, -40.0, -87.0, -95.0, -1e9] {
+                let xs: [f32; 16] = std::array::from_fn(|i| base - i as f32 * 0.37);
+                let mut got = [0.0f32; 16];
+                _mm512_storeu_ps(got.as_mut_ptr(), avx512::exp(_mm512_loadu_ps(xs.as_ptr())));
+                for (x, g) in xs.iter().zip(got) {
+                    let want = (*x as f64).exp();
+                    let err = (g as f64 - want).abs();
+                    assert!(err <= 2.5e-7 * want + 1e-37, "exp({x}) = {g}, want {want}");
+                }
+            }
+            let v: [__m512; 16] = std::array::from_fn(|j| {
+                let lanes: [f32; 16] = std::array::from_fn(|i| (j * 16 + i) as f32);
+                _mm512_loadu_ps(lanes.as_ptr())
+            });
+            let mut sums = [0.0f32; 16];
+            _mm512_storeu_ps(sums.as_mut_ptr(), avx512::sum_lanes_16(&v));
+            let want: [f32; 16] =
+                std::array::from_fn(|j| (0..16).map(|i| (j * 16 + i) as f32).sum());
+            assert_eq!(sums, want);
+        }
     }
 
     #[test]
