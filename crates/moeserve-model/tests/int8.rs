@@ -45,7 +45,7 @@ fn demo_model_dir() -> PathBuf {
 #[test]
 fn int8_weights_stay_close_to_the_references() {
     if !cpu::isa().packs_weights() {
-        eprintln!("int8 needs the AVX-512 kernels; MOESERVE_ISA=scalar is set");
+        eprintln!("int8 needs the AVX-512 or AVX2 kernels; MOESERVE_ISA=scalar is set");
         return;
     }
     cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
