@@ -303,15 +303,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let h = (i as u32).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503);
-                ((h >> 8) as f32 / (1u32 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::cpu::reference::pseudo_random;
 
     /// softmax(q·kᵀ·scale)·v in f64, the definition.
     fn reference(a: &KvHeadQuery<'_>) -> Vec<f64> {
@@ -379,9 +371,9 @@ mod tests {
         for (head_dim, group, kv_heads, kvh) in [(64, 4, 4, 2), (16, 1, 1, 0), (12, 2, 3, 1)] {
             let stride = kv_heads * head_dim;
             let num_slots = 40;
-            let k = values(num_slots * stride, 1);
-            let v = values(num_slots * stride, 2);
-            let q = values(group * head_dim, 3);
+            let k = pseudo_random(num_slots * stride, 1);
+            let v = pseudo_random(num_slots * stride, 2);
+            let q = pseudo_random(group * head_dim, 3);
             let slots: Vec<usize> = (0..29).map(|i| (i * 7) % num_slots).collect();
             let a = KvHeadQuery {
                 q: &q,

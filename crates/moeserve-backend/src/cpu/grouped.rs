@@ -184,24 +184,11 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::bf16;
+    use crate::cpu::reference::{pseudo_random, weight_of};
     use moeserve_core::DType;
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let h = (i as u32).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503);
-                ((h >> 8) as f32 / (1u32 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
-
     fn bf16_weight(n: usize, k: usize, seed: u32) -> Weight {
-        let bytes: Vec<u8> = values(n * k, seed)
-            .iter()
-            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
-            .collect();
-        Weight::new(DType::BF16, vec![n, k], crate::WeightBytes::owned(&bytes)).unwrap()
+        weight_of(DType::BF16, vec![n, k], &pseudo_random(n * k, seed))
     }
 
     #[test]
@@ -224,7 +211,7 @@ mod tests {
             .map(|(&rows, [w1, w3, w2])| ExpertRows { rows, w1, w3, w2 })
             .collect();
         let total: usize = rows.iter().sum();
-        let x = values(total * hidden, 7);
+        let x = pseudo_random(total * hidden, 7);
         let mut grouped = vec![f32::NAN; x.len()];
         grouped_swiglu(&x, &experts, &mut grouped);
         let mut want = vec![0.0; x.len()];

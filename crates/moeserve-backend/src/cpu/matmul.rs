@@ -330,35 +330,8 @@ impl Block<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::reference;
-    use half::{bf16, f16};
+    use crate::cpu::reference::{self, pseudo_random, weight_of};
     use moeserve_core::DType;
-
-    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let h = (i as u32)
-                    .wrapping_mul(2654435761)
-                    .wrapping_add(seed.wrapping_mul(40503));
-                ((h >> 8) as f32 / (1u32 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
-
-    fn weight_of(dtype: DType, shape: Vec<usize>, values: &[f32]) -> Weight {
-        let bytes: Vec<u8> = match dtype {
-            DType::F32 => bytemuck::cast_slice(values).to_vec(),
-            DType::F16 => values
-                .iter()
-                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            DType::BF16 => values
-                .iter()
-                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-        };
-        Weight::new(dtype, shape, crate::WeightBytes::owned(&bytes)).unwrap()
-    }
 
     #[test]
     fn matches_scalar_reference_for_every_dtype_and_odd_sizes() {

@@ -10,3 +10,39 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &[f32], n: usize, out: &mut [f32]) {
         }
     }
 }
+
+/// Deterministic test values in [-0.5, 0.5), different for each `seed`.
+#[cfg(test)]
+pub(crate) fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = (i as u32)
+                .wrapping_mul(2654435761)
+                .wrapping_add(seed.wrapping_mul(40503));
+            ((h >> 8) as f32 / (1u32 << 24) as f32) - 0.5
+        })
+        .collect()
+}
+
+/// A test weight of `dtype` holding `values` (rounded to that type).
+#[cfg(test)]
+pub(crate) fn weight_of(
+    dtype: moeserve_core::DType,
+    shape: Vec<usize>,
+    values: &[f32],
+) -> crate::Weight {
+    use half::{bf16, f16};
+    use moeserve_core::DType;
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => bytemuck::cast_slice(values).to_vec(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    };
+    crate::Weight::new(dtype, shape, crate::WeightBytes::owned(&bytes)).unwrap()
+}

@@ -96,27 +96,26 @@ impl Attention {
         // batch-1 decode still spreads over the cores.
         attn.par_chunks_mut(group * d).enumerate().for_each_init(
             || (Vec::new(), Vec::new()),
-            |(slots, scores), (i, out)| {
+            |scratch, (i, out)| {
                 let (token, kvh) = (i / self.num_kv_heads, i % self.num_kv_heads);
                 let place = step.places[token];
                 let table = step.batch.sequences[place.sequence].block_table;
                 let q = &q[token * qd + kvh * group * d..][..group * d];
-                self.attend(step.layer, kv, (place, table, kvh), q, slots, scores, out);
+                self.attend(step.layer, kv, (place, table, kvh), q, scratch, out);
             },
         );
         cpu::matmul_wt(&attn, t, &self.o_proj, out);
     }
 
-    /// The query heads of KV head `kvh` of one token against its visible keys.
-    #[allow(clippy::too_many_arguments)]
+    /// The query heads of KV head `kvh` of one token against its visible keys; `scratch` holds
+    /// the visible slots and the scores, reused across a thread's tasks.
     fn attend(
         &self,
         layer: usize,
         kv: &PagedKvCache,
         (place, table, kvh): (TokenPlace, &[u32], usize),
         q: &[f32],
-        slots: &mut Vec<usize>,
-        scores: &mut Vec<f32>,
+        (slots, scores): &mut (Vec<usize>, Vec<f32>),
         out: &mut [f32],
     ) {
         let d = self.head_dim;
