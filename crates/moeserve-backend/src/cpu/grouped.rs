@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use super::matmul::OutPtr;
 use super::packed::PANEL;
-use super::{Isa, isa, matmul_wt, silu_mul};
+use super::{matmul_wt, silu_mul};
 use crate::Weight;
 
 /// One expert's share of a grouped SwiGLU: the next `rows` rows of the input.
@@ -57,11 +57,10 @@ pub fn grouped_swiglu(x: &[f32], experts: &[ExpertRows<'_>], out: &mut [f32]) {
         );
     }
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa(), Isa::Avx512 | Isa::Avx2) {
+    if super::isa().packs_weights() {
         by_panels(x, hidden, experts, out);
         return;
     }
-    let _ = Isa::Scalar;
     one_expert_at_a_time(x, hidden, experts, out);
 }
 
@@ -119,6 +118,7 @@ fn by_panels(x: &[f32], hidden: usize, experts: &[ExpertRows<'_>], out: &mut [f3
 fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], out: &mut [f32]) {
     use super::matmul::weight_panel;
 
+    let isa = super::isa();
     let act_ptr = OutPtr(act.as_mut_ptr());
     let out_ptr = OutPtr(out.as_mut_ptr());
     let tasks = |panels_of: fn(&ExpertRows<'_>) -> usize| {
@@ -133,8 +133,8 @@ fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], 
         GATE_UP.with_borrow_mut(|(gate, up)| {
             gate.resize(p.e.rows * PANEL, 0.0);
             up.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(isa(), xe, p.e.rows, p.e.w1, q, gate);
-            weight_panel(isa(), xe, p.e.rows, p.e.w3, q, up);
+            weight_panel(isa, xe, p.e.rows, p.e.w1, q, gate);
+            weight_panel(isa, xe, p.e.rows, p.e.w3, q, up);
             silu_mul(gate, up);
             let cols = PANEL.min(inter - q * PANEL);
             for (i, g) in gate.chunks_exact(PANEL).enumerate() {
@@ -156,7 +156,7 @@ fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], 
         let ae = &act[p.act_offset..p.act_offset + p.e.rows * inter];
         GATE_UP.with_borrow_mut(|(down, _)| {
             down.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(isa(), ae, p.e.rows, p.e.w2, q, down);
+            weight_panel(isa, ae, p.e.rows, p.e.w2, q, down);
             let cols = PANEL.min(hidden - q * PANEL);
             for (i, d) in down.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
