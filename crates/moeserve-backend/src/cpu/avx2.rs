@@ -76,8 +76,7 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
             _mm_prefetch::<_MM_HINT_T2>(
                 wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8
             );
-            let xs: [__m256; MR] =
-                std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(i * t.x_stride + p)));
+            let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
             for j in 0..4 {
                 let w = T::load8(wp.add(8 * j));
                 for (row, x) in acc.iter_mut().zip(&xs) {

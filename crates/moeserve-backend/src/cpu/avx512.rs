@@ -66,10 +66,9 @@ impl Lanes for f16 {
 /// Operands of one microkernel call.
 #[derive(Clone, Copy)]
 pub(super) struct PanelTile<T> {
-    /// First of `MR` activation rows, already offset to the block's first position.
+    /// The tile's `MR` activation rows at the block's first position, in tile order
+    /// (`x[p * MR + i]` is row `i` at position `p`, see `matmul::TiledRows`).
     pub x: *const f32,
-    /// Row stride of `x` (the full `k`).
-    pub x_stride: usize,
     /// The block of the panel: `kc × PANEL` elements.
     pub w: *const T,
     /// Positions in this block.
@@ -103,7 +102,7 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
             _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
             let (w0, w1) = (T::load16(wp), T::load16(wp.add(16)));
             for i in 0..MR {
-                let xv = _mm512_set1_ps(*t.x.add(i * t.x_stride + p));
+                let xv = _mm512_set1_ps(*t.x.add(p * MR + i));
                 lo[i] = _mm512_fmadd_ps(w0, xv, lo[i]);
                 hi[i] = _mm512_fmadd_ps(w1, xv, hi[i]);
             }

@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::matmul::OutPtr;
+use super::matmul::{OutPtr, TiledRows};
 use super::packed::PANEL;
 use super::{matmul_wt, silu_mul};
 use crate::Weight;
@@ -106,15 +106,23 @@ fn by_panels(x: &[f32], hidden: usize, experts: &[ExpertRows<'_>], out: &mut [f3
     // taken out of the thread-local, not borrowed: while this thread waits for the phases it
     // may run another layer's job (expert-parallel devices, concurrent forwards), which then
     // starts from an empty buffer of its own.
-    let mut act = ACT.take();
+    let (mut act, mut tiled) = (ACT.take(), TILED_X.take());
     if act.len() < act_len {
         act.resize(act_len, 0.0);
     }
-    two_phases(x, hidden, &placed, &mut act[..act_len], out);
+    tiled.resize(x.len(), 0.0);
+    let isa = super::isa();
+    for p in &placed {
+        let rows = p.first_row * hidden..(p.first_row + p.e.rows) * hidden;
+        TiledRows::pack_into(isa, &x[rows.clone()], p.e.rows, hidden, &mut tiled[rows]);
+    }
+    two_phases(&tiled, hidden, &placed, &mut act[..act_len], out);
     ACT.set(act);
+    TILED_X.set(tiled);
 }
 
 #[cfg(target_arch = "x86_64")]
+/// `x` is in tile order per expert; `act` is written in tile order per expert.
 fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], out: &mut [f32]) {
     use super::matmul::weight_panel;
 
@@ -130,33 +138,35 @@ fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], 
     tasks(|e| e.w1.shape()[0].div_ceil(PANEL)).for_each(|(p, q)| {
         let inter = p.e.w1.shape()[0];
         let xe = &x[p.first_row * hidden..(p.first_row + p.e.rows) * hidden];
+        let xe = TiledRows::already_tiled(isa, xe, p.e.rows, hidden);
         GATE_UP.with_borrow_mut(|(gate, up)| {
             gate.resize(p.e.rows * PANEL, 0.0);
             up.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(isa, xe, p.e.rows, p.e.w1, q, gate);
-            weight_panel(isa, xe, p.e.rows, p.e.w3, q, up);
+            weight_panel(isa, xe, p.e.w1, q, gate);
+            weight_panel(isa, xe, p.e.w3, q, up);
             silu_mul(gate, up);
             let cols = PANEL.min(inter - q * PANEL);
-            for (i, g) in gate.chunks_exact(PANEL).enumerate() {
-                // SAFETY: row i, columns 32q .. 32q + cols of this expert's block are inside
-                // `act` and written by this task only.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        g.as_ptr(),
-                        act_ptr.get().add(p.act_offset + i * inter + q * PANEL),
-                        cols,
-                    )
-                };
-            }
+            // SAFETY: positions 32q .. 32q + cols of this expert's `[rows, inter]` block are
+            // inside `act` and written by this task only.
+            unsafe {
+                TiledRows::scatter_columns(
+                    isa,
+                    gate,
+                    (p.e.rows, inter),
+                    (q * PANEL, cols),
+                    act_ptr.get().add(p.act_offset),
+                )
+            };
         })
     });
     // Phase 2: out = act · w2ᵀ.
     tasks(|e| e.w2.shape()[0].div_ceil(PANEL)).for_each(|(p, q)| {
         let inter = p.e.w1.shape()[0];
         let ae = &act[p.act_offset..p.act_offset + p.e.rows * inter];
+        let ae = TiledRows::already_tiled(isa, ae, p.e.rows, inter);
         GATE_UP.with_borrow_mut(|(down, _)| {
             down.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(isa, ae, p.e.rows, p.e.w2, q, down);
+            weight_panel(isa, ae, p.e.w2, q, down);
             let cols = PANEL.min(hidden - q * PANEL);
             for (i, d) in down.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
@@ -174,8 +184,11 @@ fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], 
 }
 
 thread_local! {
-    /// The SwiGLU activations `[rows, intermediate]` of every expert, between the phases.
+    /// The SwiGLU activations `[rows, intermediate]` of every expert (tile order), between
+    /// the phases.
     static ACT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The input rows of every expert in tile order.
+    static TILED_X: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// A task's gate and up panels (`rows × PANEL` each); the down panel reuses the first.
     static GATE_UP: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };

@@ -72,12 +72,21 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let out = OutPtr(out.as_mut_ptr());
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx2 => match w.packed() {
-            PackedWeight::F32(p) => run_packed(isa, x, d, p, out, None),
-            PackedWeight::F16(p) => run_packed(isa, x, d, p, out, None),
-            PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, None),
-            PackedWeight::I8 { panels, scales } => run_packed(isa, x, d, panels, out, Some(scales)),
-        },
+        Isa::Avx512 | Isa::Avx2 => {
+            // Taken out of the thread-local, not borrowed: while this thread waits for the
+            // tasks it may run another product's task, which then packs into a buffer of its own.
+            let mut buf = TILED_X.take();
+            let x = TiledRows::pack(isa, x, m, d.k, &mut buf);
+            match w.packed() {
+                PackedWeight::F32(p) => run_packed(isa, x, d, p, out, None),
+                PackedWeight::F16(p) => run_packed(isa, x, d, p, out, None),
+                PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, None),
+                PackedWeight::I8 { panels, scales } => {
+                    run_packed(isa, x, d, panels, out, Some(scales))
+                }
+            }
+            TILED_X.set(buf);
+        }
         _ => match w.data() {
             WeightData::F32(v) => run_scalar(x, v, d, out),
             WeightData::F16(v) => run_scalar(x, v, d, out),
@@ -109,17 +118,112 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
     });
 }
 
+/// Activation rows `[m, k]` in the order the microkernels read them: cut into the row tiles of
+/// [`row_tiles`], each tile's rows interleaved position by position, so a tile reads one
+/// contiguous stream with the rows at constant offsets (no per-row address arithmetic in the
+/// inner loop). The tile of rows `i0 .. i0 + mr` starts at `i0 · k`; row `i0 + i` at position
+/// `p` is element `i0 · k + p · mr + i`.
+///
+/// ```text
+/// tile (i0, mr=3):  x[i0][0] x[i0+1][0] x[i0+2][0] | x[i0][1] x[i0+1][1] x[i0+2][1] | …
+/// ```
+#[derive(Clone, Copy)]
+pub(super) struct TiledRows<'a> {
+    pub data: &'a [f32],
+    pub m: usize,
+    pub k: usize,
+    /// The row-tile limit of the ISA the tiles were cut for.
+    pub max_mr: usize,
+}
+
+impl<'a> TiledRows<'a> {
+    /// `x: [m, k]` rearranged into `buf` for the microkernels of `isa`.
+    pub fn pack(isa: Isa, x: &[f32], m: usize, k: usize, buf: &'a mut Vec<f32>) -> Self {
+        buf.resize(m * k, 0.0);
+        Self::pack_into(isa, x, m, k, buf)
+    }
+
+    /// `x: [m, k]` rearranged into `out` (`m · k` elements).
+    pub fn pack_into(isa: Isa, x: &[f32], m: usize, k: usize, out: &'a mut [f32]) -> Self {
+        debug_assert!(x.len() == m * k && out.len() == m * k);
+        let max_mr = max_rows_per_tile(isa);
+        // Tiles are consecutive chunks of `out`; each is written in order, reading its rows
+        // side by side (a few sequential streams).
+        let mut tiles = Vec::with_capacity(m.div_ceil(max_mr));
+        let mut rest = &mut *out;
+        for (i0, mr) in row_tiles(m, max_mr) {
+            let (tile, tail) = rest.split_at_mut(mr * k);
+            tiles.push((i0, mr, tile));
+            rest = tail;
+        }
+        let pack_tile = |(i0, mr, tile): (usize, usize, &mut [f32])| {
+            let rows = &x[i0 * k..(i0 + mr) * k];
+            for (p, column) in tile.chunks_exact_mut(mr).enumerate() {
+                for (i, v) in column.iter_mut().enumerate() {
+                    *v = rows[i * k + p];
+                }
+            }
+        };
+        if m * k < 1 << 16 {
+            tiles.into_iter().for_each(pack_tile);
+        } else {
+            tiles.into_par_iter().for_each(pack_tile);
+        }
+        Self::already_tiled(isa, out, m, k)
+    }
+
+    /// `data` already in the tile order of `isa` (see [`Self::scatter_columns`]).
+    pub fn already_tiled(isa: Isa, data: &'a [f32], m: usize, k: usize) -> Self {
+        debug_assert_eq!(data.len(), m * k);
+        TiledRows {
+            data,
+            m,
+            k,
+            max_mr: max_rows_per_tile(isa),
+        }
+    }
+
+    /// Writes `cols` columns of `src: [m, PANEL]` (row-major) as positions `p0 .. p0 + cols` of
+    /// the tiled layout of `m` rows of `k` positions in `dst` — how a product's output panel
+    /// becomes the next product's tiled input.
+    ///
+    /// # Safety
+    /// `dst` points at `m · k` elements and no other thread writes these positions.
+    pub unsafe fn scatter_columns(
+        isa: Isa,
+        src: &[f32],
+        (m, k): (usize, usize),
+        (p0, cols): (usize, usize),
+        dst: *mut f32,
+    ) {
+        for (i0, mr) in row_tiles(m, max_rows_per_tile(isa)) {
+            for i in 0..mr {
+                let row = &src[(i0 + i) * PANEL..(i0 + i) * PANEL + cols];
+                for (c, v) in row.iter().enumerate() {
+                    // SAFETY: inside the tile of rows i0..i0+mr, positions < k (caller).
+                    unsafe { *dst.add(i0 * k + (p0 + c) * mr + i) = *v };
+                }
+            }
+        }
+    }
+}
+
 /// Panel `q` of `x · Wᵀ` for `x: [m, k]` into `acc: [m, PANEL]`, whatever the weight's stored
 /// type, on the calling thread (the AVX-512 path's unit of work, for kernels that schedule
 /// panels of several matrices themselves).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn weight_panel(isa: Isa, x: &[f32], m: usize, w: &Weight, q: usize, acc: &mut [f32]) {
+pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc: &mut [f32]) {
     let d = Dims {
-        m,
+        m: x.m,
         n: w.shape()[0],
         k: w.shape()[1],
     };
-    debug_assert!(x.len() == m * d.k && acc.len() == m * PANEL && q < d.n.div_ceil(PANEL));
+    debug_assert!(
+        x.k == d.k
+            && x.max_mr == max_rows_per_tile(isa)
+            && acc.len() == d.m * PANEL
+            && q < d.n.div_ceil(PANEL)
+    );
     match w.packed() {
         PackedWeight::F32(p) => panel_product(isa, x, d, p, q, None, acc),
         PackedWeight::F16(p) => panel_product(isa, x, d, p, q, None, acc),
@@ -134,7 +238,7 @@ pub(super) fn weight_panel(isa: Isa, x: &[f32], m: usize, w: &Weight, q: usize, 
 #[cfg(target_arch = "x86_64")]
 fn run_packed<T: Element + Sync>(
     isa: Isa,
-    x: &[f32],
+    x: TiledRows<'_>,
     d: Dims,
     w: &PackedPanels<T>,
     out: OutPtr,
@@ -173,7 +277,7 @@ fn run_packed<T: Element + Sync>(
 #[cfg(target_arch = "x86_64")]
 fn panel_product<T: Element>(
     isa: Isa,
-    x: &[f32],
+    x: TiledRows<'_>,
     d: Dims,
     w: &PackedPanels<T>,
     q: usize,
@@ -245,6 +349,8 @@ thread_local! {
         std::cell::RefCell::new(BlockScratch::default());
     /// A panel's `m × PANEL` sums in [`run_packed`].
     static PANEL_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The activations of [`matmul_wt`] in tile order.
+    static TILED_X: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// An element type both SIMD microkernels widen.
@@ -254,7 +360,7 @@ pub(super) trait Element: super::avx512::Lanes + super::avx2::Lanes8 {}
 impl<T: super::avx512::Lanes + super::avx2::Lanes8> Element for T {}
 
 /// The most activation rows one microkernel call of `isa` takes.
-fn max_rows_per_tile(isa: Isa) -> usize {
+pub(super) fn max_rows_per_tile(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => super::avx2::MAX_MR,
@@ -264,7 +370,7 @@ fn max_rows_per_tile(isa: Isa) -> usize {
 
 /// `m` rows cut into the fewest tiles of at most `max_mr` rows, sizes as equal as possible
 /// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
-fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(super) fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
     let count = m.div_ceil(max_mr).max(1);
     let (base, extra) = (m / count, m % count);
     (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
@@ -273,7 +379,7 @@ fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
 /// One block of positions `k0 .. k0 + kc` of a panel.
 #[derive(Clone, Copy)]
 struct Block<'a> {
-    x: &'a [f32],
+    x: TiledRows<'a>,
     d: Dims,
     k0: usize,
     kc: usize,
@@ -285,17 +391,16 @@ impl Block<'_> {
     /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
     fn run_tiles<U: Element>(self, isa: Isa, block: &[U], acc: &mut [f32]) {
         use super::avx512::{PanelTile, panel_tile};
-        for (i0, mr) in row_tiles(self.d.m, max_rows_per_tile(isa)) {
+        for (i0, mr) in row_tiles(self.d.m, self.x.max_mr) {
             let t = PanelTile {
-                x: self.x[i0 * self.d.k + self.k0..].as_ptr(),
-                x_stride: self.d.k,
+                x: self.x.data[i0 * self.d.k + self.k0 * mr..].as_ptr(),
                 w: block.as_ptr(),
                 kc: self.kc,
                 acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
                 first: self.first,
             };
-            // SAFETY: the caller's `isa` is supported; x holds rows i0..i0+mr with kc positions
-            // from k0, the block kc × 32 elements, acc mr × 32.
+            // SAFETY: the caller's `isa` is supported; x holds the tile's kc positions from k0
+            // (mr each), the block kc × 32 elements, acc mr × 32.
             unsafe {
                 if isa == Isa::Avx2 {
                     use super::avx2::panel_tile as tile;
@@ -406,6 +511,47 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
+    fn tiled_rows_from_packing_and_from_scattered_panels_agree() {
+        for isa in [Isa::Avx512, Isa::Avx2] {
+            for (m, k) in [(1, 5), (11, 40), (13, 70), (30, 33)] {
+                let x = pseudo_random(m * k, 3);
+                let mut packed = Vec::new();
+                let tiled = TiledRows::pack(isa, &x, m, k, &mut packed);
+                for i in 0..m {
+                    for p in 0..k {
+                        let (i0, mr) = row_tiles(m, tiled.max_mr)
+                            .find(|(i0, mr)| i < i0 + mr)
+                            .unwrap();
+                        assert_eq!(tiled.data[i0 * k + p * mr + i - i0], x[i * k + p]);
+                    }
+                }
+                // The same layout assembled from [m, PANEL] output panels.
+                let mut scattered = vec![f32::NAN; m * k];
+                for p0 in (0..k).step_by(PANEL) {
+                    let cols = PANEL.min(k - p0);
+                    let mut panel = vec![0.0; m * PANEL];
+                    for i in 0..m {
+                        panel[i * PANEL..i * PANEL + cols]
+                            .copy_from_slice(&x[i * k + p0..i * k + p0 + cols]);
+                    }
+                    // SAFETY: `scattered` holds m × k elements.
+                    unsafe {
+                        TiledRows::scatter_columns(
+                            isa,
+                            &panel,
+                            (m, k),
+                            (p0, cols),
+                            scattered.as_mut_ptr(),
+                        )
+                    };
+                }
+                assert_eq!(scattered, packed, "{isa:?} {m}x{k}");
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
     fn int8_matches_the_reference_on_dequantized_weights_whatever_the_batch() {
         if !isa().packs_weights() {
             return;
@@ -419,9 +565,10 @@ mod tests {
             };
             let run = |x: &[f32], m: usize| {
                 let mut out = vec![0.0; m * n];
+                let mut buf = Vec::new();
                 run_packed(
                     isa(),
-                    x,
+                    TiledRows::pack(isa(), x, m, k, &mut buf),
                     Dims { m, n, k },
                     panels,
                     OutPtr(out.as_mut_ptr()),
