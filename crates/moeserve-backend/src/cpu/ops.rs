@@ -29,6 +29,17 @@ fn rms_norm_rows<T: Copy + Into<f32>>(x: &[f32], gain: &[T], eps: f32, out: &mut
 
 /// `gate[i] = silu(gate[i]) * up[i]`, SwiGLU's activation (`act_fn(w1(x)) * w3(x)` in Mixtral).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(
+        gate.len(),
+        up.len(),
+        "silu_mul: gate and up differ in length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 {
+        // SAFETY: AVX-512F is available; the slices have equal lengths.
+        unsafe { super::attention::silu_mul_avx512(gate, up) };
+        return;
+    }
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
     }
@@ -64,16 +75,39 @@ pub fn rope_inv_freq(head_dim: usize, rope_theta: f64) -> Vec<f32> {
 
 /// Rotates every head of `x: [num_heads, head_dim]` at `position` (HF's `rotate_half` layout:
 /// the first and second halves of a head form the pairs).
-pub fn apply_rope(x: &mut [f32], head_dim: usize, position: usize, inv_freq: &[f32]) {
+pub fn apply_rope(x: &mut [f32], head_dim: usize, angles: &RopeAngles) {
     let half = head_dim / 2;
+    debug_assert_eq!(angles.cos_sin.len(), half);
     for head in x.chunks_exact_mut(head_dim) {
-        for (i, f) in inv_freq.iter().enumerate() {
-            let angle = (position as f32 * f) as f64;
-            let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
+        for (i, (cos, sin)) in angles.cos_sin.iter().enumerate() {
             let (a, b) = (head[i], head[i + half]);
             head[i] = a * cos - b * sin;
             head[i + half] = b * cos + a * sin;
         }
+    }
+}
+
+/// `(cos, sin)` of every rotary frequency at one position, computed once and applied to all
+/// query and key heads of a token (the sines and cosines, not the rotation, are the cost).
+#[derive(Clone, Debug, Default)]
+pub struct RopeAngles {
+    cos_sin: Vec<(f32, f32)>,
+}
+
+impl RopeAngles {
+    /// The angles `position · inv_freq[i]`, rounded to f32 as HF does, then sin/cos in f64.
+    pub fn set(&mut self, position: usize, inv_freq: &[f32]) {
+        self.cos_sin.clear();
+        self.cos_sin.extend(inv_freq.iter().map(|f| {
+            let angle = (position as f32 * f) as f64;
+            (angle.cos() as f32, angle.sin() as f32)
+        }));
+    }
+
+    pub fn at(position: usize, inv_freq: &[f32]) -> Self {
+        let mut a = RopeAngles::default();
+        a.set(position, inv_freq);
+        a
     }
 }
 
@@ -90,13 +124,40 @@ mod tests {
     }
 
     #[test]
+    fn silu_mul_matches_the_definition_on_every_path() {
+        for n in [1, 15, 16, 17, 100] {
+            let gate: Vec<f32> = (0..n).map(|i| (i as f32 - 50.0) * 0.37).collect();
+            let up: Vec<f32> = (0..n).map(|i| 1.0 + i as f32 * 0.01).collect();
+            let mut got = gate.clone();
+            silu_mul(&mut got, &up);
+            for ((g, u), y) in gate.iter().zip(&up).zip(&got) {
+                let (g, u) = (*g as f64, *u as f64);
+                let want = g / (1.0 + (-g).exp()) * u;
+                assert!(
+                    (*y as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "silu({g}) * {u}: {y} vs {want}"
+                );
+            }
+        }
+        let mut extreme = vec![-1e4, 1e4, -100.0, 100.0, 0.0];
+        silu_mul(&mut extreme, &[1.0; 5]);
+        assert!(extreme.iter().all(|v| v.is_finite()), "{extreme:?}");
+        assert!(
+            extreme[0].abs() < 1e-30 && extreme[2].abs() < 1e-30,
+            "{extreme:?}"
+        );
+        assert_eq!(extreme[1..2], [1e4]);
+        assert_eq!(extreme[3..], [100.0, 0.0]);
+    }
+
+    #[test]
     fn rope_at_position_zero_is_identity_and_preserves_norm() {
         let inv = rope_inv_freq(8, 10000.0);
         let orig: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.7).collect();
         let mut x = orig.clone();
-        apply_rope(&mut x, 8, 0, &inv);
+        apply_rope(&mut x, 8, &RopeAngles::at(0, &inv));
         assert_eq!(x, orig);
-        apply_rope(&mut x, 8, 37, &inv);
+        apply_rope(&mut x, 8, &RopeAngles::at(37, &inv));
         let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
         assert!((norm(&x) - norm(&orig)).abs() < 1e-4);
     }

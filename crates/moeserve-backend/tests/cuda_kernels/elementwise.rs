@@ -159,18 +159,9 @@ fn rope_matches_hf_rotate_half<T: CudaElement>() {
     .unwrap();
     let (mut want_q, mut want_k) = (q_f32, k_f32);
     for (i, p) in positions.iter().enumerate() {
-        cpu::apply_rope(
-            &mut want_q[i * heads * d..][..heads * d],
-            d,
-            *p as usize,
-            &inv_freq,
-        );
-        cpu::apply_rope(
-            &mut want_k[i * kv_heads * d..][..kv_heads * d],
-            d,
-            *p as usize,
-            &inv_freq,
-        );
+        let angles = cpu::RopeAngles::at(*p as usize, &inv_freq);
+        cpu::apply_rope(&mut want_q[i * heads * d..][..heads * d], d, &angles);
+        cpu::apply_rope(&mut want_k[i * kv_heads * d..][..kv_heads * d], d, &angles);
     }
     assert_close(
         "rope q",

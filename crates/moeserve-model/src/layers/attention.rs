@@ -66,19 +66,11 @@ impl Attention {
         cpu::matmul_wt(step.x, t, &self.k_proj, &mut k);
         cpu::matmul_wt(step.x, t, &self.v_proj, &mut v);
         let block_size = kv.layout().block_size;
+        let mut angles = cpu::RopeAngles::default();
         for (i, place) in step.places.iter().enumerate() {
-            cpu::apply_rope(
-                &mut q[i * qd..(i + 1) * qd],
-                self.head_dim,
-                place.position,
-                &self.inv_freq,
-            );
-            cpu::apply_rope(
-                &mut k[i * kvd..(i + 1) * kvd],
-                self.head_dim,
-                place.position,
-                &self.inv_freq,
-            );
+            angles.set(place.position, &self.inv_freq);
+            cpu::apply_rope(&mut q[i * qd..(i + 1) * qd], self.head_dim, &angles);
+            cpu::apply_rope(&mut k[i * kvd..(i + 1) * kvd], self.head_dim, &angles);
             let table = step.batch.sequences[place.sequence].block_table;
             let slot = slot_of(table, block_size, place.position);
             kv.write(
