@@ -209,12 +209,9 @@ impl EngineCore {
         let logits = self.forward(&plan, &mut record)?;
         self.account_moe(&plan, &record);
         self.scheduler.update_from_output(&plan);
-        let vocab = self.assets.model.config().vocab_size;
         let mut events = Vec::new();
-        for (row, s) in plan.scheduled.iter().enumerate() {
-            if s.samples {
-                self.sample_one(s.id, &logits[row * vocab..(row + 1) * vocab], &mut events);
-            }
+        for (id, sampled) in self.sample_all(&plan, &logits) {
+            self.take_sample(id, sampled, &mut events);
         }
         self.stats.num_steps += 1;
         self.stats.num_batched_tokens += plan.num_batched_tokens() as u64;
@@ -290,27 +287,63 @@ impl EngineCore {
             .forward(&batch, &mut self.kv_storage, opts)?)
     }
 
-    fn sample_one(&mut self, id: RequestId, logits: &[f32], events: &mut Vec<RequestEvent>) {
+    /// Samples every sequence of the step that needs a token, in parallel (each sequence has
+    /// its own sampler state and seed, so the order does not matter); results in plan order.
+    fn sample_all(
+        &mut self,
+        plan: &SchedulerOutput,
+        logits: &[f32],
+    ) -> Vec<(RequestId, std::result::Result<SampleOutput, String>)> {
+        use rayon::prelude::*;
+        let vocab = self.assets.model.config().vocab_size;
+        // Logits rows are the scheduled sequences in plan order.
+        let rows: HashMap<RequestId, usize> = plan
+            .scheduled
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.samples)
+            .map(|(row, s)| (s.id, row))
+            .collect();
+        let mut jobs: Vec<(usize, RequestId, &mut RequestState)> = self
+            .states
+            .iter_mut()
+            .filter_map(|(id, state)| rows.get(id).map(|row| (*row, *id, state)))
+            .collect();
+        jobs.sort_unstable_by_key(|(row, ..)| *row);
+        jobs.par_iter_mut()
+            .map(|(row, id, state)| {
+                let sampled = state
+                    .sampler
+                    .sample(
+                        &logits[*row * vocab..(*row + 1) * vocab],
+                        &state.params,
+                        state.output.prompt_ids(),
+                        state.output.token_ids(),
+                    )
+                    .map_err(|e| e.to_string());
+                (*id, sampled)
+            })
+            .collect()
+    }
+
+    /// Appends one sampled token to its request: events, stop checks, finishing.
+    fn take_sample(
+        &mut self,
+        id: RequestId,
+        sampled: std::result::Result<SampleOutput, String>,
+        events: &mut Vec<RequestEvent>,
+    ) {
         let state = self
             .states
             .get_mut(&id)
             .expect("scheduled request has state");
-        let sampled = state
-            .sampler
-            .sample(
-                logits,
-                &state.params,
-                state.output.prompt_ids(),
-                state.output.token_ids(),
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|sample| {
-                let update = state
-                    .output
-                    .push(sample.clone())
-                    .map_err(|e| e.to_string())?;
-                Ok((sample, update))
-            });
+        let sampled = sampled.and_then(|sample| {
+            let update = state
+                .output
+                .push(sample.clone())
+                .map_err(|e| e.to_string())?;
+            Ok((sample, update))
+        });
         let (sample, update) = match sampled {
             Ok(done) => done,
             Err(error) => {
