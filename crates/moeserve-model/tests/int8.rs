@@ -51,7 +51,8 @@ fn int8_weights_stay_close_to_the_references() {
     cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
 
     // The demo model (real SmolLM2 weights, bf16) is the accuracy case. Measured 2026-11-29:
-    // mean |Δlogprob| 0.037, greedy agreement 97.5 % over 79 positions (the issue asks for
+    // mean |Δlogprob| 0.037 with 256-position scale groups, 0.028 (greedy agreement 96.2 %
+    // over 79 positions) with 64-position groups since 2026-11-30 (the issue asks for
     // ≤ 0.02; not met — see bench/RESULTS.md). The bounds here guard against regressions.
     let dir = demo_model_dir();
     let model = MixtralModel::load(&dir)
@@ -63,7 +64,7 @@ fn int8_weights_stay_close_to_the_references() {
     eprintln!(
         "demo model int8: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} ({n} positions)"
     );
-    assert!(delta <= 0.05, "mean |Δlogprob| {delta}");
+    assert!(delta <= 0.035, "mean |Δlogprob| {delta}");
     assert!(agree >= 0.95, "greedy agreement {agree}");
 
     // The random fixtures have near-flat distributions, so they are only a sanity bound.

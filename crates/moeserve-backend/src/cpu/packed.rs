@@ -20,10 +20,12 @@ pub enum PackedWeight {
     F32(PackedPanels<f32>),
     F16(PackedPanels<f16>),
     BF16(PackedPanels<bf16>),
-    /// Weight-only int8 (`--quantization int8`): `w[j][p] ≈ panels[j][p] · scales[j][p / GROUP]`.
+    /// Weight-only int8 (`--quantization int8`): `w[32q + c][p] ≈ panels[q][p][c] ·
+    /// scales[q][p / GROUP][c]`.
     I8 {
         panels: PackedPanels<i8>,
-        /// `[n, k.div_ceil(GROUP)]`.
+        /// Panel layout, `[num_panels, k.div_ceil(GROUP), PANEL]` (padding rows 0): a block's
+        /// 32 scales are one contiguous pair of vectors.
         scales: Vec<f32>,
     },
 }
@@ -88,7 +90,15 @@ fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
 impl PackedWeight {
     /// Quantizes a row-major `[n, k]` weight to int8 rows with scales, then packs it.
     pub fn pack_int8(data: WeightData<'_>, n: usize, k: usize) -> Self {
-        let (q, scales) = super::quant::quantize_rows_int8(data, n, k);
+        let (q, row_scales) = super::quant::quantize_rows_int8(data, n, k);
+        let groups = k.div_ceil(super::quant::GROUP);
+        let mut scales = vec![0.0; n.div_ceil(PANEL) * groups * PANEL];
+        for (j, row) in row_scales.chunks_exact(groups).enumerate() {
+            let (q, c) = (j / PANEL, j % PANEL);
+            for (g, s) in row.iter().enumerate() {
+                scales[(q * groups + g) * PANEL + c] = *s;
+            }
+        }
         PackedWeight::I8 {
             panels: PackedPanels::pack(&q, n, k),
             scales,
