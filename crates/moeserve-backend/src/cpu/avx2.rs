@@ -73,9 +73,11 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
         }
         for p in 0..t.kc {
             let wp = t.w.add(p * PANEL);
-            _mm_prefetch::<_MM_HINT_T2>(
-                wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8
-            );
+            if t.prefetch {
+                _mm_prefetch::<_MM_HINT_T2>(
+                    wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8
+                );
+            }
             let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
             for j in 0..4 {
                 let w = T::load8(wp.add(8 * j));
@@ -100,7 +102,9 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
 pub(super) unsafe fn widen<T: Lanes8>(src: &[T], dst: &mut [f32]) {
     assert!(src.len().is_multiple_of(8) && dst.len() == src.len());
     for (s, d) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)) {
+        let p = s.as_ptr();
+        _mm_prefetch::<_MM_HINT_T2>(p.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8);
         // SAFETY: both chunks hold 8 elements.
-        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), T::load8(s.as_ptr())) };
+        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), T::load8(p)) };
     }
 }

@@ -77,6 +77,9 @@ pub(super) struct PanelTile<T> {
     pub acc: *mut f32,
     /// The first block of the panel: the sums start from zero.
     pub first: bool,
+    /// `w` is the weight stream itself (not a block already widened into a scratch buffer,
+    /// whose source [`widen`] prefetched): prefetch ahead of it.
+    pub prefetch: bool,
 }
 
 /// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block.
@@ -99,7 +102,9 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
         }
         for p in 0..t.kc {
             let wp = t.w.add(p * PANEL);
-            _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            if t.prefetch {
+                _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            }
             let (w0, w1) = (T::load16(wp), T::load16(wp.add(16)));
             for i in 0..MR {
                 let xv = _mm512_set1_ps(*t.x.add(p * MR + i));
@@ -114,7 +119,9 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
     }
 }
 
-/// `dst[i] = src[i]` widened to f32, 16 lanes at a time (`src.len()` a multiple of 16).
+/// `dst[i] = src[i]` widened to f32, 16 lanes at a time (`src.len()` a multiple of 16),
+/// prefetching the weight stream [`PREFETCH_BYTES`] ahead as the microkernel does (the tiles
+/// that then read `dst` do not prefetch).
 ///
 /// # Safety
 /// The CPU supports AVX-512F/BW.
@@ -122,7 +129,9 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
 pub(super) unsafe fn widen<T: Lanes>(src: &[T], dst: &mut [f32]) {
     assert!(src.len().is_multiple_of(16) && dst.len() == src.len());
     for (s, d) in src.chunks_exact(16).zip(dst.chunks_exact_mut(16)) {
+        let p = s.as_ptr();
+        _mm_prefetch::<_MM_HINT_T2>(p.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
         // SAFETY: both chunks hold 16 elements.
-        unsafe { _mm512_storeu_ps(d.as_mut_ptr(), T::load16(s.as_ptr())) };
+        unsafe { _mm512_storeu_ps(d.as_mut_ptr(), T::load16(p)) };
     }
 }

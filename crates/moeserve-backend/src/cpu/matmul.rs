@@ -198,11 +198,14 @@ impl<'a> TiledRows<'a> {
         dst: *mut f32,
     ) {
         for (i0, mr) in row_tiles(m, max_rows_per_tile(isa)) {
-            for i in 0..mr {
-                let row = &src[(i0 + i) * PANEL..(i0 + i) * PANEL + cols];
-                for (c, v) in row.iter().enumerate() {
-                    // SAFETY: inside the tile of rows i0..i0+mr, positions < k (caller).
-                    unsafe { *dst.add(i0 * k + (p0 + c) * mr + i) = *v };
+            // The tile's positions p0 .. p0 + cols are one contiguous run of cols × mr.
+            // SAFETY: inside the tile of rows i0..i0+mr, positions < k (caller).
+            let run =
+                unsafe { std::slice::from_raw_parts_mut(dst.add(i0 * k + p0 * mr), cols * mr) };
+            let rows = &src[i0 * PANEL..(i0 + mr) * PANEL];
+            for (c, column) in run.chunks_exact_mut(mr).enumerate() {
+                for (i, v) in column.iter_mut().enumerate() {
+                    *v = rows[i * PANEL + c];
                 }
             }
         }
@@ -316,9 +319,9 @@ fn panel_product<T: Element>(
                         _ => super::avx512::widen(block, wide),
                     }
                 };
-                b.run_tiles(isa, wide, sums);
+                b.run_tiles(isa, wide, false, sums);
             } else {
-                b.run_tiles(isa, block, sums);
+                b.run_tiles(isa, block, true, sums);
             }
             if let Some(scales) = scales {
                 let (groups, g) = (d.k.div_ceil(GROUP), k0 / GROUP);
@@ -393,7 +396,8 @@ struct Block<'a> {
 #[cfg(target_arch = "x86_64")]
 impl Block<'_> {
     /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
-    fn run_tiles<U: Element>(self, isa: Isa, block: &[U], acc: &mut [f32]) {
+    /// `prefetch`: `block` is the weight stream itself (not a widened copy).
+    fn run_tiles<U: Element>(self, isa: Isa, block: &[U], prefetch: bool, acc: &mut [f32]) {
         use super::avx512::{PanelTile, panel_tile};
         for (i0, mr) in row_tiles(self.d.m, self.x.max_mr) {
             let t = PanelTile {
@@ -402,6 +406,7 @@ impl Block<'_> {
                 kc: self.kc,
                 acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
                 first: self.first,
+                prefetch,
             };
             // SAFETY: the caller's `isa` is supported; x holds the tile's kc positions from k0
             // (mr each), the block kc × 32 elements, acc mr × 32.
