@@ -20,7 +20,8 @@ pub mod reference;
 pub use grouped::{ExpertRows, grouped_swiglu};
 pub use matmul::matmul_wt;
 pub use ops::{
-    RopeAngles, add_assign, apply_rope, rms_norm, rope_inv_freq, silu_mul, softmax_in_place,
+    RopeAngles, add_assign, add_rms_norm, apply_rope, rms_norm, rope_inv_freq, silu_mul,
+    softmax_in_place,
 };
 pub use quant::{WeightQuantization, set_weight_quantization, weight_quantization};
 

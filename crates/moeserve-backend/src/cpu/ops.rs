@@ -19,11 +19,42 @@ pub fn rms_norm(x: &[f32], w: &Weight, eps: f32, out: &mut [f32]) {
 fn rms_norm_rows<T: Copy + Into<f32>>(x: &[f32], gain: &[T], eps: f32, out: &mut [f32]) {
     let h = gain.len();
     for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let var = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for ((o, v), g) in or.iter_mut().zip(xr).zip(gain) {
-            *o = (*g).into() * (v * inv);
+        norm_row(xr, gain, eps, or);
+    }
+}
+
+#[inline(always)]
+fn norm_row<T: Copy + Into<f32>>(xr: &[f32], gain: &[T], eps: f32, or: &mut [f32]) {
+    let var = xr.iter().map(|v| v * v).sum::<f32>() / gain.len() as f32;
+    let inv = 1.0 / (var + eps).sqrt();
+    for ((o, v), g) in or.iter_mut().zip(xr).zip(gain) {
+        *o = (*g).into() * (v * inv);
+    }
+}
+
+/// The residual connection and the next RMSNorm in one pass over each row: `x += delta`, then
+/// `out = rms_norm(x)` while the row is in cache. Equal bit for bit to [`add_assign`] followed
+/// by [`rms_norm`].
+pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &Weight, eps: f32, out: &mut [f32]) {
+    assert!(
+        x.len() == delta.len() && x.len() == out.len(),
+        "add_rms_norm: x, delta and out differ in length"
+    );
+    fn rows<T: Copy + Into<f32>>(x: &mut [f32], d: &[f32], g: &[T], eps: f32, out: &mut [f32]) {
+        let h = g.len();
+        for ((xr, dr), or) in x
+            .chunks_exact_mut(h)
+            .zip(d.chunks_exact(h))
+            .zip(out.chunks_exact_mut(h))
+        {
+            xr.iter_mut().zip(dr).for_each(|(a, b)| *a += b);
+            norm_row(xr, g, eps, or);
         }
+    }
+    match w.data() {
+        WeightData::F32(g) => rows(x, delta, g, eps, out),
+        WeightData::F16(g) => rows(x, delta, g, eps, out),
+        WeightData::BF16(g) => rows(x, delta, g, eps, out),
     }
 }
 
@@ -121,6 +152,19 @@ mod tests {
         softmax_in_place(&mut x);
         assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(x[1] > x[2] && x[2] > x[0] && x[3] == 0.0);
+    }
+
+    #[test]
+    fn add_rms_norm_equals_add_then_norm() {
+        let w = Weight::from_f32(vec![4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let x: Vec<f32> = (0..12).map(|i| i as f32 * 0.3 - 1.1).collect();
+        let d: Vec<f32> = (0..12).map(|i| (i * 7 % 5) as f32 * 0.01).collect();
+        let (mut fused_x, mut fused) = (x.clone(), vec![0.0; 12]);
+        add_rms_norm(&mut fused_x, &d, &w, 1e-6, &mut fused);
+        let (mut two_x, mut two) = (x, vec![0.0; 12]);
+        add_assign(&mut two_x, &d);
+        rms_norm(&two_x, &w, 1e-6, &mut two);
+        assert_eq!((fused_x, fused), (two_x, two));
     }
 
     #[test]

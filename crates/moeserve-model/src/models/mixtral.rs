@@ -268,7 +268,16 @@ impl MixtralModel {
         let mut normed = vec![0.0; t * h];
         let mut delta = vec![0.0; t * h];
         for (l, layer) in self.layers.iter().enumerate() {
-            cpu::rms_norm(&hidden, &layer.input_layernorm, c.rms_norm_eps, &mut normed);
+            // The previous layer's MoE residual is added in the same pass as this norm.
+            if l == 0 {
+                cpu::rms_norm(&hidden, &layer.input_layernorm, c.rms_norm_eps, &mut normed);
+            } else {
+                let w = &layer.input_layernorm;
+                cpu::add_rms_norm(&mut hidden, &delta, w, c.rms_norm_eps, &mut normed);
+                if let Some(trace) = trace.as_deref_mut() {
+                    trace.layer_outputs.push(hidden.clone());
+                }
+            }
             let step = AttentionStep {
                 layer: l,
                 batch,
@@ -276,13 +285,8 @@ impl MixtralModel {
                 x: &normed,
             };
             layer.self_attn.forward(&step, kv, &mut delta);
-            cpu::add_assign(&mut hidden, &delta);
-            cpu::rms_norm(
-                &hidden,
-                &layer.post_attention_layernorm,
-                c.rms_norm_eps,
-                &mut normed,
-            );
+            let w = &layer.post_attention_layernorm;
+            cpu::add_rms_norm(&mut hidden, &delta, w, c.rms_norm_eps, &mut normed);
             let router_logits = layer.block_sparse_moe.router_logits(&normed, t);
             let step = MoeLayerStep {
                 layer: l,
@@ -295,11 +299,14 @@ impl MixtralModel {
             if let Some(record) = moe.record.as_deref_mut() {
                 record.layers.push(routing);
             }
-            cpu::add_assign(&mut hidden, &delta);
             if let Some(trace) = trace.as_deref_mut() {
-                trace.layer_outputs.push(hidden.clone());
                 trace.router_logits.push(router_logits);
             }
+        }
+        // The last layer's MoE residual (zeros without layers).
+        cpu::add_assign(&mut hidden, &delta);
+        if let Some(trace) = trace.as_deref_mut().filter(|_| !self.layers.is_empty()) {
+            trace.layer_outputs.push(hidden.clone());
         }
         let rows: Vec<usize> = match opts.logits {
             LogitsFor::AllTokens => (0..t).collect(),
