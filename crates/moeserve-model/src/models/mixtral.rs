@@ -305,7 +305,7 @@ impl MixtralModel {
         }
         // The last layer's MoE residual (zeros without layers).
         cpu::add_assign(&mut hidden, &delta);
-        if let Some(trace) = trace.as_deref_mut().filter(|_| !self.layers.is_empty()) {
+        if let Some(trace) = trace.filter(|_| !self.layers.is_empty()) {
             trace.layer_outputs.push(hidden.clone());
         }
         let rows: Vec<usize> = match opts.logits {
