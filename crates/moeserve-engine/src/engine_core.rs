@@ -309,6 +309,7 @@ impl EngineCore {
             .iter_mut()
             .filter_map(|(id, state)| rows.get(id).map(|row| (*row, *id, state)))
             .collect();
+        debug_assert_eq!(jobs.len(), rows.len(), "every sampling request has state");
         jobs.sort_unstable_by_key(|(row, ..)| *row);
         jobs.par_iter_mut()
             .map(|(row, id, state)| {

@@ -367,7 +367,7 @@ pub(super) trait Element: super::avx512::Lanes + super::avx2::Lanes8 {}
 impl<T: super::avx512::Lanes + super::avx2::Lanes8> Element for T {}
 
 /// The most activation rows one microkernel call of `isa` takes.
-pub(super) fn max_rows_per_tile(isa: Isa) -> usize {
+fn max_rows_per_tile(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => super::avx2::MAX_MR,
@@ -377,7 +377,7 @@ pub(super) fn max_rows_per_tile(isa: Isa) -> usize {
 
 /// `m` rows cut into the fewest tiles of at most `max_mr` rows, sizes as equal as possible
 /// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
-pub(super) fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
+fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
     let count = m.div_ceil(max_mr).max(1);
     let (base, extra) = (m / count, m % count);
     (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
