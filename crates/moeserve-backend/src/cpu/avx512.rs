@@ -119,6 +119,64 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
     }
 }
 
+/// Operands of [`int8_panel_scaled`]: a whole int8 panel for one tile of `MR` rows.
+#[derive(Clone, Copy)]
+pub(super) struct ScaledInt8Panel {
+    /// The tile's rows from position 0, in tile order (`x[p * MR + i]`).
+    pub x: *const f32,
+    /// The panel: `k × PANEL` int8 weights.
+    pub w: *const i8,
+    pub k: usize,
+    /// Positions per scale.
+    pub group: usize,
+    /// The panel's scales, `[k.div_ceil(group), PANEL]`.
+    pub scales: *const f32,
+    /// `MR × PANEL` outputs, written.
+    pub acc: *mut f32,
+}
+
+/// An int8 panel for a few rows (decode) with each group's scale applied in registers: per
+/// group the partial sums start from zero, run the same FMA chain as [`panel_tile`], and are
+/// added to the running sums as `sum + partial · scale` — the operations, in the order, that the
+/// general path performs through memory one k-block at a time, so the results are equal bit for
+/// bit (batch invariance), without a kernel call, an accumulator round trip and a scalar scale
+/// pass per group.
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW, `MR ≤ 6` (29 registers), and the pointers cover the sizes
+/// described on [`ScaledInt8Panel`].
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn int8_panel_scaled<const MR: usize>(t: ScaledInt8Panel) {
+    let mut lo = [_mm512_setzero_ps(); MR];
+    let mut hi = [_mm512_setzero_ps(); MR];
+    unsafe {
+        for (g, k0) in (0..t.k).step_by(t.group).enumerate() {
+            let mut part_lo = [_mm512_setzero_ps(); MR];
+            let mut part_hi = [_mm512_setzero_ps(); MR];
+            for p in k0..(k0 + t.group).min(t.k) {
+                let wp = t.w.add(p * PANEL);
+                _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES));
+                let (w0, w1) = (i8::load16(wp), i8::load16(wp.add(16)));
+                for i in 0..MR {
+                    let xv = _mm512_set1_ps(*t.x.add(p * MR + i));
+                    part_lo[i] = _mm512_fmadd_ps(w0, xv, part_lo[i]);
+                    part_hi[i] = _mm512_fmadd_ps(w1, xv, part_hi[i]);
+                }
+            }
+            let s = t.scales.add(g * PANEL);
+            let (s0, s1) = (_mm512_loadu_ps(s), _mm512_loadu_ps(s.add(16)));
+            for i in 0..MR {
+                lo[i] = _mm512_add_ps(lo[i], _mm512_mul_ps(part_lo[i], s0));
+                hi[i] = _mm512_add_ps(hi[i], _mm512_mul_ps(part_hi[i], s1));
+            }
+        }
+        for i in 0..MR {
+            _mm512_storeu_ps(t.acc.add(i * PANEL), lo[i]);
+            _mm512_storeu_ps(t.acc.add(i * PANEL + 16), hi[i]);
+        }
+    }
+}
+
 /// `dst[i] = src[i]` widened to f32, 16 lanes at a time (`src.len()` a multiple of 16),
 /// prefetching the weight stream [`PREFETCH_BYTES`] ahead as the microkernel does (the tiles
 /// that then read `dst` do not prefetch).

@@ -121,8 +121,8 @@ fn by_panels(x: &[f32], hidden: usize, experts: &[ExpertRows<'_>], out: &mut [f3
     TILED_X.set(tiled);
 }
 
-#[cfg(target_arch = "x86_64")]
 /// `x` is in tile order per expert; `act` is written in tile order per expert.
+#[cfg(target_arch = "x86_64")]
 fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], out: &mut [f32]) {
     use super::matmul::weight_panel;
 

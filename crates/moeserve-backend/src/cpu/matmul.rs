@@ -288,6 +288,37 @@ fn panel_product<T: Element>(
     scales: Option<&[f32]>,
     acc: &mut [f32],
 ) {
+    if let Some(scales) = scales
+        && isa == Isa::Avx512
+        && d.m <= SCALED_INT8_MAX_ROWS
+    {
+        // Only int8 panels carry scales (one-byte elements).
+        debug_assert_eq!(std::mem::size_of::<T>(), 1);
+        let groups = d.k.div_ceil(GROUP);
+        let t = super::avx512::ScaledInt8Panel {
+            x: x.data.as_ptr(),
+            w: w.panel(q).as_ptr() as *const i8,
+            k: d.k,
+            group: GROUP,
+            scales: scales[q * groups * PANEL..(q + 1) * groups * PANEL].as_ptr(),
+            acc: acc.as_mut_ptr(),
+        };
+        use super::avx512::int8_panel_scaled as run;
+        // SAFETY: AVX-512 is the caller's ISA; x is one tile of m ≤ 6 rows × k positions (tile
+        // order), the panel k × 32 int8, its scales groups × 32, acc m × 32.
+        unsafe {
+            match d.m {
+                1 => run::<1>(t),
+                2 => run::<2>(t),
+                3 => run::<3>(t),
+                4 => run::<4>(t),
+                5 => run::<5>(t),
+                6 => run::<6>(t),
+                _ => unreachable!("1..={SCALED_INT8_MAX_ROWS} rows"),
+            }
+        }
+        return;
+    }
     let widen = d.m > max_rows_per_tile(isa) && std::mem::size_of::<T>() < 4;
     let panel = w.panel(q);
     // int8: one block per scale group.
@@ -336,6 +367,11 @@ fn panel_product<T: Element>(
         }
     })
 }
+
+/// The most rows [`super::avx512::int8_panel_scaled`] takes (its register budget); decode
+/// batches. One tile: fewer rows than a tile holds.
+const SCALED_INT8_MAX_ROWS: usize = 6;
+const _: () = assert!(SCALED_INT8_MAX_ROWS <= MAX_MR);
 
 /// Panel positions per block: a bf16 block is 8 KiB, widened 16 KiB, beside ≤ 6 KiB of
 /// activations, well inside a 48 KiB L1. 128 beat 256 (whose widened block and activations
