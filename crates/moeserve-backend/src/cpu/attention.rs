@@ -87,7 +87,7 @@ fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(super) mod avx512 {
     use std::arch::x86_64::*;
 
     use super::KvHeadQuery;
@@ -216,7 +216,7 @@ mod avx512 {
     /// `e^x` for `x ≤ 0` to about 1 ulp (Cephes `expf`: `2^n · e^r`, `|r| ≤ ln2/2`, a degree-6
     /// polynomial); below -100 the result underflows to 0.
     #[target_feature(enable = "avx512f")]
-    pub(super) fn exp(x: __m512) -> __m512 {
+    pub(in crate::cpu) fn exp(x: __m512) -> __m512 {
         let x = _mm512_max_ps(x, _mm512_set1_ps(-100.0));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
@@ -239,42 +239,6 @@ mod avx512 {
             _mm512_add_ps(r, _mm512_set1_ps(1.0)),
         );
         _mm512_scalef_ps(y, n)
-    }
-}
-
-/// `gate[i] = silu(gate[i]) · up[i]` 16 lanes at a time, `silu(g) = g · σ(g)` with
-/// `σ(g) = 1 / (1 + e^-|g|)` for `g ≥ 0`, `e^-|g| / (1 + e^-|g|)` below (the vectorised `exp`
-/// takes arguments ≤ 0).
-///
-/// # Safety
-/// AVX-512F is available and `gate.len() == up.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
-    use std::arch::x86_64::*;
-    let n = gate.len();
-    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
-    let one = _mm512_set1_ps(1.0);
-    for c in (0..n).step_by(16) {
-        let m: __mmask16 = if n - c >= 16 {
-            0xffff
-        } else {
-            (1u16 << (n - c)) - 1
-        };
-        // SAFETY: lanes under the mask are inside both slices.
-        unsafe {
-            let x = _mm512_maskz_loadu_ps(m, g.add(c));
-            let e = avx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-            let denom = _mm512_add_ps(one, e);
-            let positive = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
-            let numer = _mm512_mask_blend_ps(positive, e, one);
-            let sigmoid = _mm512_div_ps(numer, denom);
-            let y = _mm512_mul_ps(
-                _mm512_mul_ps(x, sigmoid),
-                _mm512_maskz_loadu_ps(m, u.add(c)),
-            );
-            _mm512_mask_storeu_ps(g.add(c), m, y);
-        }
     }
 }
 
