@@ -150,13 +150,6 @@ impl<'a> TiledRows<'a> {
         let max_mr = max_rows_per_tile(isa);
         // Tiles are consecutive chunks of `out`; each is written in order, reading its rows
         // side by side (a few sequential streams).
-        let mut tiles = Vec::with_capacity(m.div_ceil(max_mr));
-        let mut rest = &mut *out;
-        for (i0, mr) in row_tiles(m, max_mr) {
-            let (tile, tail) = rest.split_at_mut(mr * k);
-            tiles.push((i0, mr, tile));
-            rest = tail;
-        }
         let pack_tile = |(i0, mr, tile): (usize, usize, &mut [f32])| {
             let rows = &x[i0 * k..(i0 + mr) * k];
             for (p, column) in tile.chunks_exact_mut(mr).enumerate() {
@@ -165,10 +158,19 @@ impl<'a> TiledRows<'a> {
                 }
             }
         };
+        let mut rest = &mut *out;
+        let tiles = row_tiles(m, max_mr).map(|(i0, mr)| {
+            let (tile, tail) = std::mem::take(&mut rest).split_at_mut(mr * k);
+            rest = tail;
+            (i0, mr, tile)
+        });
         if m * k < 1 << 16 {
-            tiles.into_iter().for_each(pack_tile);
+            tiles.for_each(pack_tile); // decode: no task list to allocate
         } else {
-            tiles.into_par_iter().for_each(pack_tile);
+            tiles
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .for_each(pack_tile);
         }
         Self::already_tiled(isa, out, m, k)
     }
