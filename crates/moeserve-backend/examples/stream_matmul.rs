@@ -3,6 +3,9 @@
 //! same run.
 //!
 //!   cargo run --release -p moeserve-backend --example stream_matmul -- [M...]
+//!
+//! `STREAM_BYTES=N` sets the total size of the matrices (default 1 GiB); `STREAM_BYTES=1` runs
+//! one matrix over and over (7 MiB, from the caches): the kernel's speed without DRAM.
 
 use std::time::Instant;
 
@@ -18,7 +21,10 @@ fn main() {
         .collect();
     let ms = if ms.is_empty() { vec![1, 8, 32] } else { ms };
     let (n, k) = (3584, 1024);
-    let count = (1usize << 30) / (n * k * 2);
+    let total: usize = std::env::var("STREAM_BYTES")
+        .ok()
+        .map_or(1 << 30, |v| v.parse().unwrap());
+    let count = (total / (n * k * 2)).max(1);
     let weights: Vec<Weight> = (0..count)
         .map(|j| {
             let bytes: Vec<u8> = (0..n * k)

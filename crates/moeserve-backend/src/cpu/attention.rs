@@ -92,11 +92,20 @@ pub(super) mod avx512 {
 
     use super::KvHeadQuery;
 
-    /// As `attend_scalar`, 16 lanes at a time, in three passes per head:
+    /// Query heads whose outputs one pass over the values accumulates (× [`VALUE_VECTORS`]
+    /// vectors = 16 accumulator registers).
+    const VALUE_HEADS: usize = 4;
+    /// 16-lane vectors of each value row one pass over the values covers (64 columns).
+    const VALUE_VECTORS: usize = 4;
+
+    /// As `attend_scalar`, 16 lanes at a time:
     /// - scores, 16 keys at a time: each key's lane products are summed together with the other
     ///   15 keys' by one transposing tree ([`sum_lanes_16`]), not one horizontal sum per key;
-    /// - softmax with a vectorised `exp` ([`exp`]);
-    /// - the output, an FMA chain over the rows in order held in registers.
+    ///   every head of the group runs through a chunk of keys while it is in L1, so each key
+    ///   row comes from memory once;
+    /// - softmax of each head's row with a vectorised `exp` ([`exp`]);
+    /// - the output, an FMA chain over the rows in order held in registers, up to
+    ///   [`VALUE_HEADS`] heads at a time, so each value row is loaded once for all of them.
     ///
     /// Every sum has a fixed order, so a token's result does not depend on the batch.
     ///
@@ -107,10 +116,9 @@ pub(super) mod avx512 {
         let (d, n) = (a.head_dim, a.slots.len());
         let group = a.q.len() / d;
         unsafe {
-            for h in 0..group {
-                let q = a.q.as_ptr().add(h * d);
-                let row = &mut scores[h * n..(h + 1) * n];
-                for (b, keys) in a.slots.chunks(16).enumerate() {
+            for (b, keys) in a.slots.chunks(16).enumerate() {
+                for h in 0..group {
+                    let q = a.q.as_ptr().add(h * d);
                     let mut lanes = [_mm512_setzero_ps(); 16];
                     for (l, slot) in lanes.iter_mut().zip(keys) {
                         let k = a.keys.row(*slot, d).as_ptr();
@@ -125,24 +133,36 @@ pub(super) mod avx512 {
                         *l = acc;
                     }
                     let sums = _mm512_mul_ps(sum_lanes_16(&lanes), _mm512_set1_ps(a.scale));
-                    _mm512_mask_storeu_ps(row.as_mut_ptr().add(16 * b), mask(keys.len()), sums);
+                    let row = scores.as_mut_ptr().add(h * n + 16 * b);
+                    _mm512_mask_storeu_ps(row, mask(keys.len()), sums);
                 }
+            }
+            for row in scores.chunks_exact_mut(n) {
                 softmax(row);
             }
-            for h in 0..group {
-                let p = &scores[h * n..(h + 1) * n];
-                for c0 in (0..d).step_by(128) {
-                    let width = (d - c0).min(128) / 16;
-                    let mut o = [_mm512_setzero_ps(); 8];
-                    for (w, slot) in p.iter().zip(a.slots) {
+            for h0 in (0..group).step_by(VALUE_HEADS) {
+                let heads = (group - h0).min(VALUE_HEADS);
+                for c0 in (0..d).step_by(16 * VALUE_VECTORS) {
+                    let width = ((d - c0) / 16).min(VALUE_VECTORS);
+                    let mut o = [[_mm512_setzero_ps(); VALUE_VECTORS]; VALUE_HEADS];
+                    for (s, slot) in a.slots.iter().enumerate() {
                         let v = a.values.row(*slot, d).as_ptr().add(c0);
-                        let w = _mm512_set1_ps(*w);
-                        for (i, o) in o.iter_mut().enumerate().take(width) {
-                            *o = _mm512_fmadd_ps(w, _mm512_loadu_ps(v.add(16 * i)), *o);
+                        let mut rows = [_mm512_setzero_ps(); VALUE_VECTORS];
+                        for (i, r) in rows.iter_mut().enumerate().take(width) {
+                            *r = _mm512_loadu_ps(v.add(16 * i));
+                        }
+                        for (j, o) in o.iter_mut().enumerate().take(heads) {
+                            let w = _mm512_set1_ps(*scores.get_unchecked((h0 + j) * n + s));
+                            for (o, r) in o.iter_mut().zip(&rows).take(width) {
+                                *o = _mm512_fmadd_ps(w, *r, *o);
+                            }
                         }
                     }
-                    for (i, o) in o.iter().enumerate().take(width) {
-                        _mm512_storeu_ps(out.as_mut_ptr().add(h * d + c0 + 16 * i), *o);
+                    for (j, o) in o.iter().enumerate().take(heads) {
+                        for (i, o) in o.iter().enumerate().take(width) {
+                            let at = (h0 + j) * d + c0 + 16 * i;
+                            _mm512_storeu_ps(out.as_mut_ptr().add(at), *o);
+                        }
                     }
                 }
             }
@@ -368,7 +388,15 @@ mod tests {
 
     #[test]
     fn matches_the_definition_for_simd_and_odd_head_sizes() {
-        for (head_dim, group, kv_heads, kvh) in [(64, 4, 4, 2), (16, 1, 1, 0), (12, 2, 3, 1)] {
+        // Groups past one pass over the values (5, 8 heads), rows past one pass (128, 80
+        // columns), odd sizes for the portable path.
+        for (head_dim, group, kv_heads, kvh) in [
+            (64, 4, 4, 2),
+            (16, 1, 1, 0),
+            (128, 8, 2, 1),
+            (80, 5, 1, 0),
+            (12, 2, 3, 1),
+        ] {
             let stride = kv_heads * head_dim;
             let num_slots = 40;
             let k = pseudo_random(num_slots * stride, 1);
