@@ -9,6 +9,8 @@
 #       builds, strips and puts under target/gpu-check/bin/:
 #         cuda_nvrtc          every kernel of cuda/ through the local NVRTC (sm_80, sm_90)
 #         cuda_kernels        kernel parity against the scalar CPU reference, f32/f16/bf16
+#         cuda_forward        the Mixtral forward on the GPU against the transformers fixtures
+#                             (f32 and bf16) and batched vs alone
 #         cuda_mixtral_bench  synthetic Mixtral-8x7B (random bf16 weights made on the device)
 #         moeserve            the `--features cuda` binary (device probe on a real GPU)
 #   Copy the repository's working tree with target/gpu-check/ to the GPU machine, then there:
@@ -41,14 +43,17 @@ for line in sys.stdin:
         artifacts build --bin moeserve
         artifacts build -p moeserve-backend --example cuda_mixtral_bench
         artifacts test -p moeserve-backend --no-run
+        artifacts test -p moeserve-model --test cuda_forward --no-run
     } | while read -r name path; do
         case $name in
-            moeserve | cuda_mixtral_bench | cuda_nvrtc | cuda_kernels) cp "$path" "$NEW/$name" ;;
+            moeserve | cuda_mixtral_bench | cuda_nvrtc | cuda_kernels | cuda_forward)
+                cp "$path" "$NEW/$name"
+                ;;
         esac
     done
     # Another build in this tree may re-link target/release/moeserve without the feature between
     # our build and the copy: check that the copy has CUDA in it.
-    for b in moeserve cuda_mixtral_bench cuda_nvrtc cuda_kernels; do
+    for b in moeserve cuda_mixtral_bench cuda_nvrtc cuda_kernels cuda_forward; do
         [[ -x "$NEW/$b" ]] || { echo "error: $b was not built" >&2; exit 1; }
     done
     if "$NEW/moeserve" generate --model /nonexistent --prompt-ids 1 --device cuda 2>&1 \
@@ -102,7 +107,7 @@ check() {
     fi
 }
 
-for b in cuda_nvrtc cuda_kernels cuda_mixtral_bench moeserve; do
+for b in cuda_nvrtc cuda_kernels cuda_forward cuda_mixtral_bench moeserve; do
     if [[ ! -x "$BIN/$b" ]]; then
         echo "error: $BIN/$b is missing: run bench/gpu_check.sh --build on the CPU machine" >&2
         exit 2
@@ -116,6 +121,8 @@ fi
 export LD_LIBRARY_PATH="$(dirname "$nvrtc_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export MOESERVE_CUDA_INCLUDE="$CUDA_HOME/include"
 export MOESERVE_REQUIRE_NVRTC=1 MOESERVE_REQUIRE_GPU=1
+# The test binaries were built elsewhere: point them at this checkout's fixtures.
+export MOESERVE_FIXTURES="$PWD/tests/fixtures"
 
 {
     echo "## CUDA backend on $(nvidia-smi --query-gpu=name,driver_version,memory.total \
@@ -131,19 +138,26 @@ cat "$RESULTS"
 check "NVRTC 13.0 compiles every kernel (sm_80, sm_90)" 60 "$BIN/cuda_nvrtc"
 # 2. Every kernel against the scalar CPU reference on this GPU (fails, not skips, without one).
 check "kernel parity vs the CPU reference (f32, f16, bf16)" 120 "$BIN/cuda_kernels" --test-threads 1
-# 3. The device probe on a real GPU: `--device cuda` names the device; serving on CUDA is refused
-#    until the CUDA Mixtral forward lands, so the parity fixtures and the batch-invariance test
-#    cannot run on the GPU yet (they run on the CPU in CI).
-probe=$("$BIN/moeserve" generate --model /nonexistent --prompt-ids 1 --device cuda 2>&1)
-echo "$probe" >> "$LOG"
-if grep -q "CUDA device cuda:0" <<< "$probe"; then
-    say "- PASS device probe: $(grep -o 'cuda:0 [^)]*)' <<< "$probe" | head -1)"
-else
-    say "- FAIL device probe: $probe"
-    failures=$((failures + 1))
-fi
-say "- NOT RUN parity fixtures and batch invariance on the GPU: \`--device cuda\` has no Mixtral forward yet"
-# 4. Timings: the 2-layer Mixtral-8x7B shape, then the full 32 layers (~93 GB).
+# 3. The Mixtral forward on the GPU: transformers fixtures in f32 (layer outputs, greedy tokens,
+#    logprobs) and bf16 (teacher-forced logprobs), batched steps vs each sequence alone.
+check "Mixtral forward on the GPU vs transformers fixtures; batched vs alone" 150 \
+    "$BIN/cuda_forward" --test-threads 1 --nocapture
+# 4. The engine end to end on the GPU: `--device cuda` picks it, generates, and gives the
+#    fixture's greedy tokens (mixtral-gqa, first reference prompt).
+gen_check() {
+    local dir=tests/fixtures/mixtral-gqa want ids got
+    ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$dir/reference.json'))['prompts'][0]['prompt_ids'])))")
+    want=$(python3 -c "import json; print(json.load(open('$dir/reference.json'))['prompts'][0]['greedy_ids'][:8])")
+    got=$("$BIN/moeserve" generate --model "$dir" --prompt-ids "$ids" --max-tokens 8 --ignore-eos \
+        --json --device cuda | python3 -c "import json, sys; print(json.load(sys.stdin)['token_ids'])")
+    echo "engine on the GPU: $got, transformers: $want"
+    [[ "$got" == "$want" ]]
+}
+export -f gen_check
+export BIN
+check "engine on the GPU (moeserve generate --device cuda) gives the fixture's greedy tokens" 60 \
+    bash -c gen_check
+# 5. Timings: the 2-layer Mixtral-8x7B shape, then the full 32 layers (~93 GB).
 for layers in 2 "$LAYERS"; do
     budget=$((450 - (SECONDS - START)))
     if ((budget < 60)); then

@@ -2,8 +2,9 @@
 # The CUDA backend's checks on a machine without a GPU (CI): fetches NVRTC 13.0 from PyPI
 # (scripts/fetch-nvrtc.sh), builds `moeserve` with `--features cuda`, compiles every kernel of
 # cuda/ for sm_80 and sm_90 (a kernel that does not compile fails here), and runs `--device`
-# selection against the CUDA-enabled binary. The kernel parity tests (tests/cuda_kernels) compile
-# and, with no GPU, return early; bench/gpu_check.sh runs them on a GPU.
+# selection against the CUDA-enabled binary. The kernel parity tests (tests/cuda_kernels) and the
+# GPU forward's fixture tests (moeserve-model's tests/cuda_forward.rs) compile and, with no GPU,
+# return early; bench/gpu_check.sh runs them on a GPU.
 #
 # Builds share target/release with the CPU build: the feature-on crates get their own hashes
 # there, so the two coexist; the plain binary is re-linked at the end so target/release/moeserve
@@ -18,6 +19,9 @@ echo "== cuda: build (--features cuda)"
 cargo build --release --bin moeserve --features cuda
 echo "== cuda: kernels through NVRTC 13.0, kernel tests (compiled; run on a GPU only)"
 cargo test --release -p moeserve-backend --features cuda "$@"
+echo "== cuda: the Mixtral forward on CUDA (host-side unit tests; fixture tests run on a GPU only)"
+cargo test --release -p moeserve-model --features cuda --lib mixtral_cuda "$@"
+cargo test --release -p moeserve-model --features cuda --test cuda_forward "$@"
 echo "== cuda: --device selection with the CUDA-enabled binary"
 cargo test --release -p moeserve-server --features cuda --test device_selection "$@"
 cargo build --release --bin moeserve

@@ -11,10 +11,6 @@ pub enum CudaError {
          `cargo build --release --bin moeserve --features cuda`"
     )]
     NotCompiled,
-    #[error(
-        "CUDA device {device} is available, but serving a model on CUDA is not implemented yet; use --device cpu"
-    )]
-    ServingNotImplemented { device: String },
 }
 
 /// A CUDA device with its compiled kernels; never constructed without the feature.

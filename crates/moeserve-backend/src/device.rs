@@ -74,8 +74,9 @@ impl fmt::Display for CudaDeviceInfo {
 }
 
 /// The device the model runs on.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Device {
+    #[default]
     Cpu,
     Cuda(CudaDeviceInfo),
 }
@@ -97,26 +98,21 @@ pub fn select_device(request: DeviceRequest) -> Result<DeviceSelection, CudaErro
         }),
         DeviceRequest::Cuda => {
             let info = cuda::probe()?;
-            // FIXME: the kernels, cuBLAS GEMMs and their tests exist (crates/moeserve-backend/
-            // src/cuda/), the Mixtral forward on them does not yet; until it does, CUDA serving
-            // is refused rather than silently run on the CPU.
-            Err(CudaError::ServingNotImplemented {
-                device: info.to_string(),
-            })
-        }
-        DeviceRequest::Auto => {
-            let reason = match cuda::probe() {
-                Ok(info) => format!(
-                    "cpu (--device auto: found {info}, but the Mixtral forward on CUDA is not \
-                     implemented yet)"
-                ),
-                Err(e) => format!("cpu (--device auto: CUDA unavailable: {e})"),
-            };
             Ok(DeviceSelection {
-                device: Device::Cpu,
-                reason,
+                reason: format!("{info} (--device cuda)"),
+                device: Device::Cuda(info),
             })
         }
+        DeviceRequest::Auto => match cuda::probe() {
+            Ok(info) => Ok(DeviceSelection {
+                reason: format!("{info} (--device auto)"),
+                device: Device::Cuda(info),
+            }),
+            Err(e) => Ok(DeviceSelection {
+                device: Device::Cpu,
+                reason: format!("cpu (--device auto: CUDA unavailable: {e})"),
+            }),
+        },
     }
 }
 

@@ -8,10 +8,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use moeserve_backend::device::Device;
 use moeserve_core::{CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::kv_cache::PagedKvCache;
-use moeserve_model::models::ForwardOptions;
+use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
+use moeserve_model::models::{CudaMixtral, ForwardOptions, MixtralModel};
 use moeserve_model::moe::MoeStepRecord;
 
 use crate::assets::ModelAssets;
@@ -30,6 +31,47 @@ pub struct EngineConfig {
     pub cache: CacheConfig,
     pub scheduler: SchedulerConfig,
     pub moe: MoeConfig,
+    /// Where the forward runs (`--device`, resolved at start-up).
+    pub device: Device,
+}
+
+/// The forward pass and the KV storage it reads and writes.
+enum Executor {
+    /// The CPU forward of the loaded model; keys and values in host memory.
+    Cpu(PagedKvCache),
+    /// The model's weights and KV cache on a CUDA device.
+    Cuda(Box<CudaMixtral>),
+}
+
+impl Executor {
+    fn new(
+        model: &MixtralModel,
+        device: &Device,
+        layout: KvCacheLayout,
+        moe: &MoeConfig,
+    ) -> Result<Self> {
+        match device {
+            Device::Cpu => Ok(Executor::Cpu(PagedKvCache::new(layout))),
+            Device::Cuda(info) => {
+                // Refused here rather than at the first step: the CUDA forward has neither yet.
+                let unsupported = if moe.capacity_factor.is_some() {
+                    Some("capacity_factor")
+                } else if moe.expert_parallel_size > 1 {
+                    Some("expert_parallel_size")
+                } else {
+                    None
+                };
+                if let Some(field) = unsupported {
+                    return Err(EngineError::InvalidRequest {
+                        field,
+                        message: format!("not supported on CUDA yet ({info}); use --device cpu"),
+                    });
+                }
+                let gpu = CudaMixtral::new(model, layout, info.ordinal)?;
+                Ok(Executor::Cuda(Box::new(gpu)))
+            }
+        }
+    }
 }
 
 /// What happened to one request in a step.
@@ -84,7 +126,7 @@ impl RequestClock {
 /// Model, KV storage, scheduler and per-request state.
 pub struct EngineCore {
     assets: Arc<ModelAssets>,
-    kv_storage: PagedKvCache,
+    executor: Executor,
     scheduler: Scheduler,
     states: HashMap<RequestId, RequestState>,
     next_id: u64,
@@ -129,7 +171,12 @@ impl EngineCore {
             ..EngineStats::default()
         };
         Ok(EngineCore {
-            kv_storage: PagedKvCache::new(model.kv_layout(num_blocks, block_size)),
+            executor: Executor::new(
+                model,
+                &config.device,
+                model.kv_layout(num_blocks, block_size),
+                &config.moe,
+            )?,
             scheduler: Scheduler::new(limits, kv),
             assets,
             states: HashMap::new(),
@@ -281,10 +328,10 @@ impl EngineCore {
             moe: self.moe.options(record),
             ..Default::default()
         };
-        Ok(self
-            .assets
-            .model
-            .forward(&batch, &mut self.kv_storage, opts)?)
+        Ok(match &mut self.executor {
+            Executor::Cpu(kv) => self.assets.model.forward(&batch, kv, opts)?,
+            Executor::Cuda(gpu) => gpu.forward(&batch, opts)?,
+        })
     }
 
     /// Samples every sequence of the step that needs a token, in parallel (each sequence has

@@ -10,8 +10,13 @@ use moeserve_model::kv_cache::PagedKvCache;
 use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
 use serde::Deserialize;
 
+/// `tests/fixtures` of this checkout, or `$MOESERVE_FIXTURES` (test binaries copied to another
+/// machine, e.g. by bench/gpu_check.sh, where the build's path does not exist).
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+    match std::env::var_os("MOESERVE_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"),
+    }
 }
 
 #[derive(Debug, Deserialize)]

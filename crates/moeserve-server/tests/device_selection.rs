@@ -1,7 +1,8 @@
 //! `--device auto|cpu|cuda` through the real `moeserve` binary (built with or without the `cuda`
-//! feature, whichever this test is built with): `auto` runs on the CPU and says why, `cuda`
-//! fails before loading anything with the backend's reason, on a machine without a usable CUDA
-//! setup (this one: no driver). The expected reason comes from the same probe the binary runs.
+//! feature, whichever this test is built with): on a machine without a usable CUDA setup (CI: no
+//! driver) `auto` runs on the CPU and says why, and `cuda` fails before loading anything with
+//! the backend's reason; the expected reason comes from the same probe the binary runs. Where
+//! CUDA works (the GPU check), `auto` must pick it and generate there.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -28,11 +29,11 @@ fn tiny_model(dir: &Path) -> String {
     model
 }
 
-/// Why the CUDA backend cannot serve here, as the binary will say it.
-fn cuda_refusal() -> String {
+/// Why the CUDA backend cannot serve here, as the binary will say it; `None` where it can.
+fn cuda_refusal() -> Option<String> {
     select_device(DeviceRequest::Cuda)
-        .expect_err("CUDA serving is refused (no driver here, or the CUDA forward is missing)")
-        .to_string()
+        .err()
+        .map(|e| e.to_string())
 }
 
 #[test]
@@ -58,14 +59,16 @@ fn auto_runs_on_the_cpu_and_logs_why() {
         .lines()
         .find(|l| l.starts_with("moeserve: device: "))
         .unwrap_or_else(|| panic!("no device line in:\n{err}"));
-    assert!(
-        line.starts_with("moeserve: device: cpu (--device auto: "),
-        "{line}"
-    );
-    assert!(
-        line.contains(&cuda_refusal()) || line.contains("not implemented yet"),
-        "{line}"
-    );
+    match cuda_refusal() {
+        Some(refusal) => {
+            assert!(
+                line.starts_with("moeserve: device: cpu (--device auto: "),
+                "{line}"
+            );
+            assert!(line.contains(&refusal), "{line}");
+        }
+        None => assert!(line.starts_with("moeserve: device: cuda:"), "{line}"),
+    }
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["token_ids"].as_array().unwrap().len(), 2, "{json}");
     if !cfg!(feature = "cuda") {
@@ -75,6 +78,10 @@ fn auto_runs_on_the_cpu_and_logs_why() {
 
 #[test]
 fn cuda_fails_with_the_reason_before_loading_the_model() {
+    let Some(refusal) = cuda_refusal() else {
+        eprintln!("CUDA is usable on this machine: nothing to refuse");
+        return;
+    };
     // The model directory does not exist: the device is checked first, so the error is about it.
     for sub in ["generate", "serve"] {
         let out = moeserve(
@@ -94,7 +101,7 @@ fn cuda_fails_with_the_reason_before_loading_the_model() {
         let err = stderr(&out);
         assert!(!out.status.success(), "{sub}: {err}");
         assert!(err.contains("error: --device cuda: "), "{sub}: {err}");
-        assert!(err.contains(&cuda_refusal()), "{sub}: {err}");
+        assert!(err.contains(&refusal), "{sub}: {err}");
         assert!(
             !err.contains("/nonexistent/model"),
             "{sub} looked at the model first: {err}"
@@ -103,16 +110,14 @@ fn cuda_fails_with_the_reason_before_loading_the_model() {
     }
     if cfg!(feature = "cuda") {
         // Built with CUDA on a machine without a driver (the CI machine): the message says so.
-        let refusal = cuda_refusal();
         assert!(
             refusal.contains("no NVIDIA driver")
                 || refusal.contains("could not be loaded")
-                || refusal.contains("no CUDA device")
-                || refusal.contains("not implemented yet"),
+                || refusal.contains("no CUDA device"),
             "{refusal}"
         );
     } else {
-        assert!(cuda_refusal().contains("--features cuda"));
+        assert!(refusal.contains("--features cuda"));
     }
 }
 

@@ -27,11 +27,6 @@ pub enum CudaError {
     },
     #[error("the NVIDIA driver reports no CUDA device ({0})")]
     NoDevice(String),
-    #[error(
-        "CUDA device {device} is available, but serving a model on CUDA is not implemented yet; \
-         use --device cpu"
-    )]
-    ServingNotImplemented { device: String },
     #[error("CUDA driver: {0}")]
     Driver(#[from] DriverError),
     #[error("NCCL: {0}")]

@@ -85,6 +85,33 @@ fn device_info(ctx: &Arc<CudaContext>) -> Result<CudaDeviceInfo, CudaError> {
     })
 }
 
+/// `file` compiled for `arch`, once per process: a second backend on the same device (tests open
+/// one per model) loads the same PTX instead of running NVRTC again.
+fn compiled_ptx(
+    file: KernelFile,
+    arch: &str,
+    include_dir: &std::path::Path,
+) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    static CACHE: Mutex<Option<HashMap<(KernelFile, String), cudarc::nvrtc::Ptx>>> =
+        Mutex::new(None);
+    let key = (file, arch.to_string());
+    if let Some(ptx) = CACHE
+        .lock()
+        .expect("no compile panics")
+        .get_or_insert_default()
+        .get(&key)
+    {
+        return Ok(ptx.clone());
+    }
+    let ptx = nvrtc::compile(file, arch, include_dir)?;
+    CACHE
+        .lock()
+        .expect("no compile panics")
+        .get_or_insert_default()
+        .insert(key, ptx.clone());
+    Ok(ptx)
+}
+
 /// One CUDA device: its context, one stream, a cuBLAS handle on that stream, and the kernel
 /// modules compiled so far.
 pub struct CudaBackend {
@@ -137,7 +164,7 @@ impl CudaBackend {
             match modules.get(&file) {
                 Some(m) => m.clone(),
                 None => {
-                    let ptx = nvrtc::compile(file, &self.arch, &self.include_dir)?;
+                    let ptx = compiled_ptx(file, &self.arch, &self.include_dir)?;
                     let m = self.stream.context().load_module(ptx)?;
                     modules.insert(file, m.clone());
                     m

@@ -15,21 +15,21 @@ use crate::moe::experts::check_router_bias;
 use crate::moe::{MoeLayerStep, MoeOptions, SparseMoe};
 use crate::{ModelError, Result};
 
-struct DecoderLayer {
-    input_layernorm: Weight,
-    self_attn: Attention,
-    post_attention_layernorm: Weight,
-    block_sparse_moe: SparseMoe,
+pub(crate) struct DecoderLayer {
+    pub(crate) input_layernorm: Weight,
+    pub(crate) self_attn: Attention,
+    pub(crate) post_attention_layernorm: Weight,
+    pub(crate) block_sparse_moe: SparseMoe,
 }
 
 /// A loaded Mixtral model; immutable, shared by all steps.
 pub struct MixtralModel {
     config: MixtralConfig,
-    embed_tokens: Weight,
-    layers: Vec<DecoderLayer>,
-    norm: Weight,
+    pub(crate) embed_tokens: Weight,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) norm: Weight,
     /// `embed_tokens` again when the embeddings are tied.
-    lm_head: Weight,
+    pub(crate) lm_head: Weight,
 }
 
 /// Which positions get logits.

@@ -88,13 +88,13 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
     if args.batch == 0 || args.prompt_len == 0 || args.output_len < 2 {
         bail!("--batch and --prompt-len must be at least 1 and --output-len at least 2");
     }
-    super::device::select(args.engine.device)?;
+    let device = super::device::select(args.engine.device)?;
     let threads = args.engine.init_kernels()?;
     let assets = Arc::new(
         ModelAssets::load(&args.model)
             .with_context(|| format!("loading {}", args.model.display()))?,
     );
-    let mut config = args.engine.to_config();
+    let mut config = args.engine.to_config(device);
     config.scheduler.max_num_seqs = config.scheduler.max_num_seqs.max(args.batch);
     let mut core = EngineCore::new(assets.clone(), &config)?;
     let model = &assets.model;

@@ -2,11 +2,12 @@
 //! the outcome (with `auto`, why the CPU was chosen).
 
 use anyhow::Context;
-use moeserve_backend::device::{DeviceRequest, select_device};
+use moeserve_backend::device::{Device, DeviceRequest, select_device};
 
-/// Fails with the backend's message when `--device cuda` cannot be honoured.
-pub fn select(request: DeviceRequest) -> anyhow::Result<()> {
+/// The device the engine runs on; fails with the backend's message when `--device cuda` cannot
+/// be honoured.
+pub fn select(request: DeviceRequest) -> anyhow::Result<Device> {
     let selection = select_device(request).with_context(|| format!("--device {request}"))?;
     eprintln!("moeserve: device: {}", selection.reason);
-    Ok(())
+    Ok(selection.device)
 }

@@ -1,7 +1,7 @@
 //! Engine flags shared by `generate` and `serve`, named as vLLM's engine arguments.
 
 use clap::Args;
-use moeserve_backend::device::DeviceRequest;
+use moeserve_backend::device::{Device, DeviceRequest};
 use moeserve_core::{CacheConfig, SchedulerConfig};
 use moeserve_engine::engine_core::EngineConfig;
 
@@ -57,7 +57,8 @@ impl EngineArgs {
         moeserve_backend::cpu::init_threads(self.threads).map_err(anyhow::Error::msg)
     }
 
-    pub fn to_config(&self) -> EngineConfig {
+    /// The engine settings of these flags, running on `device` (from [`super::device::select`]).
+    pub fn to_config(&self, device: Device) -> EngineConfig {
         EngineConfig {
             cache: CacheConfig {
                 block_size: self.block_size,
@@ -71,6 +72,7 @@ impl EngineArgs {
                 max_model_len: self.max_model_len,
             },
             moe: self.moe.to_config(),
+            device,
         }
     }
 }

@@ -95,7 +95,7 @@ struct JsonOutput<'a> {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    super::device::select(args.engine.device)?;
+    let device = super::device::select(args.engine.device)?;
     args.engine.init_kernels()?;
     let start = Instant::now();
     let assets = ModelAssets::load(&args.model)
@@ -109,7 +109,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         moeserve_backend::cpu::weight_quantization()
     );
     let requests = requests(&args)?;
-    let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config())?;
+    let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config(device))?;
     let stats = engine.core().stats();
     eprintln!(
         "KV cache: {} blocks of {} tokens ({:.2} GB), max concurrency at {} tokens: {:.1}",

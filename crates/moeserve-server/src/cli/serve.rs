@@ -206,6 +206,8 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
         moe: e.moe.apply(file.moe.clone().unwrap_or_default(), |id| {
             file.moe.is_none() || x.given(id)
         }),
+        // Set by `run` from `--device` (resolved before anything else).
+        device: Default::default(),
     };
     engine.cache.validate().context("invalid cache settings")?;
     engine
@@ -251,9 +253,10 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
 }
 
 pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
-    super::device::select(args.engine.device)?;
+    let device = super::device::select(args.engine.device)?;
     args.engine.init_kernels()?;
-    let config = resolve(args, matches)?;
+    let mut config = resolve(args, matches)?;
+    config.engine.device = device;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("moeserve-http")

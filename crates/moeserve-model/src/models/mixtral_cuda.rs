@@ -1,0 +1,663 @@
+//! [`MixtralModel`]'s forward on one CUDA device (feature `cuda`): the layer order of
+//! `mixtral.rs` on the kernels of `cuda/` and cuBLAS (`moeserve_backend::cuda`):
+//! embedding → per layer (RMSNorm + residual → q/k/v GEMMs → RoPE → KV write → paged attention
+//! → o GEMM → RMSNorm + residual → router GEMM → top-k → permute → grouped `w1 | w3` GEMM →
+//! SwiGLU → grouped `w2` GEMM → unpermute) → final norm → lm_head.
+//!
+//! Weights are uploaded once from the loaded host model, in the checkpoint's dtype (f32, f16 or
+//! bf16). Activations between kernels are in that dtype; the residual stream and every
+//! reduction are f32. So an f32 checkpoint follows the CPU forward to f32 rounding and a bf16 one
+//! to bf16 tolerance; the GPU parity test (`tests/cuda_forward.rs`) checks both against the
+//! transformers fixtures. The KV cache lives on the device, `[num_slots, kv_dim]` per layer in
+//! the weights' dtype, addressed by the slots of the engine's block tables, as on the CPU.
+//!
+//! Not yet on CUDA (refused with a clear error, never run on the CPU instead): a capacity factor
+//! (the router kernel drops in arrival order, not the CPU's token order) and expert parallelism
+//! (the NCCL all-to-all exists in the backend but is not connected to the model).
+
+use half::{bf16, f16};
+use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
+use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, RmsNormArgs};
+use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
+use moeserve_backend::device::CudaDeviceInfo;
+use moeserve_backend::{BackendError, Weight, WeightData, cpu};
+use moeserve_core::DType;
+use rayon::prelude::*;
+
+use super::mixtral::{ForwardOptions, LogitsFor, MixtralModel};
+use crate::batch::{BatchLimits, ForwardBatch};
+use crate::config::MixtralConfig;
+use crate::kv_cache::{KvCacheLayout, slot_of};
+use crate::moe::record::LayerRouting;
+use crate::moe::{Capacity, RoutingCounts};
+use crate::{ModelError, Result};
+
+/// A Mixtral model and its KV cache on one CUDA device.
+pub struct CudaMixtral {
+    info: CudaDeviceInfo,
+    dtype: DType,
+    model: Typed,
+}
+
+/// The device model in the checkpoint's element type.
+enum Typed {
+    F32(DeviceModel<f32>),
+    F16(DeviceModel<f16>),
+    BF16(DeviceModel<bf16>),
+}
+
+impl CudaMixtral {
+    /// Opens device `ordinal`, compiles the kernels, uploads `model`'s weights and allocates a
+    /// KV cache of `layout` on it.
+    pub fn new(model: &MixtralModel, layout: KvCacheLayout, ordinal: usize) -> Result<Self> {
+        Self::with_dtype(model, layout, ordinal, model.embed_tokens.dtype())
+    }
+
+    /// As [`CudaMixtral::new`], with weights, activations and KV cache in `dtype` whatever the
+    /// checkpoint's (the GPU test runs the f32 fixtures in bf16 this way).
+    pub fn with_dtype(
+        model: &MixtralModel,
+        layout: KvCacheLayout,
+        ordinal: usize,
+        dtype: DType,
+    ) -> Result<Self> {
+        let gpu = CudaBackend::new(ordinal).map_err(backend)?;
+        gpu.load_all_kernels().map_err(backend)?;
+        let info = gpu.info().clone();
+        let model = match dtype {
+            DType::F32 => Typed::F32(DeviceModel::new(gpu, model, layout)?),
+            DType::F16 => Typed::F16(DeviceModel::new(gpu, model, layout)?),
+            DType::BF16 => Typed::BF16(DeviceModel::new(gpu, model, layout)?),
+        };
+        Ok(CudaMixtral { info, dtype, model })
+    }
+
+    pub fn device(&self) -> &CudaDeviceInfo {
+        &self.info
+    }
+
+    /// The element type of weights, activations and the KV cache on the device.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// As [`MixtralModel::forward`], with the KV cache on the device: writes the step tokens'
+    /// keys and values and returns f32 logits (`[num_sequences or num_tokens, vocab]`).
+    pub fn forward(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        opts: ForwardOptions<'_>,
+    ) -> Result<Vec<f32>> {
+        match &mut self.model {
+            Typed::F32(m) => m.forward(batch, opts),
+            Typed::F16(m) => m.forward(batch, opts),
+            Typed::BF16(m) => m.forward(batch, opts),
+        }
+    }
+}
+
+fn backend(e: CudaError) -> ModelError {
+    ModelError::Backend(BackendError::Cuda(e))
+}
+
+struct DeviceLayer<T> {
+    input_norm: CudaSlice<T>,
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    o: CudaSlice<T>,
+    post_norm: CudaSlice<T>,
+    gate: CudaSlice<T>,
+    router_bias: Option<CudaSlice<f32>>,
+    /// Per expert `[w1; w3]`: `[2 · intermediate, hidden]` (gate rows, then up rows).
+    w13: Vec<CudaSlice<T>>,
+    /// Per expert `[hidden, intermediate]`.
+    w2: Vec<CudaSlice<T>>,
+    k_cache: CudaSlice<T>,
+    v_cache: CudaSlice<T>,
+}
+
+struct DeviceModel<T> {
+    gpu: CudaBackend,
+    config: MixtralConfig,
+    layout: KvCacheLayout,
+    embed: CudaSlice<T>,
+    layers: Vec<DeviceLayer<T>>,
+    norm: CudaSlice<T>,
+    lm_head: CudaSlice<T>,
+    inv_freq: CudaSlice<f32>,
+}
+
+/// A host weight's values as `T` (exact when the dtypes agree; converted once otherwise).
+fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
+    match w.data() {
+        WeightData::F32(v) => v.par_iter().map(|x| T::from_f32(*x)).collect(),
+        WeightData::F16(v) => v.par_iter().map(|x| T::from_f32(x.to_f32())).collect(),
+        WeightData::BF16(v) => v.par_iter().map(|x| T::from_f32(x.to_f32())).collect(),
+    }
+}
+
+/// The host-side layout of one step: what the kernels index by.
+struct StepInputs {
+    ids: Vec<u32>,
+    positions: Vec<i32>,
+    /// Per token: its sequence (row of the block tables).
+    token_seq: Vec<i32>,
+    slots: Vec<i64>,
+    /// `[num_sequences, max_blocks]`, padded with 0 (never read past a sequence's length).
+    block_tables: Vec<i32>,
+    max_blocks: usize,
+    /// The tokens that get logits.
+    logit_rows: Vec<i32>,
+}
+
+fn step_inputs(
+    batch: &ForwardBatch<'_>,
+    limits: &BatchLimits,
+    logits: LogitsFor,
+) -> Result<StepInputs> {
+    let places = batch.places(limits)?;
+    let seqs = batch.sequences;
+    let max_blocks = seqs
+        .iter()
+        .map(|s| s.block_table.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut block_tables = vec![0i32; seqs.len() * max_blocks];
+    for (row, s) in block_tables.chunks_exact_mut(max_blocks).zip(seqs) {
+        for (dst, b) in row.iter_mut().zip(s.block_table) {
+            *dst = *b as i32;
+        }
+    }
+    let slot = |p: &crate::batch::TokenPlace| {
+        slot_of(seqs[p.sequence].block_table, limits.block_size, p.position) as i64
+    };
+    let logit_rows = match logits {
+        LogitsFor::AllTokens => (0..places.len() as i32).collect(),
+        LogitsFor::LastTokens => seqs
+            .iter()
+            .map(|s| (s.query_start + s.query_len - 1) as i32)
+            .collect(),
+    };
+    Ok(StepInputs {
+        ids: batch.token_ids.to_vec(),
+        positions: places.iter().map(|p| p.position as i32).collect(),
+        token_seq: places.iter().map(|p| p.sequence as i32).collect(),
+        slots: places.iter().map(slot).collect(),
+        block_tables,
+        max_blocks,
+        logit_rows,
+    })
+}
+
+impl<T: CudaElement> DeviceModel<T> {
+    fn new(gpu: CudaBackend, host: &MixtralModel, layout: KvCacheLayout) -> Result<Self> {
+        let c = host.config().clone();
+        let up = |w: &Weight| gpu.upload(&host_values::<T>(w)).map_err(backend);
+        let slots = layout.num_slots() * layout.kv_dim;
+        let layers = host
+            .layers
+            .iter()
+            .map(|l| {
+                let moe = &l.block_sparse_moe;
+                let [q, k, v, o] = l.self_attn.weights();
+                let w13 = moe
+                    .experts
+                    .iter()
+                    .map(|e| {
+                        let mut both = host_values::<T>(&e.w1);
+                        both.extend(host_values::<T>(&e.w3));
+                        gpu.upload(&both).map_err(backend)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(DeviceLayer {
+                    input_norm: up(&l.input_layernorm)?,
+                    q: up(q)?,
+                    k: up(k)?,
+                    v: up(v)?,
+                    o: up(o)?,
+                    post_norm: up(&l.post_attention_layernorm)?,
+                    gate: up(&moe.gate)?,
+                    router_bias: match &moe.router_bias {
+                        Some(b) => Some(gpu.upload(b).map_err(backend)?),
+                        None => None,
+                    },
+                    w13,
+                    w2: moe
+                        .experts
+                        .iter()
+                        .map(|e| up(&e.w2))
+                        .collect::<Result<Vec<_>>>()?,
+                    k_cache: gpu.zeros(slots).map_err(backend)?,
+                    v_cache: gpu.zeros(slots).map_err(backend)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DeviceModel {
+            embed: up(&host.embed_tokens)?,
+            layers,
+            norm: up(&host.norm)?,
+            lm_head: up(&host.lm_head)?,
+            inv_freq: gpu
+                .upload(&cpu::rope_inv_freq(c.head_dim, c.rope_theta))
+                .map_err(backend)?,
+            config: c,
+            layout,
+            gpu,
+        })
+    }
+
+    fn check_options(&self, opts: &ForwardOptions<'_>) -> Result<()> {
+        let refuse = |what: &str| {
+            Err(ModelError::InvalidInput {
+                message: format!("{what} is not implemented on CUDA yet; use --device cpu"),
+            })
+        };
+        if opts.moe.experts.is_some() {
+            return refuse("expert parallelism (--expert-parallel-size > 1)");
+        }
+        if opts.moe.capacity != Capacity::Dropless {
+            return refuse("a capacity factor (--capacity-factor)");
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch<'_>, opts: ForwardOptions<'_>) -> Result<Vec<f32>> {
+        self.check_options(&opts)?;
+        let c = &self.config;
+        let x = step_inputs(
+            batch,
+            &BatchLimits {
+                vocab_size: c.vocab_size,
+                max_position_embeddings: c.max_position_embeddings,
+                block_size: self.layout.block_size,
+                num_blocks: self.layout.num_blocks,
+            },
+            opts.logits,
+        )?;
+        let mut trace = opts.trace;
+        let mut record = opts.moe.record;
+        let wants = Readback {
+            trace: trace.is_some(),
+            routing: record.is_some(),
+        };
+        self.run(&x, wants, &mut |event| match event {
+            Observed::LayerOutput(v) => {
+                if let Some(t) = trace.as_deref_mut() {
+                    t.layer_outputs.push(v);
+                }
+            }
+            Observed::RouterLogits(v) => {
+                if let Some(t) = trace.as_deref_mut() {
+                    t.router_logits.push(v);
+                }
+            }
+            Observed::Routing(r) => {
+                if let Some(rec) = record.as_deref_mut() {
+                    rec.layers.push(r);
+                }
+            }
+        })
+        .map_err(backend)
+    }
+
+    /// The step on the device; `observe` receives the values a trace or routing record holds.
+    fn run(
+        &mut self,
+        x: &StepInputs,
+        wants: Readback,
+        observe: &mut dyn FnMut(Observed),
+    ) -> std::result::Result<Vec<f32>, CudaError> {
+        let gpu = &self.gpu;
+        let c = &self.config;
+        let (t, h) = (x.ids.len(), c.hidden_size);
+        let (qd, kvd, e, k) = (
+            c.q_dim(),
+            c.kv_dim(),
+            c.num_local_experts,
+            c.num_experts_per_tok,
+        );
+        let (inter, pairs, eps) = (c.intermediate_size, t * k, c.rms_norm_eps);
+        let ids = gpu.upload(&x.ids)?;
+        let positions = gpu.upload(&x.positions)?;
+        let token_seq = gpu.upload(&x.token_seq)?;
+        let slots = gpu.upload(&x.slots)?;
+        let tables = gpu.upload(&x.block_tables)?;
+        let logit_rows = gpu.upload(&x.logit_rows)?;
+        let mut residual = gpu.zeros::<f32>(t * h)?;
+        let mut normed = gpu.zeros::<T>(t * h)?;
+        let mut delta = gpu.zeros::<T>(t * h)?;
+        let mut q = gpu.zeros::<T>(t * qd)?;
+        let mut kk = gpu.zeros::<T>(t * kvd)?;
+        let mut v = gpu.zeros::<T>(t * kvd)?;
+        let mut attn = gpu.zeros::<T>(t * qd)?;
+        let mut router_logits = gpu.zeros::<T>(t * e)?;
+        let mut topk_ids = gpu.zeros::<i32>(pairs)?;
+        let mut topk_w = gpu.zeros::<f32>(pairs)?;
+        let mut topk_slots = gpu.zeros::<i32>(pairs)?;
+        let mut counts = gpu.zeros::<i32>(e)?;
+        let mut offsets_d = gpu.zeros::<i32>(e + 1)?;
+        let mut permuted = gpu.zeros::<T>(pairs * h)?;
+        let mut pair_of_row = gpu.zeros::<i32>(pairs)?;
+        let mut gate_up = gpu.zeros::<T>(pairs * 2 * inter)?;
+        let mut act = gpu.zeros::<T>(pairs * inter)?;
+        let mut expert_out = gpu.zeros::<T>(pairs * h)?;
+        let shape = AttentionShape {
+            num_heads: c.num_attention_heads,
+            num_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            block_size: self.layout.block_size,
+            max_blocks_per_seq: x.max_blocks,
+            sliding_window: c.sliding_window,
+        };
+        ops::embedding(
+            gpu,
+            ops::EmbeddingArgs {
+                table: self.embed.as_view(),
+                ids: ids.as_view(),
+                out: residual.as_view_mut(),
+                hidden: h,
+            },
+        )?;
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            // The previous layer's MoE output is added to the residual by this norm.
+            ops::rms_norm_residual(
+                gpu,
+                RmsNormArgs {
+                    residual: residual.as_view_mut(),
+                    delta: (l > 0).then(|| delta.as_view()),
+                    weight: layer.input_norm.as_view(),
+                    out: normed.as_view_mut(),
+                    eps,
+                },
+            )?;
+            if l > 0 && wants.trace {
+                observe(Observed::LayerOutput(gpu.download(&residual)?));
+            }
+            let proj = |w: &CudaSlice<T>, y: &mut CudaSlice<T>, n: usize| {
+                matmul_wt(
+                    gpu,
+                    &normed.as_view(),
+                    &w.as_view(),
+                    &mut y.as_view_mut(),
+                    GemmShape { m: t, n, k: h },
+                )
+            };
+            proj(&layer.q, &mut q, qd)?;
+            proj(&layer.k, &mut kk, kvd)?;
+            proj(&layer.v, &mut v, kvd)?;
+            ops::rope(
+                gpu,
+                ops::RopeArgs {
+                    q: q.as_view_mut(),
+                    k: kk.as_view_mut(),
+                    positions: positions.as_view(),
+                    inv_freq: self.inv_freq.as_view(),
+                    num_heads: c.num_attention_heads,
+                    num_kv_heads: c.num_key_value_heads,
+                    head_dim: c.head_dim,
+                },
+            )?;
+            ops::write_kv(
+                gpu,
+                ops::WriteKvArgs {
+                    k: kk.as_view(),
+                    v: v.as_view(),
+                    k_cache: layer.k_cache.as_view_mut(),
+                    v_cache: layer.v_cache.as_view_mut(),
+                    slot_mapping: slots.as_view(),
+                    kv_dim: kvd,
+                },
+            )?;
+            ops::paged_attention(
+                gpu,
+                ops::PagedAttentionArgs {
+                    out: attn.as_view_mut(),
+                    q: q.as_view(),
+                    k_cache: layer.k_cache.as_view(),
+                    v_cache: layer.v_cache.as_view(),
+                    block_tables: tables.as_view(),
+                    token_seq: token_seq.as_view(),
+                    positions: positions.as_view(),
+                    shape,
+                },
+            )?;
+            matmul_wt(
+                gpu,
+                &attn.as_view(),
+                &layer.o.as_view(),
+                &mut delta.as_view_mut(),
+                GemmShape { m: t, n: h, k: qd },
+            )?;
+            ops::rms_norm_residual(
+                gpu,
+                RmsNormArgs {
+                    residual: residual.as_view_mut(),
+                    delta: Some(delta.as_view()),
+                    weight: layer.post_norm.as_view(),
+                    out: normed.as_view_mut(),
+                    eps,
+                },
+            )?;
+            matmul_wt(
+                gpu,
+                &normed.as_view(),
+                &layer.gate.as_view(),
+                &mut router_logits.as_view_mut(),
+                GemmShape { m: t, n: e, k: h },
+            )?;
+            ops::route_top_k(
+                gpu,
+                ops::RouteArgs {
+                    logits: router_logits.as_view(),
+                    bias: layer.router_bias.as_ref().map(|b| b.as_view()),
+                    topk_ids: topk_ids.as_view_mut(),
+                    topk_weights: topk_w.as_view_mut(),
+                    slots: topk_slots.as_view_mut(),
+                    expert_counts: counts.as_view_mut(),
+                    top_k: k,
+                    capacity: None,
+                },
+            )?;
+            ops::moe_segment_offsets(gpu, counts.as_view(), offsets_d.as_view_mut(), None)?;
+            // The per-expert GEMMs need the segment sizes on the host: one small copy per layer
+            // (the grouped kernel that would avoid it is future work, see gemm.rs).
+            let offsets: Vec<usize> = gpu
+                .download(&offsets_d)?
+                .iter()
+                .map(|o| *o as usize)
+                .collect();
+            if wants.trace {
+                let logits = gpu.download(&router_logits)?;
+                observe(Observed::RouterLogits(
+                    logits.iter().map(|v| v.to_f32()).collect(),
+                ));
+            }
+            if wants.routing {
+                let chosen = gpu.download(&topk_ids)?;
+                observe(Observed::Routing(dropless_routing(&offsets, chosen, k)));
+            }
+            let routing = DeviceRouting {
+                topk_ids: topk_ids.as_view(),
+                topk_weights: topk_w.as_view(),
+                slots: topk_slots.as_view(),
+                offsets: offsets_d.as_view(),
+                top_k: k,
+            };
+            ops::moe_permute(
+                gpu,
+                normed.as_view(),
+                &routing,
+                permuted.as_view_mut(),
+                pair_of_row.as_view_mut(),
+            )?;
+            grouped_expert_matmul(
+                gpu,
+                GroupedGemm {
+                    x: permuted.as_view(),
+                    weights: &layer.w13,
+                    y: gate_up.as_view_mut(),
+                    offsets: &offsets,
+                    n: 2 * inter,
+                    k: h,
+                },
+            )?;
+            ops::silu_mul(gpu, gate_up.as_view(), act.as_view_mut(), inter)?;
+            grouped_expert_matmul(
+                gpu,
+                GroupedGemm {
+                    x: act.as_view(),
+                    weights: &layer.w2,
+                    y: expert_out.as_view_mut(),
+                    offsets: &offsets,
+                    n: h,
+                    k: inter,
+                },
+            )?;
+            ops::moe_unpermute(gpu, expert_out.as_view(), &routing, delta.as_view_mut())?;
+        }
+        // The last MoE output joins the residual (the norm's output over all tokens is unused:
+        // only the logits rows go through the final norm below).
+        ops::rms_norm_residual(
+            gpu,
+            RmsNormArgs {
+                residual: residual.as_view_mut(),
+                delta: (!self.layers.is_empty()).then(|| delta.as_view()),
+                weight: self.norm.as_view(),
+                out: normed.as_view_mut(),
+                eps,
+            },
+        )?;
+        if !self.layers.is_empty() && wants.trace {
+            observe(Observed::LayerOutput(gpu.download(&residual)?));
+        }
+        let rows = x.logit_rows.len();
+        let mut last = gpu.zeros::<f32>(rows * h)?;
+        ops::gather_rows(
+            gpu,
+            ops::GatherRowsArgs {
+                src: residual.as_view(),
+                rows: logit_rows.as_view(),
+                dst: last.as_view_mut(),
+                hidden: h,
+            },
+        )?;
+        let mut last_normed = gpu.zeros::<T>(rows * h)?;
+        ops::rms_norm_residual(
+            gpu,
+            RmsNormArgs {
+                residual: last.as_view_mut(),
+                delta: None,
+                weight: self.norm.as_view(),
+                out: last_normed.as_view_mut(),
+                eps,
+            },
+        )?;
+        let mut logits = gpu.zeros::<T>(rows * c.vocab_size)?;
+        matmul_wt(
+            gpu,
+            &last_normed.as_view(),
+            &self.lm_head.as_view(),
+            &mut logits.as_view_mut(),
+            GemmShape {
+                m: rows,
+                n: c.vocab_size,
+                k: h,
+            },
+        )?;
+        Ok(gpu.download(&logits)?.iter().map(|v| v.to_f32()).collect())
+    }
+}
+
+/// Values read back from the device during a step.
+enum Observed {
+    /// The residual stream after a layer, `[num_tokens, hidden]`.
+    LayerOutput(Vec<f32>),
+    /// A layer's router logits, `[num_tokens, num_experts]`.
+    RouterLogits(Vec<f32>),
+    Routing(LayerRouting),
+}
+
+/// Which values to read back during a step (each read is a copy and a wait for the stream).
+#[derive(Clone, Copy)]
+struct Readback {
+    /// Layer outputs and router logits, for a [`super::mixtral::ForwardTrace`].
+    trace: bool,
+    /// Each layer's routing summary, for the engine's per-expert load.
+    routing: bool,
+}
+
+/// A dropless layer's routing summary from the segment offsets and the router's choices.
+fn dropless_routing(offsets: &[usize], topk_ids: Vec<i32>, top_k: usize) -> LayerRouting {
+    let expert_load: Vec<u32> = offsets.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
+    LayerRouting {
+        counts: RoutingCounts {
+            pairs: topk_ids.len() as u64,
+            ..RoutingCounts::default()
+        },
+        expert_load,
+        top_k,
+        chosen_experts: topk_ids.into_iter().map(|e| e as u32).collect(),
+        ..LayerRouting::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::SequenceSlice;
+
+    #[test]
+    fn step_inputs_index_tokens_by_sequence_position_and_slot() {
+        // A 3-token prefill (blocks 4, 5 of size 2) and a decode at position 4 (blocks 0, 2, 7).
+        let seqs = [
+            SequenceSlice {
+                query_start: 0,
+                query_len: 3,
+                context_len: 3,
+                block_table: &[4, 5],
+            },
+            SequenceSlice {
+                query_start: 3,
+                query_len: 1,
+                context_len: 5,
+                block_table: &[0, 2, 7],
+            },
+        ];
+        let batch = ForwardBatch {
+            token_ids: &[10, 11, 12, 13],
+            sequences: &seqs,
+        };
+        let limits = BatchLimits {
+            vocab_size: 100,
+            max_position_embeddings: 64,
+            block_size: 2,
+            num_blocks: 8,
+        };
+        let x = step_inputs(&batch, &limits, LogitsFor::LastTokens).unwrap();
+        assert_eq!(x.positions, [0, 1, 2, 4]);
+        assert_eq!(x.token_seq, [0, 0, 0, 1]);
+        assert_eq!(x.slots, [8, 9, 10, 14]);
+        assert_eq!(x.max_blocks, 3);
+        assert_eq!(x.block_tables, [4, 5, 0, 0, 2, 7]);
+        assert_eq!(x.logit_rows, [2, 3]);
+        let all = step_inputs(&batch, &limits, LogitsFor::AllTokens).unwrap();
+        assert_eq!(all.logit_rows, [0, 1, 2, 3]);
+        // A block outside the cache is refused before anything reaches the device.
+        let limits = BatchLimits {
+            num_blocks: 7,
+            ..limits
+        };
+        assert!(step_inputs(&batch, &limits, LogitsFor::LastTokens).is_err());
+    }
+
+    #[test]
+    fn dropless_routing_counts_each_experts_pairs() {
+        let r = dropless_routing(&[0, 2, 2, 5], vec![0, 2, 2, 0, 2], 1);
+        assert_eq!(r.expert_load, [2, 0, 3]);
+        assert_eq!(r.counts.pairs, 5);
+        assert_eq!(r.counts.dropped, 0);
+        assert_eq!(r.chosen_experts, [0, 2, 2, 0, 2]);
+    }
+}
