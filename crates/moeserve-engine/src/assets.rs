@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use moeserve_backend::device::Device;
 use moeserve_model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use moeserve_model::generation_config::GenerationConfig;
 use moeserve_model::models::MixtralModel;
@@ -20,8 +21,18 @@ pub struct ModelAssets {
 }
 
 impl ModelAssets {
+    /// Loads a model directory for the CPU.
     pub fn load(dir: &Path) -> Result<Self> {
-        let model = MixtralModel::load(dir)?;
+        Self::load_for(dir, &Device::Cpu)
+    }
+
+    /// Loads a model directory for `device`: the weights are put into the CPU kernels' layout
+    /// only when the CPU runs them.
+    pub fn load_for(dir: &Path, device: &Device) -> Result<Self> {
+        let model = match device {
+            Device::Cpu => MixtralModel::load(dir)?,
+            Device::Cuda(_) => MixtralModel::load_unprepared(dir)?,
+        };
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)
         } else {

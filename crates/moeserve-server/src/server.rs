@@ -170,8 +170,8 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
     let dir = &config.model;
     log(format_args!("loading {}", dir.display()));
     let start = Instant::now();
-    let assets =
-        ModelAssets::load(dir).with_context(|| format!("cannot load {}", dir.display()))?;
+    let assets = ModelAssets::load_for(dir, &config.engine.device)
+        .with_context(|| format!("cannot load {}", dir.display()))?;
     let yes_no = |present: bool| if present { "yes" } else { "no" };
     log(format_args!(
         "loaded weights: {:.2} GB in {:.1} s (kernels: {}, quantization: {}); tokenizer: {}, \

@@ -69,8 +69,17 @@ impl Default for ForwardOptions<'_> {
 }
 
 impl MixtralModel {
-    /// Loads `dir/config.json` and the safetensors weights of `dir`.
+    /// Loads `dir/config.json` and the safetensors weights of `dir`, and puts the matrices into
+    /// the CPU kernels' layout ([`MixtralModel::prepare_kernels`]).
     pub fn load(dir: &Path) -> Result<Self> {
+        let model = Self::load_unprepared(dir)?;
+        model.prepare_kernels();
+        Ok(model)
+    }
+
+    /// As [`MixtralModel::load`] without the CPU kernels' layout: for a model that runs on a
+    /// GPU (`CudaMixtral` uploads the stored weights; packing them would only double host memory).
+    pub fn load_unprepared(dir: &Path) -> Result<Self> {
         let config = MixtralConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         Self::from_checkpoint(config, &ckpt)
@@ -101,15 +110,13 @@ impl MixtralModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = ckpt.weight("model.norm.weight", &[h])?;
-        let model = MixtralModel {
+        Ok(MixtralModel {
             config,
             embed_tokens,
             layers,
             norm,
             lm_head,
-        };
-        model.prepare_kernels();
-        Ok(model)
+        })
     }
 
     pub fn config(&self) -> &MixtralConfig {

@@ -91,7 +91,7 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
     let device = super::device::select(args.engine.device)?;
     let threads = args.engine.init_kernels()?;
     let assets = Arc::new(
-        ModelAssets::load(&args.model)
+        ModelAssets::load_for(&args.model, &device)
             .with_context(|| format!("loading {}", args.model.display()))?,
     );
     let mut config = args.engine.to_config(device);

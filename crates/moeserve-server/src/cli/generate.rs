@@ -98,7 +98,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let device = super::device::select(args.engine.device)?;
     args.engine.init_kernels()?;
     let start = Instant::now();
-    let assets = ModelAssets::load(&args.model)
+    let assets = ModelAssets::load_for(&args.model, &device)
         .with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
         "loaded {} in {:.2} s ({:.2} GB of weights, kernels: {}, quantization: {})",
