@@ -53,17 +53,11 @@ impl Executor {
         match device {
             Device::Cpu => Ok(Executor::Cpu(PagedKvCache::new(layout))),
             Device::Cuda(info) => {
-                // Refused here rather than at the first step: the CUDA forward has neither yet.
-                let unsupported = if moe.capacity_factor.is_some() {
-                    Some("capacity_factor")
-                } else if moe.expert_parallel_size > 1 {
-                    Some("expert_parallel_size")
-                } else {
-                    None
-                };
-                if let Some(field) = unsupported {
+                // Refused here rather than at the first step: the CUDA forward has no expert
+                // parallelism yet.
+                if moe.expert_parallel_size > 1 {
                     return Err(EngineError::InvalidRequest {
-                        field,
+                        field: "expert_parallel_size",
                         message: format!("not supported on CUDA yet ({info}); use --device cpu"),
                     });
                 }

@@ -1,7 +1,8 @@
 //! The Mixtral forward on a CUDA GPU (`models::CudaMixtral`) against the transformers fixtures
 //! of `reference.rs`: per-layer outputs, greedy tokens and logprobs in f32; the same fixtures run
-//! in bf16 (teacher-forced logprobs within bf16 tolerance); and batched steps (sequences joining
-//! while others decode, over one paged cache) against each sequence run alone.
+//! in bf16 (teacher-forced logprobs within bf16 tolerance); batched steps (sequences joining
+//! while others decode, over one paged cache) against each sequence run alone; and a capacity
+//! factor against the CPU forward (same drops, reroutes and spills, close logits).
 //!
 //! Compiled with `--features cuda` everywhere (CI); without a GPU each test returns early with a
 //! note, unless `MOESERVE_REQUIRE_GPU=1` (set by bench/gpu_check.sh), which makes that a failure.
@@ -16,6 +17,7 @@ use common::*;
 use moeserve_core::DType;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::models::{CudaMixtral, ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
+use moeserve_model::moe::{Capacity, MoeOptions, MoeStepRecord, OverflowPolicy};
 
 const MIXTRAL_CASES: [&str; 4] = [
     "mixtral-swa",
@@ -340,5 +342,89 @@ fn batched_steps_give_each_sequence_its_tokens_alone() {
                 "sequence {s} token {i}: logprob {x} alone, {y} batched"
             );
         }
+    }
+}
+
+/// A capacity factor that drops, reroutes and spills pairs: the GPU's routing (made on the host
+/// by the CPU's router) equals the CPU forward's layer by layer, and the logits are close.
+#[test]
+fn capacity_factor_routes_as_on_the_cpu() {
+    if !gpu_available() {
+        return;
+    }
+    let case = "mixtral-gqa";
+    let model = load(case);
+    let prompt = read_reference(&fixtures_dir().join(case)).prompts[2]
+        .prompt_ids
+        .clone();
+    for overflow in [
+        OverflowPolicy::Drop,
+        OverflowPolicy::Reroute,
+        OverflowPolicy::Spill,
+    ] {
+        let capacity = Capacity::Factor {
+            alpha: 1.0,
+            overflow,
+        };
+        let mut cpu_record = MoeStepRecord::default();
+        let cpu_logits = prefill(
+            &model,
+            &prompt,
+            ForwardOptions {
+                logits: LogitsFor::AllTokens,
+                moe: MoeOptions {
+                    capacity,
+                    record: Some(&mut cpu_record),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        );
+        let layout = model.kv_layout(prompt.len().div_ceil(BLOCK_SIZE), BLOCK_SIZE);
+        let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
+        let table: Vec<u32> = (0..layout.num_blocks as u32).collect();
+        let seqs = [SequenceSlice {
+            query_start: 0,
+            query_len: prompt.len(),
+            context_len: prompt.len(),
+            block_table: &table,
+        }];
+        let mut gpu_record = MoeStepRecord::default();
+        let gpu_logits = gpu
+            .forward(
+                &ForwardBatch {
+                    token_ids: &prompt,
+                    sequences: &seqs,
+                },
+                ForwardOptions {
+                    logits: LogitsFor::AllTokens,
+                    moe: MoeOptions {
+                        capacity,
+                        record: Some(&mut gpu_record),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        for (l, (c, g)) in cpu_record.layers.iter().zip(&gpu_record.layers).enumerate() {
+            assert_eq!(c.counts, g.counts, "{overflow}: layer {l}'s routing counts");
+            assert_eq!(
+                c.expert_load, g.expert_load,
+                "{overflow}: layer {l}'s expert load"
+            );
+        }
+        assert!(
+            cpu_record
+                .layers
+                .iter()
+                .any(|l| l.counts.dropped + l.counts.rerouted + l.counts.spilled > 0),
+            "{overflow}: the capacity must bind somewhere"
+        );
+        let d = max_rel_diff(&gpu_logits, &cpu_logits);
+        assert!(
+            d < F32_ACTIVATION_TOLERANCE,
+            "{overflow}: logits differ by {d}"
+        );
     }
 }

@@ -11,9 +11,13 @@
 //! transformers fixtures. The KV cache lives on the device, `[num_slots, kv_dim]` per layer in
 //! the weights' dtype, addressed by the slots of the engine's block tables, as on the CPU.
 //!
-//! Not yet on CUDA (refused with a clear error, never run on the CPU instead): a capacity factor
-//! (the router kernel drops in arrival order, not the CPU's token order) and expert parallelism
-//! (the NCCL all-to-all exists in the backend but is not connected to the model).
+//! Routing: dropless steps route on the device (`moe_router.cu`). With a capacity factor the
+//! router logits are copied back and routed on the host by the CPU's own `moe::route` (drop,
+//! reroute and spill exactly as on the CPU, in token order; the router kernel's atomics would
+//! hand out slots in arrival order), then the device permutes by that routing.
+//!
+//! Not yet on CUDA (refused with a clear error, never run on the CPU instead): expert
+//! parallelism (the NCCL all-to-all exists in the backend but is not connected to the model).
 
 use half::{bf16, f16};
 use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
@@ -29,7 +33,7 @@ use crate::batch::{BatchLimits, ForwardBatch};
 use crate::config::MixtralConfig;
 use crate::kv_cache::{KvCacheLayout, slot_of};
 use crate::moe::record::LayerRouting;
-use crate::moe::{Capacity, RoutingCounts};
+use crate::moe::{Capacity, RoutedStep, RouterConfig, RoutingCounts, route};
 use crate::{ModelError, Result};
 
 /// A Mixtral model and its KV cache on one CUDA device.
@@ -109,6 +113,8 @@ struct DeviceLayer<T> {
     post_norm: CudaSlice<T>,
     gate: CudaSlice<T>,
     router_bias: Option<CudaSlice<f32>>,
+    /// The same bias on the host, for routing there (capacity factor).
+    router_bias_host: Option<Vec<f32>>,
     /// Per expert `[w1; w3]`: `[2 · intermediate, hidden]` (gate rows, then up rows).
     w13: Vec<CudaSlice<T>>,
     /// Per expert `[hidden, intermediate]`.
@@ -223,6 +229,7 @@ impl<T: CudaElement> DeviceModel<T> {
                         Some(b) => Some(gpu.upload(b).map_err(backend)?),
                         None => None,
                     },
+                    router_bias_host: moe.router_bias.clone(),
                     w13,
                     w2: moe
                         .experts
@@ -257,10 +264,12 @@ impl<T: CudaElement> DeviceModel<T> {
         if opts.moe.experts.is_some() {
             return refuse("expert parallelism (--expert-parallel-size > 1)");
         }
-        if opts.moe.capacity != Capacity::Dropless {
-            return refuse("a capacity factor (--capacity-factor)");
-        }
-        Ok(())
+        opts.moe
+            .capacity
+            .validate()
+            .map_err(|e| ModelError::InvalidInput {
+                message: e.to_string(),
+            })
     }
 
     fn forward(&mut self, batch: &ForwardBatch<'_>, opts: ForwardOptions<'_>) -> Result<Vec<f32>> {
@@ -281,6 +290,7 @@ impl<T: CudaElement> DeviceModel<T> {
         let wants = Readback {
             trace: trace.is_some(),
             routing: record.is_some(),
+            capacity: opts.moe.capacity,
         };
         self.run(&x, wants, &mut |event| match event {
             Observed::LayerOutput(v) => {
@@ -447,37 +457,71 @@ impl<T: CudaElement> DeviceModel<T> {
                 &mut router_logits.as_view_mut(),
                 GemmShape { m: t, n: e, k: h },
             )?;
-            ops::route_top_k(
-                gpu,
-                ops::RouteArgs {
-                    logits: router_logits.as_view(),
-                    bias: layer.router_bias.as_ref().map(|b| b.as_view()),
-                    topk_ids: topk_ids.as_view_mut(),
-                    topk_weights: topk_w.as_view_mut(),
-                    slots: topk_slots.as_view_mut(),
-                    expert_counts: counts.as_view_mut(),
+            let offsets = if wants.capacity == Capacity::Dropless {
+                ops::route_top_k(
+                    gpu,
+                    ops::RouteArgs {
+                        logits: router_logits.as_view(),
+                        bias: layer.router_bias.as_ref().map(|b| b.as_view()),
+                        topk_ids: topk_ids.as_view_mut(),
+                        topk_weights: topk_w.as_view_mut(),
+                        slots: topk_slots.as_view_mut(),
+                        expert_counts: counts.as_view_mut(),
+                        top_k: k,
+                        capacity: None,
+                    },
+                )?;
+                ops::moe_segment_offsets(gpu, counts.as_view(), offsets_d.as_view_mut(), None)?;
+                // The per-expert GEMMs need the segment sizes on the host: one small copy per
+                // layer (the grouped kernel that would avoid it is future work, see gemm.rs).
+                let offsets: Vec<usize> = gpu
+                    .download(&offsets_d)?
+                    .iter()
+                    .map(|o| *o as usize)
+                    .collect();
+                if wants.trace {
+                    let logits = gpu.download(&router_logits)?;
+                    observe(Observed::RouterLogits(
+                        logits.iter().map(|v| v.to_f32()).collect(),
+                    ));
+                }
+                if wants.routing {
+                    let chosen = gpu.download(&topk_ids)?;
+                    observe(Observed::Routing(dropless_routing(&offsets, chosen, k)));
+                }
+                offsets
+            } else {
+                let mut logits: Vec<f32> = gpu
+                    .download(&router_logits)?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect();
+                if let Some(bias) = &layer.router_bias_host {
+                    for row in logits.chunks_exact_mut(e) {
+                        row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
+                    }
+                }
+                let config = RouterConfig {
                     top_k: k,
-                    capacity: None,
-                },
-            )?;
-            ops::moe_segment_offsets(gpu, counts.as_view(), offsets_d.as_view_mut(), None)?;
-            // The per-expert GEMMs need the segment sizes on the host: one small copy per layer
-            // (the grouped kernel that would avoid it is future work, see gemm.rs).
-            let offsets: Vec<usize> = gpu
-                .download(&offsets_d)?
-                .iter()
-                .map(|o| *o as usize)
-                .collect();
-            if wants.trace {
-                let logits = gpu.download(&router_logits)?;
-                observe(Observed::RouterLogits(
-                    logits.iter().map(|v| v.to_f32()).collect(),
-                ));
-            }
-            if wants.routing {
-                let chosen = gpu.download(&topk_ids)?;
-                observe(Observed::Routing(dropless_routing(&offsets, chosen, k)));
-            }
+                    capacity: wants.capacity,
+                };
+                let routed = route(&logits, e, &config);
+                let host = HostRouting::new(&routed, e);
+                topk_ids = gpu.upload(&host.topk_ids)?;
+                topk_w = gpu.upload(&host.weights)?;
+                topk_slots = gpu.upload(&host.slots)?;
+                offsets_d = gpu.upload(&host.offsets)?;
+                if wants.routing {
+                    observe(Observed::Routing(LayerRouting::from_routed(
+                        &routed,
+                        &wants.capacity,
+                    )));
+                }
+                if wants.trace {
+                    observe(Observed::RouterLogits(logits));
+                }
+                host.offsets.iter().map(|o| *o as usize).collect()
+            };
             let routing = DeviceRouting {
                 topk_ids: topk_ids.as_view(),
                 topk_weights: topk_w.as_view(),
@@ -586,6 +630,50 @@ struct Readback {
     trace: bool,
     /// Each layer's routing summary, for the engine's per-expert load.
     routing: bool,
+    /// Anything but dropless routes on the host (router logits read back every layer).
+    capacity: Capacity,
+}
+
+/// A routing made on the host in the device kernels' layout (see `moe_permute.cu`): per
+/// (token, rank) pair its expert, weight and row within the expert's segment (`-1`: no pair
+/// there, e.g. dropped), and the segments' offsets.
+struct HostRouting {
+    /// `[num_tokens * top_k]`
+    topk_ids: Vec<i32>,
+    weights: Vec<f32>,
+    slots: Vec<i32>,
+    /// `[num_experts + 1]`
+    offsets: Vec<i32>,
+}
+
+impl HostRouting {
+    /// A token's computed pairs fill its first ranks, in the routing's order; segment rows are
+    /// handed out in token order, every pass of an expert in one segment (spilled pairs compute
+    /// the same values as in a later pass).
+    fn new(routed: &RoutedStep, num_experts: usize) -> Self {
+        let k = routed.top_k;
+        let n = routed.num_tokens * k;
+        let mut h = HostRouting {
+            topk_ids: vec![0; n],
+            weights: vec![0.0; n],
+            slots: vec![-1; n],
+            offsets: vec![0; num_experts + 1],
+        };
+        let mut next_row = vec![0i32; num_experts];
+        for t in 0..routed.num_tokens {
+            for (j, pair) in routed.token_pairs(t).iter().enumerate() {
+                let e = pair.expert as usize;
+                h.topk_ids[t * k + j] = e as i32;
+                h.weights[t * k + j] = pair.weight;
+                h.slots[t * k + j] = next_row[e];
+                next_row[e] += 1;
+            }
+        }
+        for (e, rows) in next_row.iter().enumerate() {
+            h.offsets[e + 1] = h.offsets[e] + rows;
+        }
+        h
+    }
 }
 
 /// A dropless layer's routing summary from the segment offsets and the router's choices.
@@ -650,6 +738,55 @@ mod tests {
             ..limits
         };
         assert!(step_inputs(&batch, &limits, LogitsFor::LastTokens).is_err());
+    }
+
+    #[test]
+    fn host_routing_lays_out_every_computed_pair_once_in_its_experts_segment() {
+        use crate::moe::OverflowPolicy;
+        // 40 tokens over 6 experts, skewed towards expert 0, top-2, capacity factor 1.
+        let logits: Vec<f32> = (0..40 * 6)
+            .map(|i| ((i * 7919) % 13) as f32 * 0.3 - if i % 6 == 0 { 0.0 } else { 1.0 })
+            .collect();
+        for overflow in [
+            OverflowPolicy::Drop,
+            OverflowPolicy::Reroute,
+            OverflowPolicy::Spill,
+        ] {
+            let config = RouterConfig {
+                top_k: 2,
+                capacity: Capacity::Factor {
+                    alpha: 1.0,
+                    overflow,
+                },
+            };
+            let routed = route(&logits, 6, &config);
+            let h = HostRouting::new(&routed, 6);
+            assert_eq!(h.offsets[6] as usize, routed.pairs.len(), "{overflow}");
+            let mut seen = vec![Vec::new(); 6];
+            for t in 0..routed.num_tokens {
+                let pairs = routed.token_pairs(t);
+                for j in 0..2 {
+                    let at = t * 2 + j;
+                    match pairs.get(j) {
+                        Some(p) => {
+                            assert_eq!(h.topk_ids[at], p.expert as i32);
+                            assert_eq!(h.weights[at], p.weight);
+                            seen[p.expert as usize].push(h.slots[at]);
+                        }
+                        None => assert_eq!(h.slots[at], -1, "{overflow}: token {t} rank {j}"),
+                    }
+                }
+            }
+            for (e, rows) in seen.iter().enumerate() {
+                let want: Vec<i32> = (0..rows.len() as i32).collect();
+                assert_eq!(*rows, want, "{overflow}: expert {e}'s rows in token order");
+                assert_eq!(h.offsets[e + 1] - h.offsets[e], rows.len() as i32);
+                assert_eq!(routed.expert_load[e] as usize, rows.len(), "{overflow}");
+            }
+            if overflow == OverflowPolicy::Drop {
+                assert!(routed.counts.dropped > 0, "the case must drop something");
+            }
+        }
     }
 
     #[test]
