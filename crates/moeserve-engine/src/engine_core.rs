@@ -53,12 +53,14 @@ impl Executor {
         match device {
             Device::Cpu => Ok(Executor::Cpu(PagedKvCache::new(layout))),
             Device::Cuda(info) => {
-                // Refused here rather than at the first step: the CUDA forward has no expert
-                // parallelism yet.
-                if moe.expert_parallel_size > 1 {
+                // Expert parallelism puts device d's experts on GPU d.
+                if moe.expert_parallel_size > info.num_devices {
                     return Err(EngineError::InvalidRequest {
                         field: "expert_parallel_size",
-                        message: format!("not supported on CUDA yet ({info}); use --device cpu"),
+                        message: format!(
+                            "{} GPUs asked for, this machine has {} ({info})",
+                            moe.expert_parallel_size, info.num_devices
+                        ),
                     });
                 }
                 let gpu = CudaMixtral::new(model, layout, info.ordinal)?;

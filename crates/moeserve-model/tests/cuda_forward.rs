@@ -1,8 +1,10 @@
 //! The Mixtral forward on a CUDA GPU (`models::CudaMixtral`) against the transformers fixtures
 //! of `reference.rs`: per-layer outputs, greedy tokens and logprobs in f32; the same fixtures run
 //! in bf16 (teacher-forced logprobs within bf16 tolerance); batched steps (sequences joining
-//! while others decode, over one paged cache) against each sequence run alone; and a capacity
-//! factor against the CPU forward (same drops, reroutes and spills, close logits).
+//! while others decode, over one paged cache) against each sequence run alone; a capacity
+//! factor against the CPU forward (same drops, reroutes and spills, close logits); and expert
+//! parallelism over every GPU present (with replicas, so even one GPU runs several slots of an
+//! expert and the NCCL exchange) against the plain forward.
 //!
 //! Compiled with `--features cuda` everywhere (CI); without a GPU each test returns early with a
 //! note, unless `MOESERVE_REQUIRE_GPU=1` (set by bench/gpu_check.sh), which makes that a failure.
@@ -15,9 +17,12 @@ mod common;
 
 use common::*;
 use moeserve_core::DType;
+use moeserve_core::ExpertPlacement;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::models::{CudaMixtral, ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
-use moeserve_model::moe::{Capacity, MoeOptions, MoeStepRecord, OverflowPolicy};
+use moeserve_model::moe::{
+    Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
+};
 
 const MIXTRAL_CASES: [&str; 4] = [
     "mixtral-swa",
@@ -426,5 +431,69 @@ fn capacity_factor_routes_as_on_the_cpu() {
             d < F32_ACTIVATION_TOLERANCE,
             "{overflow}: logits differ by {d}"
         );
+    }
+}
+
+/// `--expert-parallel-size N` on the N GPUs of this machine (one on the GPU check's), four
+/// replicated slots per layer: the same logits as the plain GPU forward, and the routing record
+/// counts every pair once on some device.
+#[test]
+fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
+    if !gpu_available() {
+        return;
+    }
+    let devices = moeserve_backend::cuda::probe().unwrap().num_devices.min(4);
+    let case = "mixtral-gqa";
+    let model = load(case);
+    let c = model.config();
+    let placement =
+        ExpertPlacement::round_robin(c.num_hidden_layers, c.num_local_experts, devices, 4).unwrap();
+    let exchange = std::sync::Arc::new(InProcessAllToAll::new(devices, 1).unwrap());
+    let ep = ExpertParallel::new(&model.moe_layers(), placement, exchange).unwrap();
+    let prompt = read_reference(&fixtures_dir().join(case)).prompts[2]
+        .prompt_ids
+        .clone();
+    let layout = model.kv_layout(prompt.len().div_ceil(BLOCK_SIZE), BLOCK_SIZE);
+    let table: Vec<u32> = (0..layout.num_blocks as u32).collect();
+    let seqs = [SequenceSlice {
+        query_start: 0,
+        query_len: prompt.len(),
+        context_len: prompt.len(),
+        block_table: &table,
+    }];
+    let batch = ForwardBatch {
+        token_ids: &prompt,
+        sequences: &seqs,
+    };
+    let run = |experts: Option<&ExpertParallel>| {
+        let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
+        let mut record = MoeStepRecord::default();
+        let logits = gpu
+            .forward(
+                &batch,
+                ForwardOptions {
+                    logits: LogitsFor::AllTokens,
+                    moe: MoeOptions {
+                        experts,
+                        record: Some(&mut record),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        (logits, record)
+    };
+    let (plain, _) = run(None);
+    let (parallel, record) = run(Some(&ep));
+    let d = max_rel_diff(&parallel, &plain);
+    assert!(
+        d < F32_ACTIVATION_TOLERANCE,
+        "{devices} GPUs: logits differ by {d}"
+    );
+    for (l, layer) in record.layers.iter().enumerate() {
+        assert_eq!(layer.device_pairs.len(), devices, "layer {l}");
+        let pairs: u64 = layer.device_pairs.iter().sum();
+        assert_eq!(pairs, layer.counts.computed(), "layer {l}: every pair once");
     }
 }

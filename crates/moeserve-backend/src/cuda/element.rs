@@ -3,13 +3,15 @@
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::nccl::NcclType;
 use half::{bf16, f16};
 use moeserve_core::DType;
 
 /// An activation / weight element type on the device: f32, f16 or bf16. Kernels compute in f32
 /// and read and write `Self`; their `extern "C"` names end in [`CudaElement::SUFFIX`].
+/// NCCL carries it between GPUs (expert parallelism).
 pub trait CudaElement:
-    DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + Send + Sync + 'static
+    DeviceRepr + ValidAsZeroBits + NcclType + Copy + Default + Unpin + Send + Sync + 'static
 {
     const SUFFIX: &'static str;
     const DTYPE: DType;

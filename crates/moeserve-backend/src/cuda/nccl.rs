@@ -17,6 +17,11 @@ pub struct NcclGroup {
     comms: Vec<Comm>,
 }
 
+// SAFETY: an NCCL communicator may be used from any thread, just not from two at once (NCCL's
+// thread-safety rules); `NcclGroup` is not `Sync`, so moving it (e.g. with the engine into its
+// thread) hands all its communicators over together.
+unsafe impl Send for NcclGroup {}
+
 impl NcclGroup {
     pub fn new(streams: Vec<Arc<CudaStream>>) -> Result<Self, CudaError> {
         // SAFETY: only tries to dlopen the library candidates (cudarc panics on a missing one).
@@ -39,9 +44,9 @@ impl NcclGroup {
     /// elements each peer sends it.
     pub fn all_to_all_v<T: NcclType>(
         &self,
-        send: &[CudaSlice<T>],
+        send: &[&CudaSlice<T>],
         send_counts: &[Vec<usize>],
-        recv: &mut [CudaSlice<T>],
+        recv: &mut [&mut CudaSlice<T>],
     ) -> Result<(), CudaError> {
         let n = self.comms.len();
         let shape_ok = send.len() == n

@@ -41,7 +41,11 @@ fn all_to_all_v_delivers_each_chunk_to_its_peer_in_source_order() {
                 .unwrap()
         })
         .collect();
-    group.all_to_all_v(&send, &counts, &mut recv).unwrap();
+    let send_refs: Vec<&CudaSlice<f32>> = send.iter().collect();
+    let mut recv_refs: Vec<&mut CudaSlice<f32>> = recv.iter_mut().collect();
+    group
+        .all_to_all_v(&send_refs, &counts, &mut recv_refs)
+        .unwrap();
     for r in 0..n {
         let got = streams[r].clone_dtoh(&recv[r]).unwrap();
         let want: Vec<f32> = (0..n)

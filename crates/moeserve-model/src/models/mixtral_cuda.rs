@@ -16,8 +16,11 @@
 //! reroute and spill exactly as on the CPU, in token order; the router kernel's atomics would
 //! hand out slots in arrival order), then the device permutes by that routing.
 //!
-//! Not yet on CUDA (refused with a clear error, never run on the CPU instead): expert
-//! parallelism (the NCCL all-to-all exists in the backend but is not connected to the model).
+//! Expert parallelism (`--expert-parallel-size N`): GPUs `0..N` hold the experts of the
+//! engine's placement and exchange rows with NCCL (`expert_parallel.rs`); routing is then made
+//! on the host too, so pairs reach the same slots as on the CPU.
+
+mod expert_parallel;
 
 use half::{bf16, f16};
 use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
@@ -25,7 +28,7 @@ use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, RmsNormAr
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_backend::device::CudaDeviceInfo;
 use moeserve_backend::{BackendError, Weight, WeightData, cpu};
-use moeserve_core::DType;
+use moeserve_core::{DType, ExpertId};
 use rayon::prelude::*;
 
 use super::mixtral::{ForwardOptions, LogitsFor, MixtralModel};
@@ -35,6 +38,7 @@ use crate::kv_cache::{KvCacheLayout, slot_of};
 use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RoutedStep, RouterConfig, RoutingCounts, route};
 use crate::{ModelError, Result};
+use expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
 
 /// A Mixtral model and its KV cache on one CUDA device.
 pub struct CudaMixtral {
@@ -132,6 +136,8 @@ struct DeviceModel<T> {
     norm: CudaSlice<T>,
     lm_head: CudaSlice<T>,
     inv_freq: CudaSlice<f32>,
+    /// Set up at the first step with expert parallelism.
+    experts: Option<ExpertGpus<T>>,
 }
 
 /// A host weight's values as `T` (exact when the dtypes agree; converted once otherwise).
@@ -252,6 +258,7 @@ impl<T: CudaElement> DeviceModel<T> {
             config: c,
             layout,
             gpu,
+            experts: None,
         })
     }
 
@@ -261,8 +268,12 @@ impl<T: CudaElement> DeviceModel<T> {
                 message: format!("{what} is not implemented on CUDA yet; use --device cpu"),
             })
         };
-        if opts.moe.experts.is_some() {
-            return refuse("expert parallelism (--expert-parallel-size > 1)");
+        if let Some(ep) = opts.moe.experts {
+            let p = ep.placement();
+            let c = &self.config;
+            if p.num_layers() != c.num_hidden_layers || p.num_experts() != c.num_local_experts {
+                return refuse("an expert placement made for another model");
+            }
         }
         opts.moe
             .capacity
@@ -287,10 +298,22 @@ impl<T: CudaElement> DeviceModel<T> {
         )?;
         let mut trace = opts.trace;
         let mut record = opts.moe.record;
+        let expert_parallel = match opts.moe.experts {
+            Some(ep) => {
+                match &mut self.experts {
+                    Some(gpus) => gpus.follow(&self.gpu, ep),
+                    None => ExpertGpus::new(&self.gpu, ep).map(|g| self.experts = Some(g)),
+                }
+                .map_err(backend)?;
+                true
+            }
+            None => false,
+        };
         let wants = Readback {
             trace: trace.is_some(),
             routing: record.is_some(),
             capacity: opts.moe.capacity,
+            expert_parallel,
         };
         self.run(&x, wants, &mut |event| match event {
             Observed::LayerOutput(v) => {
@@ -457,7 +480,10 @@ impl<T: CudaElement> DeviceModel<T> {
                 &mut router_logits.as_view_mut(),
                 GemmShape { m: t, n: e, k: h },
             )?;
-            let offsets = if wants.capacity == Capacity::Dropless {
+            // Set by host routing; sent once the experts ran (with their devices' rows).
+            let mut pending: Option<LayerRouting> = None;
+            let mut layout: Option<SegmentLayout> = None;
+            let offsets = if wants.capacity == Capacity::Dropless && !wants.expert_parallel {
                 ops::route_top_k(
                     gpu,
                     ops::RouteArgs {
@@ -506,16 +532,29 @@ impl<T: CudaElement> DeviceModel<T> {
                     capacity: wants.capacity,
                 };
                 let routed = route(&logits, e, &config);
-                let host = HostRouting::new(&routed, e);
+                let host = match self.experts.as_ref().filter(|_| wants.expert_parallel) {
+                    Some(gpus) => {
+                        let placement = gpus.placement();
+                        let segments = SegmentLayout::new(placement, l);
+                        let host = HostRouting::with_segments(
+                            &routed,
+                            segments.num_segments(),
+                            |expert, ordinal| {
+                                let slot = placement.slot_for(l, ExpertId(expert), ordinal);
+                                segments.segment_of_slot(slot)
+                            },
+                        );
+                        layout = Some(segments);
+                        host
+                    }
+                    None => HostRouting::new(&routed, e),
+                };
                 topk_ids = gpu.upload(&host.topk_ids)?;
                 topk_w = gpu.upload(&host.weights)?;
                 topk_slots = gpu.upload(&host.slots)?;
                 offsets_d = gpu.upload(&host.offsets)?;
                 if wants.routing {
-                    observe(Observed::Routing(LayerRouting::from_routed(
-                        &routed,
-                        &wants.capacity,
-                    )));
+                    pending = Some(LayerRouting::from_routed(&routed, &wants.capacity));
                 }
                 if wants.trace {
                     observe(Observed::RouterLogits(logits));
@@ -536,29 +575,46 @@ impl<T: CudaElement> DeviceModel<T> {
                 permuted.as_view_mut(),
                 pair_of_row.as_view_mut(),
             )?;
-            grouped_expert_matmul(
-                gpu,
-                GroupedGemm {
-                    x: permuted.as_view(),
-                    weights: &layer.w13,
-                    y: gate_up.as_view_mut(),
-                    offsets: &offsets,
-                    n: 2 * inter,
-                    k: h,
-                },
-            )?;
-            ops::silu_mul(gpu, gate_up.as_view(), act.as_view_mut(), inter)?;
-            grouped_expert_matmul(
-                gpu,
-                GroupedGemm {
-                    x: act.as_view(),
-                    weights: &layer.w2,
-                    y: expert_out.as_view_mut(),
-                    offsets: &offsets,
-                    n: h,
-                    k: inter,
-                },
-            )?;
+            let device_pairs = match (&self.experts, &layout) {
+                (Some(gpus), Some(layout)) => {
+                    let rows = LayerRows {
+                        layer: l,
+                        layout,
+                        offsets: &offsets,
+                    };
+                    gpus.run(gpu, rows, &permuted, &mut expert_out, h, inter)?
+                }
+                _ => {
+                    grouped_expert_matmul(
+                        gpu,
+                        GroupedGemm {
+                            x: permuted.as_view(),
+                            weights: &layer.w13,
+                            y: gate_up.as_view_mut(),
+                            offsets: &offsets,
+                            n: 2 * inter,
+                            k: h,
+                        },
+                    )?;
+                    ops::silu_mul(gpu, gate_up.as_view(), act.as_view_mut(), inter)?;
+                    grouped_expert_matmul(
+                        gpu,
+                        GroupedGemm {
+                            x: act.as_view(),
+                            weights: &layer.w2,
+                            y: expert_out.as_view_mut(),
+                            offsets: &offsets,
+                            n: h,
+                            k: inter,
+                        },
+                    )?;
+                    Vec::new()
+                }
+            };
+            if let Some(mut summary) = pending {
+                summary.device_pairs = device_pairs;
+                observe(Observed::Routing(summary));
+            }
             ops::moe_unpermute(gpu, expert_out.as_view(), &routing, delta.as_view_mut())?;
         }
         // The last MoE output joins the residual (the norm's output over all tokens is unused:
@@ -632,6 +688,8 @@ struct Readback {
     routing: bool,
     /// Anything but dropless routes on the host (router logits read back every layer).
     capacity: Capacity,
+    /// The experts run on the expert GPUs (routing on the host, to place pairs on slots).
+    expert_parallel: bool,
 }
 
 /// A routing made on the host in the device kernels' layout (see `moe_permute.cu`): per
@@ -647,26 +705,39 @@ struct HostRouting {
 }
 
 impl HostRouting {
-    /// A token's computed pairs fill its first ranks, in the routing's order; segment rows are
-    /// handed out in token order, every pass of an expert in one segment (spilled pairs compute
-    /// the same values as in a later pass).
+    /// One segment per expert.
     fn new(routed: &RoutedStep, num_experts: usize) -> Self {
+        Self::with_segments(routed, num_experts, |expert, _| expert as usize)
+    }
+
+    /// `segment(expert, ordinal)`: the segment of the `ordinal`-th pair routed to `expert` this
+    /// step (e.g. the physical slot of a placement). A token's computed pairs fill its first
+    /// ranks, in the routing's order; segment rows are handed out in token order, every pass of
+    /// an expert in one segment (spilled pairs compute the same values as in a later pass).
+    fn with_segments(
+        routed: &RoutedStep,
+        num_segments: usize,
+        mut segment: impl FnMut(u32, usize) -> usize,
+    ) -> Self {
         let k = routed.top_k;
         let n = routed.num_tokens * k;
         let mut h = HostRouting {
             topk_ids: vec![0; n],
             weights: vec![0.0; n],
             slots: vec![-1; n],
-            offsets: vec![0; num_experts + 1],
+            offsets: vec![0; num_segments + 1],
         };
-        let mut next_row = vec![0i32; num_experts];
+        let mut next_row = vec![0i32; num_segments];
+        let mut ordinal = vec![0usize; routed.num_experts()];
         for t in 0..routed.num_tokens {
             for (j, pair) in routed.token_pairs(t).iter().enumerate() {
-                let e = pair.expert as usize;
-                h.topk_ids[t * k + j] = e as i32;
+                let nth = &mut ordinal[pair.expert as usize];
+                let s = segment(pair.expert, *nth);
+                *nth += 1;
+                h.topk_ids[t * k + j] = s as i32;
                 h.weights[t * k + j] = pair.weight;
-                h.slots[t * k + j] = next_row[e];
-                next_row[e] += 1;
+                h.slots[t * k + j] = next_row[s];
+                next_row[s] += 1;
             }
         }
         for (e, rows) in next_row.iter().enumerate() {
@@ -785,6 +856,53 @@ mod tests {
             }
             if overflow == OverflowPolicy::Drop {
                 assert!(routed.counts.dropped > 0, "the case must drop something");
+            }
+        }
+    }
+
+    #[test]
+    fn placed_segments_run_by_device_and_replicas_take_turns() {
+        use moeserve_core::ExpertPlacement;
+        // 1 layer, 4 experts on 2 devices, 2 replicated slots (6 physical slots).
+        let placement = ExpertPlacement::round_robin(1, 4, 2, 2).unwrap();
+        let layout = SegmentLayout::new(&placement, 0);
+        assert_eq!(layout.num_segments(), placement.num_physical(0));
+        let devices = placement.physical_to_device(0);
+        let device_of_segment: Vec<u32> = {
+            let mut d = vec![0; layout.num_segments()];
+            for (slot, dev) in devices.iter().enumerate() {
+                d[layout.segment_of_slot(slot)] = dev.0;
+            }
+            d
+        };
+        assert!(device_of_segment.is_sorted(), "{device_of_segment:?}");
+        // 12 tokens all routed to experts 0 and 1 (top-2), dropless.
+        let logits: Vec<f32> = (0..12 * 4).map(|i| [3.0, 2.0, 0.0, -1.0][i % 4]).collect();
+        let routed = route(&logits, 4, &RouterConfig::dropless(2));
+        let h = HostRouting::with_segments(&routed, layout.num_segments(), |e, nth| {
+            layout.segment_of_slot(placement.slot_for(0, ExpertId(e), nth))
+        });
+        assert_eq!(h.offsets[layout.num_segments()], 24);
+        assert!(
+            [0u32, 1].iter().any(|e| placement.num_replicas(0, ExpertId(*e)) > 1),
+            "the case needs a replicated expert among the routed ones"
+        );
+        for e in [0u32, 1] {
+            // Each replica of a replicated expert takes some of its 12 pairs.
+            let slots = placement.logical_to_physical(0, ExpertId(e));
+            let rows: Vec<i32> = slots
+                .iter()
+                .map(|s| {
+                    let seg = layout.segment_of_slot(*s);
+                    h.offsets[seg + 1] - h.offsets[seg]
+                })
+                .collect();
+            assert_eq!(rows.iter().sum::<i32>(), 12, "expert {e}: {rows:?}");
+            if slots.len() > 1 {
+                assert!(
+                    rows.iter().all(|r| *r > 0),
+                    "expert {e}'s replicas: {rows:?}"
+                );
             }
         }
     }

@@ -93,6 +93,18 @@ impl ExpertParallel {
             .collect()
     }
 
+    /// The weights of `expert` of `layer` that `device` holds (a GPU model uploads them from
+    /// here); `None` when the placement puts no slot of it there.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA model reads it
+    pub(crate) fn held_expert(
+        &self,
+        device: usize,
+        layer: usize,
+        expert: ExpertId,
+    ) -> Option<&Expert> {
+        self.arenas.get(device)?.layers.get(layer)?.get(&expert.0)
+    }
+
     /// Where the pairs of `layer` go.
     pub(crate) fn slot_map(&self, layer: usize) -> SlotMap<'_> {
         SlotMap::Placed {
