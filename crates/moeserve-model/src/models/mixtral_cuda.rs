@@ -263,16 +263,19 @@ impl<T: CudaElement> DeviceModel<T> {
     }
 
     fn check_options(&self, opts: &ForwardOptions<'_>) -> Result<()> {
-        let refuse = |what: &str| {
-            Err(ModelError::InvalidInput {
-                message: format!("{what} is not implemented on CUDA yet; use --device cpu"),
-            })
-        };
         if let Some(ep) = opts.moe.experts {
             let p = ep.placement();
             let c = &self.config;
             if p.num_layers() != c.num_hidden_layers || p.num_experts() != c.num_local_experts {
-                return refuse("an expert placement made for another model");
+                return Err(ModelError::ExpertParallel {
+                    message: format!(
+                        "the expert placement is for {} layers of {} experts, the model has {} of {}",
+                        p.num_layers(),
+                        p.num_experts(),
+                        c.num_hidden_layers,
+                        c.num_local_experts
+                    ),
+                });
             }
         }
         opts.moe
@@ -884,7 +887,9 @@ mod tests {
         });
         assert_eq!(h.offsets[layout.num_segments()], 24);
         assert!(
-            [0u32, 1].iter().any(|e| placement.num_replicas(0, ExpertId(*e)) > 1),
+            [0u32, 1]
+                .iter()
+                .any(|e| placement.num_replicas(0, ExpertId(*e)) > 1),
             "the case needs a replicated expert among the routed ones"
         );
         for e in [0u32, 1] {
