@@ -435,8 +435,9 @@ fn capacity_factor_routes_as_on_the_cpu() {
 }
 
 /// `--expert-parallel-size N` on the N GPUs of this machine (one on the GPU check's), four
-/// replicated slots per layer: the same logits as the plain GPU forward, and the routing record
-/// counts every pair once on some device.
+/// replicated slots per layer, then re-placed (two replicated slots, experts moved between the
+/// GPUs' slots) on the same model: the same logits as the plain GPU forward each time, and the
+/// routing record counts every pair once on some device.
 #[test]
 fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
     if !gpu_available() {
@@ -446,10 +447,13 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
     let case = "mixtral-gqa";
     let model = load(case);
     let c = model.config();
-    let placement =
-        ExpertPlacement::round_robin(c.num_hidden_layers, c.num_local_experts, devices, 4).unwrap();
+    let placement = |redundant| {
+        ExpertPlacement::round_robin(c.num_hidden_layers, c.num_local_experts, devices, redundant)
+            .unwrap()
+    };
     let exchange = std::sync::Arc::new(InProcessAllToAll::new(devices, 1).unwrap());
-    let ep = ExpertParallel::new(&model.moe_layers(), placement, exchange).unwrap();
+    let ep = ExpertParallel::new(&model.moe_layers(), placement(4), exchange).unwrap();
+    let replaced = ep.replace(&model.moe_layers(), placement(2)).unwrap();
     let prompt = read_reference(&fixtures_dir().join(case)).prompts[2]
         .prompt_ids
         .clone();
@@ -465,8 +469,7 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
         token_ids: &prompt,
         sequences: &seqs,
     };
-    let run = |experts: Option<&ExpertParallel>| {
-        let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
+    let run = |gpu: &mut CudaMixtral, experts: Option<&ExpertParallel>| {
         let mut record = MoeStepRecord::default();
         let logits = gpu
             .forward(
@@ -484,16 +487,23 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
             .unwrap();
         (logits, record)
     };
-    let (plain, _) = run(None);
-    let (parallel, record) = run(Some(&ep));
-    let d = max_rel_diff(&parallel, &plain);
-    assert!(
-        d < F32_ACTIVATION_TOLERANCE,
-        "{devices} GPUs: logits differ by {d}"
-    );
-    for (l, layer) in record.layers.iter().enumerate() {
-        assert_eq!(layer.device_pairs.len(), devices, "layer {l}");
-        let pairs: u64 = layer.device_pairs.iter().sum();
-        assert_eq!(pairs, layer.counts.computed(), "layer {l}: every pair once");
+    let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
+    let (plain, _) = run(&mut gpu, None);
+    for (what, ep) in [("placed", &ep), ("re-placed", &replaced)] {
+        let (parallel, record) = run(&mut gpu, Some(ep));
+        let d = max_rel_diff(&parallel, &plain);
+        assert!(
+            d < F32_ACTIVATION_TOLERANCE,
+            "{what} on {devices} GPUs: logits differ by {d}"
+        );
+        for (l, layer) in record.layers.iter().enumerate() {
+            assert_eq!(layer.device_pairs.len(), devices, "{what}: layer {l}");
+            let pairs: u64 = layer.device_pairs.iter().sum();
+            assert_eq!(
+                pairs,
+                layer.counts.computed(),
+                "{what}: layer {l}: every pair once"
+            );
+        }
     }
 }

@@ -11,12 +11,10 @@
 //! the routing weights.
 //!
 //! A new placement (re-placement by the engine's rebalancer) is followed before the next step:
-//! experts a GPU already holds stay, missing ones are uploaded from the host arena the engine
-//! built for that device, unneeded ones are freed.
-//! NOTE: the issue asks for device-to-device copies between GPUs here; host uploads are what this
-//! first version does (the weights are on the host anyway).
+//! experts a GPU already holds stay, missing ones are copied device to device from a GPU that
+//! holds them (the host arena only when none does, e.g. at start-up), unneeded ones are freed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use moeserve_backend::cuda::gemm::{GemmShape, matmul_wt};
 use moeserve_backend::cuda::nccl::NcclGroup;
@@ -175,38 +173,61 @@ impl<T: CudaElement> ExpertGpus<T> {
         Ok(())
     }
 
-    /// Makes every GPU hold exactly the experts `self.placement` puts on it.
+    /// Makes every GPU hold exactly the experts `self.placement` puts on it: an expert a GPU
+    /// lacks is copied device to device from a GPU that holds it (peer copy), else uploaded from
+    /// the host arena the engine built for that device; then what is no longer placed is freed.
     fn sync_weights(&mut self, gpu0: &CudaBackend, ep: &ExpertParallel) -> Result<(), CudaError> {
-        for device in 0..self.held.len() {
-            for layer in 0..self.placement.num_layers() {
-                let wanted: BTreeMap<u32, ()> = self
-                    .placement
-                    .physical_to_logical(layer)
-                    .iter()
-                    .zip(self.placement.physical_to_device(layer))
-                    .filter(|(_, d)| d.0 as usize == device)
-                    .map(|(e, _)| (e.0, ()))
-                    .collect();
-                self.held[device][layer].retain(|e, _| wanted.contains_key(e));
-                for e in wanted.keys() {
-                    if self.held[device][layer].contains_key(e) {
+        let n = self.held.len();
+        for layer in 0..self.placement.num_layers() {
+            let wanted: Vec<BTreeSet<u32>> = (0..n)
+                .map(|device| {
+                    self.placement
+                        .physical_to_logical(layer)
+                        .iter()
+                        .zip(self.placement.physical_to_device(layer))
+                        .filter(|(_, d)| d.0 as usize == device)
+                        .map(|(e, _)| e.0)
+                        .collect()
+                })
+                .collect();
+            let mut added = Vec::new();
+            for (device, experts) in wanted.iter().enumerate() {
+                for &e in experts {
+                    if self.held[device][layer].contains_key(&e) {
                         continue;
                     }
-                    let host = ep.held_expert(device, layer, ExpertId(*e)).ok_or_else(|| {
-                        CudaError::InvalidArgument {
-                            op: "expert parallelism",
-                            message: format!("device {device} has no host copy of expert {e}"),
-                        }
-                    })?;
                     let b = self.backend(gpu0, device);
-                    let mut w13 = host_values::<T>(&host.w1);
-                    w13.extend(host_values::<T>(&host.w3));
-                    let expert = GpuExpert {
-                        w13: b.upload(&w13)?,
-                        w2: b.upload(&host_values::<T>(&host.w2))?,
+                    let expert = match (0..n).find_map(|d| self.held[d][layer].get(&e)) {
+                        Some(source) => GpuExpert {
+                            w13: b.stream().clone_dtod(&source.w13)?,
+                            w2: b.stream().clone_dtod(&source.w2)?,
+                        },
+                        None => {
+                            let host =
+                                ep.held_expert(device, layer, ExpertId(e)).ok_or_else(|| {
+                                    CudaError::InvalidArgument {
+                                        op: "expert parallelism",
+                                        message: format!(
+                                            "device {device} has no host copy of expert {e}"
+                                        ),
+                                    }
+                                })?;
+                            let mut w13 = host_values::<T>(&host.w1);
+                            w13.extend(host_values::<T>(&host.w3));
+                            GpuExpert {
+                                w13: b.upload(&w13)?,
+                                w2: b.upload(&host_values::<T>(&host.w2))?,
+                            }
+                        }
                     };
-                    self.held[device][layer].insert(*e, expert);
+                    added.push((device, e, expert));
                 }
+            }
+            for (device, e, expert) in added {
+                self.held[device][layer].insert(e, expert);
+            }
+            for (device, experts) in wanted.iter().enumerate() {
+                self.held[device][layer].retain(|e, _| experts.contains(e));
             }
         }
         Ok(())
