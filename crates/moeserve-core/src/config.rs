@@ -25,6 +25,10 @@ pub struct CacheConfig {
     pub kv_cache_memory: Option<u64>,
     /// Reuse full blocks across requests with a common prefix (`--enable-prefix-caching`).
     pub enable_prefix_caching: bool,
+    /// Share of a GPU's memory the engine may use, weights and KV cache together
+    /// (`--gpu-memory-utilization`, as vLLM); sizes the KV cache on CUDA when
+    /// `kv_cache_memory` is not given.
+    pub gpu_memory_utilization: f32,
 }
 
 impl Default for CacheConfig {
@@ -33,6 +37,7 @@ impl Default for CacheConfig {
             block_size: 16,
             kv_cache_memory: None,
             enable_prefix_caching: true,
+            gpu_memory_utilization: 0.9,
         }
     }
 }
@@ -47,6 +52,13 @@ impl CacheConfig {
         }
         if self.kv_cache_memory == Some(0) {
             return invalid("kv_cache_memory", "must be more than 0 bytes".to_string());
+        }
+        let u = self.gpu_memory_utilization;
+        if !(u > 0.0 && u <= 1.0) {
+            return invalid(
+                "gpu_memory_utilization",
+                format!("must be in (0, 1], got {u}"),
+            );
         }
         Ok(())
     }
@@ -112,6 +124,21 @@ mod tests {
     fn defaults_are_valid() {
         CacheConfig::default().validate().unwrap();
         SchedulerConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn gpu_memory_utilization_must_be_a_share() {
+        for u in [0.0, -0.5, 1.01, f32::NAN] {
+            let c = CacheConfig {
+                gpu_memory_utilization: u,
+                ..Default::default()
+            };
+            assert_eq!(
+                c.validate().unwrap_err().field,
+                "gpu_memory_utilization",
+                "{u}"
+            );
+        }
     }
 
     #[test]

@@ -139,11 +139,39 @@ impl EngineCore {
         let limits =
             SchedulerLimits::new(&config.scheduler, model.config().max_position_embeddings);
         let block_size = config.cache.block_size;
-        let bytes_per_block = model.kv_layout(1, block_size).bytes_per_token() * block_size;
-        let budget = config
-            .cache
-            .kv_cache_memory
-            .unwrap_or_else(default_kv_cache_bytes);
+        let bytes_per_token = model.kv_layout(1, block_size).bytes_per_token();
+        let (bytes_per_block, budget) = match &config.device {
+            Device::Cpu => (
+                bytes_per_token * block_size,
+                config
+                    .cache
+                    .kv_cache_memory
+                    .unwrap_or_else(default_kv_cache_bytes),
+            ),
+            // On the GPU keys and values are in the weights' dtype, and the default budget is
+            // what `--gpu-memory-utilization` leaves after the weights.
+            Device::Cuda(info) => {
+                let element = model.weight_dtype().size_in_bytes();
+                let per_block = bytes_per_token / std::mem::size_of::<f32>() * element * block_size;
+                let budget = match config.cache.kv_cache_memory {
+                    Some(bytes) => bytes,
+                    None => gpu_kv_cache_bytes(
+                        info.total_memory_bytes,
+                        config.cache.gpu_memory_utilization,
+                        model.weight_bytes() as u64,
+                    )
+                    .ok_or_else(|| EngineError::InvalidRequest {
+                        field: "gpu_memory_utilization",
+                        message: format!(
+                            "{:.1} GB of weights leave no KV cache room in {} of {info}",
+                            model.weight_bytes() as f64 / 1e9,
+                            config.cache.gpu_memory_utilization
+                        ),
+                    })?,
+                };
+                (per_block, budget)
+            }
+        };
         // More blocks than every sequence at full length could use would be wasted memory.
         let useful = limits.max_num_seqs * limits.max_model_len.div_ceil(block_size);
         let num_blocks = ((budget / bytes_per_block as u64) as usize).min(useful);
@@ -446,6 +474,18 @@ pub(crate) fn config_error(e: moeserve_core::ConfigError) -> EngineError {
 
 /// Without `--kv-cache-memory`: a quarter of the available memory, at most 4 GiB (vLLM's CPU
 /// backend defaults to 4 GiB).
+/// Activations, cuBLAS workspaces and the CUDA context beside weights and KV cache.
+const GPU_ACTIVATION_RESERVE: u64 = 2 << 30;
+
+/// The KV cache a GPU of `total` bytes holds at `utilization` beside `weights` bytes of weights
+/// and [`GPU_ACTIVATION_RESERVE`]; `None` when nothing is left.
+fn gpu_kv_cache_bytes(total: u64, utilization: f32, weights: u64) -> Option<u64> {
+    let usable = (total as f64 * utilization as f64) as u64;
+    usable
+        .checked_sub(weights + GPU_ACTIVATION_RESERVE)
+        .filter(|b| *b > 0)
+}
+
 fn default_kv_cache_bytes() -> u64 {
     const CAP: u64 = 4 << 30;
     let available = std::fs::read_to_string("/proc/meminfo")
@@ -457,4 +497,21 @@ fn default_kv_cache_bytes() -> u64 {
                 .map(|kib| kib * 1024)
         });
     available.map_or(CAP, |bytes| (bytes / 4).min(CAP))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_kv_cache_is_what_the_utilization_leaves_after_weights_and_reserve() {
+        const GIB: u64 = 1 << 30;
+        // An H200 (141 GiB) at 0.9 with 93 GiB of weights: 126.9 - 93 - 2 GiB.
+        let bytes = gpu_kv_cache_bytes(141 * GIB, 0.9, 93 * GIB).unwrap();
+        let usable = (141.0 * GIB as f64 * f64::from(0.9f32)) as u64;
+        assert_eq!(bytes, usable - 95 * GIB);
+        // Weights that do not fit leave nothing.
+        assert_eq!(gpu_kv_cache_bytes(80 * GIB, 0.9, 93 * GIB), None);
+        assert_eq!(gpu_kv_cache_bytes(100 * GIB, 0.5, 48 * GIB), None);
+    }
 }

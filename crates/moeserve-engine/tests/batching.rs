@@ -60,6 +60,7 @@ fn small_cache_config(num_blocks: usize, block_size: usize, assets: &ModelAssets
             block_size,
             kv_cache_memory: Some((num_blocks * bytes_per_block) as u64),
             enable_prefix_caching: true,
+            ..CacheConfig::default()
         },
         scheduler: SchedulerConfig {
             max_num_seqs: 16,

@@ -123,6 +123,11 @@ impl MixtralModel {
         &self.config
     }
 
+    /// The checkpoint's element type (of its embeddings; a GPU model computes in it).
+    pub fn weight_dtype(&self) -> moeserve_core::DType {
+        self.embed_tokens.dtype()
+    }
+
     /// The MoE block of every layer, in layer order.
     pub fn moe_layers(&self) -> Vec<&SparseMoe> {
         self.layers.iter().map(|l| &l.block_sparse_moe).collect()

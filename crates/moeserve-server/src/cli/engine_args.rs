@@ -21,6 +21,10 @@ pub struct EngineArgs {
     /// KV cache size, e.g. 4GiB, 512MiB, 2GB (default: a quarter of free memory, at most 4 GiB).
     #[arg(long, value_parser = parse_size)]
     pub kv_cache_memory: Option<u64>,
+    /// Share of the GPU's memory for weights and KV cache with `--device cuda` (sizes the KV
+    /// cache when --kv-cache-memory is not given).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
     /// Longest prompt + output (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -63,6 +67,7 @@ impl EngineArgs {
             cache: CacheConfig {
                 block_size: self.block_size,
                 kv_cache_memory: self.kv_cache_memory,
+                gpu_memory_utilization: self.gpu_memory_utilization,
                 enable_prefix_caching: !self.no_enable_prefix_caching,
             },
             scheduler: SchedulerConfig {

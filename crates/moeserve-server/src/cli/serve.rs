@@ -188,6 +188,7 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
                 e.no_enable_prefix_caching,
                 file.enable_prefix_caching,
             ),
+            gpu_memory_utilization: e.gpu_memory_utilization,
         },
         scheduler: SchedulerConfig {
             max_num_seqs: x.pick("max_num_seqs", e.max_num_seqs, file.max_num_seqs),
