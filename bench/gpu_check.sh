@@ -11,7 +11,8 @@
 #         cuda_kernels        kernel parity against the scalar CPU reference, f32/f16/bf16
 #         cuda_forward        the Mixtral forward on the GPU against the transformers fixtures
 #                             (f32 and bf16) and batched vs alone
-#         cuda_mixtral_bench  synthetic Mixtral-8x7B (random bf16 weights made on the device)
+#         cuda_mixtral_bench  synthetic Mixtral-8x7B through the CUDA forward (random bf16
+#                             weights made on the device)
 #         moeserve            the `--features cuda` binary (device probe on a real GPU)
 #   Copy the repository's working tree with target/gpu-check/ to the GPU machine, then there:
 #       bench/gpu_check.sh
@@ -41,7 +42,7 @@ for line in sys.stdin:
     rm -rf "$NEW" && mkdir -p "$NEW"
     {
         artifacts build --bin moeserve
-        artifacts build -p moeserve-backend --example cuda_mixtral_bench
+        artifacts build -p moeserve-model --example cuda_mixtral_bench
         artifacts test -p moeserve-backend --no-run
         artifacts test -p moeserve-model --test cuda_forward --no-run
     } | while read -r name path; do

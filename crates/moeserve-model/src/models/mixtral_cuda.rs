@@ -21,15 +21,15 @@
 //! on the host too, so pairs reach the same slots as on the CPU.
 
 mod expert_parallel;
+mod weights;
 
 use half::{bf16, f16};
 use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
 use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, RmsNormArgs};
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_backend::device::CudaDeviceInfo;
-use moeserve_backend::{BackendError, Weight, WeightData, cpu};
+use moeserve_backend::{BackendError, cpu};
 use moeserve_core::{DType, ExpertId};
-use rayon::prelude::*;
 
 use super::mixtral::{ForwardOptions, LogitsFor, MixtralModel};
 use crate::batch::{BatchLimits, ForwardBatch};
@@ -39,6 +39,7 @@ use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RoutedStep, RouterConfig, RoutingCounts, route};
 use crate::{ModelError, Result};
 use expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
+use weights::{HostWeights, RandomWeights, Tensor, WeightSource, host_values};
 
 /// A Mixtral model and its KV cache on one CUDA device.
 pub struct CudaMixtral {
@@ -72,12 +73,36 @@ impl CudaMixtral {
         let gpu = CudaBackend::new(ordinal).map_err(backend)?;
         gpu.load_all_kernels().map_err(backend)?;
         let info = gpu.info().clone();
+        let (c, mut host) = (model.config().clone(), HostWeights(model));
         let model = match dtype {
-            DType::F32 => Typed::F32(DeviceModel::new(gpu, model, layout)?),
-            DType::F16 => Typed::F16(DeviceModel::new(gpu, model, layout)?),
-            DType::BF16 => Typed::BF16(DeviceModel::new(gpu, model, layout)?),
+            DType::F32 => Typed::F32(DeviceModel::build(gpu, c, layout, &mut host)?),
+            DType::F16 => Typed::F16(DeviceModel::build(gpu, c, layout, &mut host)?),
+            DType::BF16 => Typed::BF16(DeviceModel::build(gpu, c, layout, &mut host)?),
         };
         Ok(CudaMixtral { info, dtype, model })
+    }
+
+    /// A model of `config` with seeded random bf16 weights generated on the device (for the GPU
+    /// benchmark: no checkpoint and no host copy, so a full Mixtral-8x7B fits one H200).
+    pub fn synthetic(
+        config: MixtralConfig,
+        layout: KvCacheLayout,
+        ordinal: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let gpu = CudaBackend::new(ordinal).map_err(backend)?;
+        gpu.load_all_kernels().map_err(backend)?;
+        let info = gpu.info().clone();
+        let mut random = RandomWeights {
+            config: config.clone(),
+            seed,
+        };
+        let model = DeviceModel::build(gpu, config, layout, &mut random)?;
+        Ok(CudaMixtral {
+            info,
+            dtype: DType::BF16,
+            model: Typed::BF16(model),
+        })
     }
 
     pub fn device(&self) -> &CudaDeviceInfo {
@@ -140,15 +165,6 @@ struct DeviceModel<T> {
     experts: Option<ExpertGpus<T>>,
 }
 
-/// A host weight's values as `T` (exact when the dtypes agree; converted once otherwise).
-fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
-    match w.data() {
-        WeightData::F32(v) => v.par_iter().map(|x| T::from_f32(*x)).collect(),
-        WeightData::F16(v) => v.par_iter().map(|x| T::from_f32(x.to_f32())).collect(),
-        WeightData::BF16(v) => v.par_iter().map(|x| T::from_f32(x.to_f32())).collect(),
-    }
-}
-
 /// The host-side layout of one step: what the kernels index by.
 struct StepInputs {
     ids: Vec<u32>,
@@ -204,54 +220,56 @@ fn step_inputs(
 }
 
 impl<T: CudaElement> DeviceModel<T> {
-    fn new(gpu: CudaBackend, host: &MixtralModel, layout: KvCacheLayout) -> Result<Self> {
-        let c = host.config().clone();
-        let up = |w: &Weight| gpu.upload(&host_values::<T>(w)).map_err(backend);
+    /// The model of `config` with its weights from `source` and a KV cache of `layout`.
+    fn build(
+        gpu: CudaBackend,
+        config: MixtralConfig,
+        layout: KvCacheLayout,
+        source: &mut dyn WeightSource<T>,
+    ) -> Result<Self> {
+        let c = config;
         let slots = layout.num_slots() * layout.kv_dim;
-        let layers = host
-            .layers
-            .iter()
-            .map(|l| {
-                let moe = &l.block_sparse_moe;
-                let [q, k, v, o] = l.self_attn.weights();
-                let w13 = moe
-                    .experts
-                    .iter()
-                    .map(|e| {
-                        let mut both = host_values::<T>(&e.w1);
-                        both.extend(host_values::<T>(&e.w3));
-                        gpu.upload(&both).map_err(backend)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(DeviceLayer {
-                    input_norm: up(&l.input_layernorm)?,
-                    q: up(q)?,
-                    k: up(k)?,
-                    v: up(v)?,
-                    o: up(o)?,
-                    post_norm: up(&l.post_attention_layernorm)?,
-                    gate: up(&moe.gate)?,
-                    router_bias: match &moe.router_bias {
-                        Some(b) => Some(gpu.upload(b).map_err(backend)?),
-                        None => None,
-                    },
-                    router_bias_host: moe.router_bias.clone(),
-                    w13,
-                    w2: moe
-                        .experts
-                        .iter()
-                        .map(|e| up(&e.w2))
-                        .collect::<Result<Vec<_>>>()?,
-                    k_cache: gpu.zeros(slots).map_err(backend)?,
-                    v_cache: gpu.zeros(slots).map_err(backend)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut get = |t: Tensor| source.tensor(&gpu, t).map_err(backend);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let experts = 0..c.num_local_experts;
+            layers.push(DeviceLayer {
+                input_norm: get(Tensor::InputNorm(l))?,
+                q: get(Tensor::Q(l))?,
+                k: get(Tensor::K(l))?,
+                v: get(Tensor::V(l))?,
+                o: get(Tensor::O(l))?,
+                post_norm: get(Tensor::PostNorm(l))?,
+                gate: get(Tensor::Gate(l))?,
+                router_bias: None,
+                router_bias_host: None,
+                w13: experts
+                    .clone()
+                    .map(|e| get(Tensor::W13(l, e)))
+                    .collect::<Result<_>>()?,
+                w2: experts
+                    .map(|e| get(Tensor::W2(l, e)))
+                    .collect::<Result<_>>()?,
+                k_cache: gpu.zeros(slots).map_err(backend)?,
+                v_cache: gpu.zeros(slots).map_err(backend)?,
+            });
+        }
+        let (embed, norm, lm_head) = (
+            get(Tensor::Embed)?,
+            get(Tensor::Norm)?,
+            get(Tensor::LmHead)?,
+        );
+        for (l, layer) in layers.iter_mut().enumerate() {
+            if let Some(bias) = source.router_bias(l) {
+                layer.router_bias = Some(gpu.upload(&bias).map_err(backend)?);
+                layer.router_bias_host = Some(bias);
+            }
+        }
         Ok(DeviceModel {
-            embed: up(&host.embed_tokens)?,
+            embed,
             layers,
-            norm: up(&host.norm)?,
-            lm_head: up(&host.lm_head)?,
+            norm,
+            lm_head,
             inv_freq: gpu
                 .upload(&cpu::rope_inv_freq(c.head_dim, c.rope_theta))
                 .map_err(backend)?,
