@@ -167,21 +167,75 @@ pub fn prefill_all_logits(
     prefill(model, prompt, opts)
 }
 
-/// `prompt` in one prefill step (block size 16) under `opts`.
-pub fn prefill(model: &MixtralModel, prompt: &[u32], opts: ForwardOptions<'_>) -> Vec<f32> {
-    let block_size = 16;
-    let num_blocks = prompt.len().div_ceil(block_size);
-    let mut cache = PagedKvCache::new(model.kv_layout(num_blocks, block_size));
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let seqs = [SequenceSlice {
+/// Blocks of the single-sequence prefills below.
+pub const PREFILL_BLOCK_SIZE: usize = 16;
+
+/// `prompt` as the only sequence of a step, all of it new, in blocks `0..` of `table`.
+pub fn whole_prompt<'a>(prompt: &[u32], table: &'a [u32]) -> [SequenceSlice<'a>; 1] {
+    [SequenceSlice {
         query_start: 0,
         query_len: prompt.len(),
         context_len: prompt.len(),
-        block_table: &table,
-    }];
+        block_table: table,
+    }]
+}
+
+/// Blocks `0..n` covering `prompt`.
+pub fn prefill_table(prompt: &[u32]) -> Vec<u32> {
+    (0..prompt.len().div_ceil(PREFILL_BLOCK_SIZE) as u32).collect()
+}
+
+/// `prompt` in one prefill step (block size 16) under `opts`.
+pub fn prefill(model: &MixtralModel, prompt: &[u32], opts: ForwardOptions<'_>) -> Vec<f32> {
+    let table = prefill_table(prompt);
+    let mut cache = PagedKvCache::new(model.kv_layout(table.len(), PREFILL_BLOCK_SIZE));
+    let seqs = whole_prompt(prompt, &table);
     let batch = ForwardBatch {
         token_ids: prompt,
         sequences: &seqs,
     };
     model.forward(&batch, &mut cache, opts).expect("forward")
+}
+
+/// Largest |Δ| between `got` and `want`, relative to `want`'s largest magnitude.
+pub fn max_rel_diff(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+        / scale
+}
+
+/// Compares a traced prefill with `expected.safetensors` layer by layer (router logits, layer
+/// outputs), then the final logits, so a failure names the first bad layer.
+pub fn check_trace(
+    case: &str,
+    trace: &ForwardTrace,
+    logits: &[f32],
+    expected: &std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>,
+    tolerance: f32,
+) {
+    for (l, (router, output)) in trace
+        .router_logits
+        .iter()
+        .zip(&trace.layer_outputs)
+        .enumerate()
+    {
+        let d = max_rel_diff(router, &expected[&format!("router_logits.{l}")].1);
+        assert!(
+            d < tolerance,
+            "{case}: router logits of layer {l} differ by {d}"
+        );
+        let d = max_rel_diff(output, &expected[&format!("layer_output.{l}")].1);
+        assert!(d < tolerance, "{case}: output of layer {l} differs by {d}");
+    }
+    let layers = expected
+        .keys()
+        .filter(|k| k.starts_with("layer_output."))
+        .count();
+    assert_eq!(trace.layer_outputs.len(), layers, "{case}: traced layers");
+    let d = max_rel_diff(logits, &expected["logits"].1);
+    assert!(d < tolerance, "{case}: final logits differ by {d}");
 }

@@ -130,14 +130,21 @@ fn longest(reference: &Reference) -> usize {
         .unwrap_or(1)
 }
 
-fn max_rel_diff(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-        / scale
+/// A GPU model (f32) whose cache holds `prompt`, and its one-step prefill under `opts`.
+fn gpu_for(model: &MixtralModel, prompt: &[u32]) -> CudaMixtral {
+    let layout = model.kv_layout(prefill_table(prompt).len(), PREFILL_BLOCK_SIZE);
+    CudaMixtral::with_dtype(model, layout, 0, DType::F32).expect("model on the GPU")
+}
+
+/// `prompt` in one prefill step on `gpu` (blocks `0..`) under `opts`.
+fn prefill_on(gpu: &mut CudaMixtral, prompt: &[u32], opts: ForwardOptions<'_>) -> Vec<f32> {
+    let table = prefill_table(prompt);
+    let seqs = whole_prompt(prompt, &table);
+    let batch = ForwardBatch {
+        token_ids: prompt,
+        sequences: &seqs,
+    };
+    gpu.forward(&batch, opts).expect("GPU forward")
 }
 
 #[test]
@@ -150,49 +157,14 @@ fn layer_outputs_match_transformers_in_f32() {
         let model = load(case);
         let expected = read_expected(&dir);
         let prompt = &read_reference(&dir).prompts[2].prompt_ids;
-        let layout = model.kv_layout(prompt.len().div_ceil(BLOCK_SIZE), BLOCK_SIZE);
-        let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
-        let table: Vec<u32> = (0..layout.num_blocks as u32).collect();
-        let seqs = [SequenceSlice {
-            query_start: 0,
-            query_len: prompt.len(),
-            context_len: prompt.len(),
-            block_table: &table,
-        }];
         let mut trace = ForwardTrace::default();
-        let logits = gpu
-            .forward(
-                &ForwardBatch {
-                    token_ids: prompt,
-                    sequences: &seqs,
-                },
-                ForwardOptions {
-                    logits: LogitsFor::AllTokens,
-                    trace: Some(&mut trace),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-        for l in 0..model.config().num_hidden_layers {
-            let d = max_rel_diff(
-                &trace.router_logits[l],
-                &expected[&format!("router_logits.{l}")].1,
-            );
-            assert!(
-                d < F32_ACTIVATION_TOLERANCE,
-                "{case}: router logits of layer {l}: {d}"
-            );
-            let d = max_rel_diff(
-                &trace.layer_outputs[l],
-                &expected[&format!("layer_output.{l}")].1,
-            );
-            assert!(
-                d < F32_ACTIVATION_TOLERANCE,
-                "{case}: output of layer {l}: {d}"
-            );
-        }
-        let d = max_rel_diff(&logits, &expected["logits"].1);
-        assert!(d < F32_ACTIVATION_TOLERANCE, "{case}: final logits: {d}");
+        let opts = ForwardOptions {
+            logits: LogitsFor::AllTokens,
+            trace: Some(&mut trace),
+            ..Default::default()
+        };
+        let logits = prefill_on(&mut gpu_for(&model, prompt), prompt, opts);
+        check_trace(case, &trace, &logits, &expected, F32_ACTIVATION_TOLERANCE);
     }
 }
 
@@ -385,33 +357,17 @@ fn capacity_factor_routes_as_on_the_cpu() {
                 ..Default::default()
             },
         );
-        let layout = model.kv_layout(prompt.len().div_ceil(BLOCK_SIZE), BLOCK_SIZE);
-        let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
-        let table: Vec<u32> = (0..layout.num_blocks as u32).collect();
-        let seqs = [SequenceSlice {
-            query_start: 0,
-            query_len: prompt.len(),
-            context_len: prompt.len(),
-            block_table: &table,
-        }];
         let mut gpu_record = MoeStepRecord::default();
-        let gpu_logits = gpu
-            .forward(
-                &ForwardBatch {
-                    token_ids: &prompt,
-                    sequences: &seqs,
-                },
-                ForwardOptions {
-                    logits: LogitsFor::AllTokens,
-                    moe: MoeOptions {
-                        capacity,
-                        record: Some(&mut gpu_record),
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+        let opts = ForwardOptions {
+            logits: LogitsFor::AllTokens,
+            moe: MoeOptions {
+                capacity,
+                record: Some(&mut gpu_record),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let gpu_logits = prefill_on(&mut gpu_for(&model, &prompt), &prompt, opts);
         for (l, (c, g)) in cpu_record.layers.iter().zip(&gpu_record.layers).enumerate() {
             assert_eq!(c.counts, g.counts, "{overflow}: layer {l}'s routing counts");
             assert_eq!(
@@ -457,37 +413,21 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
     let prompt = read_reference(&fixtures_dir().join(case)).prompts[2]
         .prompt_ids
         .clone();
-    let layout = model.kv_layout(prompt.len().div_ceil(BLOCK_SIZE), BLOCK_SIZE);
-    let table: Vec<u32> = (0..layout.num_blocks as u32).collect();
-    let seqs = [SequenceSlice {
-        query_start: 0,
-        query_len: prompt.len(),
-        context_len: prompt.len(),
-        block_table: &table,
-    }];
-    let batch = ForwardBatch {
-        token_ids: &prompt,
-        sequences: &seqs,
-    };
     let run = |gpu: &mut CudaMixtral, experts: Option<&ExpertParallel>| {
         let mut record = MoeStepRecord::default();
-        let logits = gpu
-            .forward(
-                &batch,
-                ForwardOptions {
-                    logits: LogitsFor::AllTokens,
-                    moe: MoeOptions {
-                        experts,
-                        record: Some(&mut record),
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+        let opts = ForwardOptions {
+            logits: LogitsFor::AllTokens,
+            moe: MoeOptions {
+                experts,
+                record: Some(&mut record),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let logits = prefill_on(gpu, &prompt, opts);
         (logits, record)
     };
-    let mut gpu = CudaMixtral::with_dtype(&model, layout, 0, DType::F32).unwrap();
+    let mut gpu = gpu_for(&model, &prompt);
     let (plain, _) = run(&mut gpu, None);
     for (what, ep) in [("placed", &ep), ("re-placed", &replaced)] {
         let (parallel, record) = run(&mut gpu, Some(ep));

@@ -20,16 +20,6 @@ const MIXTRAL_CASES: [&str; 4] = [
     "mixtral-sharded",
 ];
 
-fn max_rel_diff(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-        / scale
-}
-
 /// Compares layer by layer so a failure names the first bad layer.
 fn check_layers(case: &str) {
     let dir = fixtures_dir().join(case);
@@ -39,29 +29,7 @@ fn check_layers(case: &str) {
     let prompt = &reference.prompts[2].prompt_ids;
     let mut trace = ForwardTrace::default();
     let logits = prefill_all_logits(&model, prompt, Some(&mut trace));
-    for l in 0..model.config().num_hidden_layers {
-        let d = max_rel_diff(
-            &trace.router_logits[l],
-            &expected[&format!("router_logits.{l}")].1,
-        );
-        assert!(
-            d < ACTIVATION_TOLERANCE,
-            "{case}: router logits of layer {l} differ by {d}"
-        );
-        let d = max_rel_diff(
-            &trace.layer_outputs[l],
-            &expected[&format!("layer_output.{l}")].1,
-        );
-        assert!(
-            d < ACTIVATION_TOLERANCE,
-            "{case}: output of layer {l} differs by {d}"
-        );
-    }
-    let d = max_rel_diff(&logits, &expected["logits"].1);
-    assert!(
-        d < ACTIVATION_TOLERANCE,
-        "{case}: final logits differ by {d}"
-    );
+    check_trace(case, &trace, &logits, &expected, ACTIVATION_TOLERANCE);
 }
 
 /// Identical greedy tokens; chosen and top-5 logprobs within tolerance.
