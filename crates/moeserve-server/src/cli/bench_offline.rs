@@ -191,7 +191,7 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
             + args.batch as f64 * model.lm_head_params() as f64);
     let report = OfflineReport {
         model: args.model.display().to_string(),
-        kernels: moeserve_backend::cpu::isa().to_string(),
+        kernels: super::device::kernels_name(&config.device),
         quantization: moeserve_backend::cpu::weight_quantization().to_string(),
         threads,
         batch: args.batch,

@@ -11,3 +11,12 @@ pub fn select(request: DeviceRequest) -> anyhow::Result<Device> {
     eprintln!("moeserve: device: {}", selection.reason);
     Ok(selection.device)
 }
+
+/// What computes the forward on `device`, for start-up logs and reports: the CPU kernels' ISA,
+/// or the GPU.
+pub fn kernels_name(device: &Device) -> String {
+    match device {
+        Device::Cpu => moeserve_backend::cpu::isa().to_string(),
+        Device::Cuda(info) => format!("cuda:{}", info.ordinal),
+    }
+}

@@ -105,7 +105,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         args.model.display(),
         start.elapsed().as_secs_f64(),
         assets.model.weight_bytes() as f64 / 1e9,
-        moeserve_backend::cpu::isa(),
+        super::device::kernels_name(&device),
         moeserve_backend::cpu::weight_quantization()
     );
     let requests = requests(&args)?;

@@ -3,7 +3,7 @@
 
 mod bench_offline;
 mod bench_serve;
-mod device;
+pub(crate) mod device;
 pub mod engine_args;
 mod generate;
 mod make_model;
