@@ -41,12 +41,12 @@ impl NcclGroup {
 
     /// Rank `r` sends `send_counts[r][p]` elements of `send[r]` to each peer `p` (contiguous, in
     /// peer order) and receives into `recv[r]`, in source order, the `send_counts[p][r]`
-    /// elements each peer sends it.
+    /// elements each peer sends it. A rank that sends (receives) nothing passes `None`.
     pub fn all_to_all_v<T: NcclType>(
         &self,
-        send: &[&CudaSlice<T>],
+        send: &[Option<&CudaSlice<T>>],
         send_counts: &[Vec<usize>],
-        recv: &mut [&mut CudaSlice<T>],
+        recv: &mut [Option<&mut CudaSlice<T>>],
     ) -> Result<(), CudaError> {
         let n = self.comms.len();
         let shape_ok = send.len() == n
@@ -64,7 +64,9 @@ impl NcclGroup {
                 send_counts[r].iter().sum(),
                 (0..n).map(|p| send_counts[p][r]).sum(),
             );
-            if sent > send[r].len() || received > recv[r].len() {
+            let send_len = send[r].map_or(0, |b| b.len());
+            let recv_len = recv[r].as_ref().map_or(0, |b| b.len());
+            if sent > send_len || received > recv_len {
                 return Err(CudaError::InvalidArgument {
                     op: "all_to_all_v",
                     message: format!("rank {r} sends {sent} / receives {received} elements"),
@@ -75,20 +77,25 @@ impl NcclGroup {
         cudarc::nccl::result::group_start().map_err(nccl)?;
         let issued = (|| {
             for (r, comm) in self.comms.iter().enumerate() {
-                let mut offset = 0;
-                for (p, count) in send_counts[r].iter().enumerate() {
-                    if *count > 0 {
-                        comm.send(&send[r].slice(offset..offset + count), p as i32)?;
+                // Checked above: a rank with a count to send or receive has that buffer.
+                if let Some(buf) = send[r] {
+                    let mut offset = 0;
+                    for (p, count) in send_counts[r].iter().enumerate() {
+                        if *count > 0 {
+                            comm.send(&buf.slice(offset..offset + count), p as i32)?;
+                        }
+                        offset += count;
                     }
-                    offset += count;
                 }
-                let mut offset = 0;
-                for (p, counts) in send_counts.iter().enumerate() {
-                    let count = counts[r];
-                    if count > 0 {
-                        comm.recv(&mut recv[r].slice_mut(offset..offset + count), p as i32)?;
+                if let Some(buf) = recv[r].as_deref_mut() {
+                    let mut offset = 0;
+                    for (p, counts) in send_counts.iter().enumerate() {
+                        let count = counts[r];
+                        if count > 0 {
+                            comm.recv(&mut buf.slice_mut(offset..offset + count), p as i32)?;
+                        }
+                        offset += count;
                     }
-                    offset += count;
                 }
             }
             Ok(())

@@ -41,8 +41,8 @@ fn all_to_all_v_delivers_each_chunk_to_its_peer_in_source_order() {
                 .unwrap()
         })
         .collect();
-    let send_refs: Vec<&CudaSlice<f32>> = send.iter().collect();
-    let mut recv_refs: Vec<&mut CudaSlice<f32>> = recv.iter_mut().collect();
+    let send_refs: Vec<Option<&CudaSlice<f32>>> = send.iter().map(Some).collect();
+    let mut recv_refs: Vec<Option<&mut CudaSlice<f32>>> = recv.iter_mut().map(Some).collect();
     group
         .all_to_all_v(&send_refs, &counts, &mut recv_refs)
         .unwrap();

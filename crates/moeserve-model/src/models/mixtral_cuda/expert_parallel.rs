@@ -259,19 +259,20 @@ impl<T: CudaElement> ExpertGpus<T> {
         for (s, seg) in layout.segments.iter().enumerate() {
             rows[seg.device] += offsets[s + 1] - offsets[s];
         }
-        // Dispatch: GPU 0 sends each device its contiguous run of rows.
+        // Dispatch: GPU 0 sends each device its contiguous run of rows; a device without rows
+        // takes part in the exchange with no buffer.
         let mut inputs = (0..n)
-            .map(|d| self.backend(gpu0, d).zeros::<T>((rows[d] * hidden).max(1)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let placeholders = (0..n)
-            .map(|d| self.backend(gpu0, d).zeros::<T>(1))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|d| match rows[d] {
+                0 => Ok(None),
+                r => self.backend(gpu0, d).zeros::<T>(r * hidden).map(Some),
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
         let mut counts = vec![vec![0usize; n]; n];
         counts[0] = rows.iter().map(|r| r * hidden).collect();
-        let send: Vec<&CudaSlice<T>> = (0..n)
-            .map(|d| if d == 0 { permuted } else { &placeholders[d] })
-            .collect();
-        let mut recv: Vec<&mut CudaSlice<T>> = inputs.iter_mut().collect();
+        let send: Vec<Option<&CudaSlice<T>>> =
+            (0..n).map(|d| (d == 0).then_some(permuted)).collect();
+        let mut recv: Vec<Option<&mut CudaSlice<T>>> =
+            inputs.iter_mut().map(Option::as_mut).collect();
         self.nccl.all_to_all_v(&send, &counts, &mut recv)?;
         // Each device's segments, then its outputs back to GPU 0 in the same order.
         let mut outputs = Vec::with_capacity(n);
@@ -285,26 +286,26 @@ impl<T: CudaElement> ExpertGpus<T> {
                 hidden,
                 intermediate,
             };
-            outputs.push(self.device_experts(&part, layer, layout, offsets, input)?);
+            outputs.push(match input {
+                Some(input) => Some(self.device_experts(&part, layer, layout, offsets, input)?),
+                None => None,
+            });
             first_row += rows[d];
         }
         let mut counts = vec![vec![0usize; n]; n];
         for (d, c) in counts.iter_mut().enumerate() {
             c[0] = rows[d] * hidden;
         }
-        let send: Vec<&CudaSlice<T>> = outputs.iter().collect();
-        let mut spare = (1..n)
-            .map(|d| self.backend(gpu0, d).zeros::<T>(1))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut recv: Vec<&mut CudaSlice<T>> = std::iter::once(expert_out)
-            .chain(spare.iter_mut())
+        let send: Vec<Option<&CudaSlice<T>>> = outputs.iter().map(Option::as_ref).collect();
+        let mut recv: Vec<Option<&mut CudaSlice<T>>> = std::iter::once(Some(expert_out))
+            .chain((1..n).map(|_| None))
             .collect();
         self.nccl.all_to_all_v(&send, &counts, &mut recv)?;
         Ok(rows.into_iter().map(|r| r as u64).collect())
     }
 
-    /// One device's segments of one layer over its received rows: `w1 | w3` GEMM, SwiGLU,
-    /// `w2` GEMM per segment.
+    /// One device's segments of one layer over its received rows (at least one): `w1 | w3`
+    /// GEMM, SwiGLU, `w2` GEMM per segment.
     fn device_experts(
         &self,
         part: &DevicePart<'_>,
@@ -321,23 +322,20 @@ impl<T: CudaElement> ExpertGpus<T> {
             hidden,
             intermediate: inter,
         } = *part;
-        if rows == 0 {
-            return b.zeros::<T>(1);
-        }
         let mine: Vec<(usize, &PlacedSegment)> = layout
             .segments
             .iter()
             .enumerate()
             .filter(|(s, seg)| seg.device == device && offsets[s + 1] > offsets[*s])
             .collect();
-        let first = &self.held[device][layer];
+        let held = &self.held[device][layer];
         let mut gate_up = b.zeros::<T>(rows * 2 * inter)?;
         let mut act = b.zeros::<T>(rows * inter)?;
         let mut out = b.zeros::<T>(rows * hidden)?;
         let local = |s: usize| offsets[s] - first_row;
         for (s, seg) in &mine {
             let (r0, m) = (local(*s), offsets[s + 1] - offsets[*s]);
-            let w = &first[&seg.expert.0];
+            let w = &held[&seg.expert.0];
             matmul_wt(
                 b,
                 &input.slice(r0 * hidden..(r0 + m) * hidden),
@@ -353,7 +351,7 @@ impl<T: CudaElement> ExpertGpus<T> {
         ops::silu_mul(b, gate_up.as_view(), act.as_view_mut(), inter)?;
         for (s, seg) in &mine {
             let (r0, m) = (local(*s), offsets[s + 1] - offsets[*s]);
-            let w = &first[&seg.expert.0];
+            let w = &held[&seg.expert.0];
             matmul_wt(
                 b,
                 &act.slice(r0 * inter..(r0 + m) * inter),
