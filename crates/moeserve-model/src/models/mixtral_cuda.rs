@@ -39,7 +39,7 @@ use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RoutedStep, RouterConfig, RoutingCounts, route};
 use crate::{ModelError, Result};
 use expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
-use weights::{HostWeights, RandomWeights, Tensor, WeightSource, host_values};
+use weights::{HostWeights, RandomWeights, Tensor, WeightSource, host_values, stacked_w13};
 
 /// A Mixtral model and its KV cache on one CUDA device.
 pub struct CudaMixtral {

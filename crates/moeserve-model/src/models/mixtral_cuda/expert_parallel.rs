@@ -22,7 +22,7 @@ use moeserve_backend::cuda::ops;
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_core::{ExpertId, ExpertPlacement};
 
-use super::host_values;
+use super::{host_values, stacked_w13};
 use crate::moe::ExpertParallel;
 
 /// Where one layer's permuted rows belong.
@@ -212,10 +212,8 @@ impl<T: CudaElement> ExpertGpus<T> {
                                         ),
                                     }
                                 })?;
-                            let mut w13 = host_values::<T>(&host.w1);
-                            w13.extend(host_values::<T>(&host.w3));
                             GpuExpert {
-                                w13: b.upload(&w13)?,
+                                w13: b.upload(&stacked_w13::<T>(host))?,
                                 w2: b.upload(&host_values::<T>(&host.w2))?,
                             }
                         }

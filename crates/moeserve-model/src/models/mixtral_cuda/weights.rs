@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use super::super::mixtral::MixtralModel;
 use crate::config::MixtralConfig;
+use crate::moe::Expert;
 
 /// One tensor of the device model, by its role (layer and expert indices where it has them).
 #[derive(Clone, Copy, Debug)]
@@ -43,6 +44,13 @@ pub(super) fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
     }
 }
 
+/// An expert's gate and up projections stacked, `[w1; w3]` (what one GEMM multiplies by).
+pub(super) fn stacked_w13<T: CudaElement>(expert: &Expert) -> Vec<T> {
+    let mut both = host_values::<T>(&expert.w1);
+    both.extend(host_values::<T>(&expert.w3));
+    both
+}
+
 /// The weights of a loaded model, uploaded.
 pub(super) struct HostWeights<'a>(pub &'a MixtralModel);
 
@@ -63,10 +71,7 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
             Tensor::Gate(l) => &layer(l).block_sparse_moe.gate,
             Tensor::W2(l, e) => &layer(l).block_sparse_moe.experts[e].w2,
             Tensor::W13(l, e) => {
-                let expert = &layer(l).block_sparse_moe.experts[e];
-                let mut both = host_values::<T>(&expert.w1);
-                both.extend(host_values::<T>(&expert.w3));
-                return gpu.upload(&both);
+                return gpu.upload(&stacked_w13::<T>(&layer(l).block_sparse_moe.experts[e]));
             }
         };
         gpu.upload(&host_values::<T>(w))
