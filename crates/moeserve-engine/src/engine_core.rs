@@ -139,10 +139,10 @@ impl EngineCore {
         let limits =
             SchedulerLimits::new(&config.scheduler, model.config().max_position_embeddings);
         let block_size = config.cache.block_size;
-        let bytes_per_token = model.kv_layout(1, block_size).bytes_per_token();
+        let unit = model.kv_layout(1, block_size);
         let (bytes_per_block, budget) = match &config.device {
             Device::Cpu => (
-                bytes_per_token * block_size,
+                unit.bytes_per_token() * block_size,
                 config
                     .cache
                     .kv_cache_memory
@@ -152,7 +152,7 @@ impl EngineCore {
             // what `--gpu-memory-utilization` leaves after the weights.
             Device::Cuda(info) => {
                 let element = model.weight_dtype().size_in_bytes();
-                let per_block = bytes_per_token / std::mem::size_of::<f32>() * element * block_size;
+                let per_block = unit.bytes_per_token_in(element) * block_size;
                 let budget = match config.cache.kv_cache_memory {
                     Some(bytes) => bytes,
                     None => gpu_kv_cache_bytes(

@@ -20,9 +20,14 @@ pub struct KvCacheLayout {
 }
 
 impl KvCacheLayout {
-    /// Bytes one token occupies across all layers (keys and values).
+    /// Bytes one token occupies across all layers (keys and values) in this f32 cache.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.num_layers * self.kv_dim * std::mem::size_of::<f32>()
+        self.bytes_per_token_in(std::mem::size_of::<f32>())
+    }
+
+    /// The same with elements of `element_bytes` (a GPU cache holds the weights' dtype).
+    pub fn bytes_per_token_in(&self, element_bytes: usize) -> usize {
+        2 * self.num_layers * self.kv_dim * element_bytes
     }
 
     pub fn num_slots(&self) -> usize {
