@@ -21,6 +21,7 @@
 //! on the host too, so pairs reach the same slots as on the CPU.
 
 mod expert_parallel;
+mod host_step;
 mod weights;
 
 use half::{bf16, f16};
@@ -31,14 +32,15 @@ use moeserve_backend::device::CudaDeviceInfo;
 use moeserve_backend::{BackendError, cpu};
 use moeserve_core::{DType, ExpertId};
 
-use super::mixtral::{ForwardOptions, LogitsFor, MixtralModel};
+use super::mixtral::{ForwardOptions, MixtralModel};
 use crate::batch::{BatchLimits, ForwardBatch};
 use crate::config::MixtralConfig;
-use crate::kv_cache::{KvCacheLayout, slot_of};
+use crate::kv_cache::KvCacheLayout;
 use crate::moe::record::LayerRouting;
-use crate::moe::{Capacity, RoutedStep, RouterConfig, RoutingCounts, route};
+use crate::moe::{Capacity, RouterConfig, route};
 use crate::{ModelError, Result};
 use expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
+use host_step::{HostRouting, StepInputs, dropless_routing, step_inputs};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource, host_values, stacked_w13};
 
 /// A Mixtral model and its KV cache on one CUDA device.
@@ -165,60 +167,6 @@ struct DeviceModel<T> {
     experts: Option<ExpertGpus<T>>,
 }
 
-/// The host-side layout of one step: what the kernels index by.
-struct StepInputs {
-    ids: Vec<u32>,
-    positions: Vec<i32>,
-    /// Per token: its sequence (row of the block tables).
-    token_seq: Vec<i32>,
-    slots: Vec<i64>,
-    /// `[num_sequences, max_blocks]`, padded with 0 (never read past a sequence's length).
-    block_tables: Vec<i32>,
-    max_blocks: usize,
-    /// The tokens that get logits.
-    logit_rows: Vec<i32>,
-}
-
-fn step_inputs(
-    batch: &ForwardBatch<'_>,
-    limits: &BatchLimits,
-    logits: LogitsFor,
-) -> Result<StepInputs> {
-    let places = batch.places(limits)?;
-    let seqs = batch.sequences;
-    let max_blocks = seqs
-        .iter()
-        .map(|s| s.block_table.len())
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut block_tables = vec![0i32; seqs.len() * max_blocks];
-    for (row, s) in block_tables.chunks_exact_mut(max_blocks).zip(seqs) {
-        for (dst, b) in row.iter_mut().zip(s.block_table) {
-            *dst = *b as i32;
-        }
-    }
-    let slot = |p: &crate::batch::TokenPlace| {
-        slot_of(seqs[p.sequence].block_table, limits.block_size, p.position) as i64
-    };
-    let logit_rows = match logits {
-        LogitsFor::AllTokens => (0..places.len() as i32).collect(),
-        LogitsFor::LastTokens => seqs
-            .iter()
-            .map(|s| (s.query_start + s.query_len - 1) as i32)
-            .collect(),
-    };
-    Ok(StepInputs {
-        ids: batch.token_ids.to_vec(),
-        positions: places.iter().map(|p| p.position as i32).collect(),
-        token_seq: places.iter().map(|p| p.sequence as i32).collect(),
-        slots: places.iter().map(slot).collect(),
-        block_tables,
-        max_blocks,
-        logit_rows,
-    })
-}
-
 impl<T: CudaElement> DeviceModel<T> {
     /// The model of `config` with its weights from `source` and a KV cache of `layout`.
     fn build(
@@ -330,7 +278,7 @@ impl<T: CudaElement> DeviceModel<T> {
             }
             None => false,
         };
-        let wants = Readback {
+        let wants = StepMode {
             trace: trace.is_some(),
             routing: record.is_some(),
             capacity: opts.moe.capacity,
@@ -360,7 +308,7 @@ impl<T: CudaElement> DeviceModel<T> {
     fn run(
         &mut self,
         x: &StepInputs,
-        wants: Readback,
+        wants: StepMode,
         observe: &mut dyn FnMut(Observed),
     ) -> std::result::Result<Vec<f32>, CudaError> {
         let gpu = &self.gpu;
@@ -700,9 +648,10 @@ enum Observed {
     Routing(LayerRouting),
 }
 
-/// Which values to read back during a step (each read is a copy and a wait for the stream).
+/// How a step runs: which values it reads back (each read is a copy and a wait for the
+/// stream) and where it routes.
 #[derive(Clone, Copy)]
-struct Readback {
+struct StepMode {
     /// Layer outputs and router logits, for a [`super::mixtral::ForwardTrace`].
     trace: bool,
     /// Each layer's routing summary, for the engine's per-expert load.
@@ -711,231 +660,4 @@ struct Readback {
     capacity: Capacity,
     /// The experts run on the expert GPUs (routing on the host, to place pairs on slots).
     expert_parallel: bool,
-}
-
-/// A routing made on the host in the device kernels' layout (see `moe_permute.cu`): per
-/// (token, rank) pair its expert, weight and row within the expert's segment (`-1`: no pair
-/// there, e.g. dropped), and the segments' offsets.
-struct HostRouting {
-    /// `[num_tokens * top_k]`
-    topk_ids: Vec<i32>,
-    weights: Vec<f32>,
-    slots: Vec<i32>,
-    /// `[num_experts + 1]`
-    offsets: Vec<i32>,
-}
-
-impl HostRouting {
-    /// One segment per expert.
-    fn new(routed: &RoutedStep, num_experts: usize) -> Self {
-        Self::with_segments(routed, num_experts, |expert, _| expert as usize)
-    }
-
-    /// `segment(expert, ordinal)`: the segment of the `ordinal`-th pair routed to `expert` this
-    /// step (e.g. the physical slot of a placement). A token's computed pairs fill its first
-    /// ranks, in the routing's order; segment rows are handed out in token order, every pass of
-    /// an expert in one segment (spilled pairs compute the same values as in a later pass).
-    fn with_segments(
-        routed: &RoutedStep,
-        num_segments: usize,
-        mut segment: impl FnMut(u32, usize) -> usize,
-    ) -> Self {
-        let k = routed.top_k;
-        let n = routed.num_tokens * k;
-        let mut h = HostRouting {
-            topk_ids: vec![0; n],
-            weights: vec![0.0; n],
-            slots: vec![-1; n],
-            offsets: vec![0; num_segments + 1],
-        };
-        let mut next_row = vec![0i32; num_segments];
-        let mut ordinal = vec![0usize; routed.num_experts()];
-        for t in 0..routed.num_tokens {
-            for (j, pair) in routed.token_pairs(t).iter().enumerate() {
-                let nth = &mut ordinal[pair.expert as usize];
-                let s = segment(pair.expert, *nth);
-                *nth += 1;
-                h.topk_ids[t * k + j] = s as i32;
-                h.weights[t * k + j] = pair.weight;
-                h.slots[t * k + j] = next_row[s];
-                next_row[s] += 1;
-            }
-        }
-        for (e, rows) in next_row.iter().enumerate() {
-            h.offsets[e + 1] = h.offsets[e] + rows;
-        }
-        h
-    }
-}
-
-/// A dropless layer's routing summary from the segment offsets and the router's choices.
-fn dropless_routing(offsets: &[usize], topk_ids: Vec<i32>, top_k: usize) -> LayerRouting {
-    let expert_load: Vec<u32> = offsets.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
-    LayerRouting {
-        counts: RoutingCounts {
-            pairs: topk_ids.len() as u64,
-            ..RoutingCounts::default()
-        },
-        expert_load,
-        top_k,
-        chosen_experts: topk_ids.into_iter().map(|e| e as u32).collect(),
-        ..LayerRouting::default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::batch::SequenceSlice;
-
-    #[test]
-    fn step_inputs_index_tokens_by_sequence_position_and_slot() {
-        // A 3-token prefill (blocks 4, 5 of size 2) and a decode at position 4 (blocks 0, 2, 7).
-        let seqs = [
-            SequenceSlice {
-                query_start: 0,
-                query_len: 3,
-                context_len: 3,
-                block_table: &[4, 5],
-            },
-            SequenceSlice {
-                query_start: 3,
-                query_len: 1,
-                context_len: 5,
-                block_table: &[0, 2, 7],
-            },
-        ];
-        let batch = ForwardBatch {
-            token_ids: &[10, 11, 12, 13],
-            sequences: &seqs,
-        };
-        let limits = BatchLimits {
-            vocab_size: 100,
-            max_position_embeddings: 64,
-            block_size: 2,
-            num_blocks: 8,
-        };
-        let x = step_inputs(&batch, &limits, LogitsFor::LastTokens).unwrap();
-        assert_eq!(x.positions, [0, 1, 2, 4]);
-        assert_eq!(x.token_seq, [0, 0, 0, 1]);
-        assert_eq!(x.slots, [8, 9, 10, 14]);
-        assert_eq!(x.max_blocks, 3);
-        assert_eq!(x.block_tables, [4, 5, 0, 0, 2, 7]);
-        assert_eq!(x.logit_rows, [2, 3]);
-        let all = step_inputs(&batch, &limits, LogitsFor::AllTokens).unwrap();
-        assert_eq!(all.logit_rows, [0, 1, 2, 3]);
-        // A block outside the cache is refused before anything reaches the device.
-        let limits = BatchLimits {
-            num_blocks: 7,
-            ..limits
-        };
-        assert!(step_inputs(&batch, &limits, LogitsFor::LastTokens).is_err());
-    }
-
-    #[test]
-    fn host_routing_lays_out_every_computed_pair_once_in_its_experts_segment() {
-        use crate::moe::OverflowPolicy;
-        // 40 tokens over 6 experts, skewed towards expert 0, top-2, capacity factor 1.
-        let logits: Vec<f32> = (0..40 * 6)
-            .map(|i| ((i * 7919) % 13) as f32 * 0.3 - if i % 6 == 0 { 0.0 } else { 1.0 })
-            .collect();
-        for overflow in [
-            OverflowPolicy::Drop,
-            OverflowPolicy::Reroute,
-            OverflowPolicy::Spill,
-        ] {
-            let config = RouterConfig {
-                top_k: 2,
-                capacity: Capacity::Factor {
-                    alpha: 1.0,
-                    overflow,
-                },
-            };
-            let routed = route(&logits, 6, &config);
-            let h = HostRouting::new(&routed, 6);
-            assert_eq!(h.offsets[6] as usize, routed.pairs.len(), "{overflow}");
-            let mut seen = vec![Vec::new(); 6];
-            for t in 0..routed.num_tokens {
-                let pairs = routed.token_pairs(t);
-                for j in 0..2 {
-                    let at = t * 2 + j;
-                    match pairs.get(j) {
-                        Some(p) => {
-                            assert_eq!(h.topk_ids[at], p.expert as i32);
-                            assert_eq!(h.weights[at], p.weight);
-                            seen[p.expert as usize].push(h.slots[at]);
-                        }
-                        None => assert_eq!(h.slots[at], -1, "{overflow}: token {t} rank {j}"),
-                    }
-                }
-            }
-            for (e, rows) in seen.iter().enumerate() {
-                let want: Vec<i32> = (0..rows.len() as i32).collect();
-                assert_eq!(*rows, want, "{overflow}: expert {e}'s rows in token order");
-                assert_eq!(h.offsets[e + 1] - h.offsets[e], rows.len() as i32);
-                assert_eq!(routed.expert_load[e] as usize, rows.len(), "{overflow}");
-            }
-            if overflow == OverflowPolicy::Drop {
-                assert!(routed.counts.dropped > 0, "the case must drop something");
-            }
-        }
-    }
-
-    #[test]
-    fn placed_segments_run_by_device_and_replicas_take_turns() {
-        use moeserve_core::ExpertPlacement;
-        // 1 layer, 4 experts on 2 devices, 2 replicated slots (6 physical slots).
-        let placement = ExpertPlacement::round_robin(1, 4, 2, 2).unwrap();
-        let layout = SegmentLayout::new(&placement, 0);
-        assert_eq!(layout.num_segments(), placement.num_physical(0));
-        let devices = placement.physical_to_device(0);
-        let device_of_segment: Vec<u32> = {
-            let mut d = vec![0; layout.num_segments()];
-            for (slot, dev) in devices.iter().enumerate() {
-                d[layout.segment_of_slot(slot)] = dev.0;
-            }
-            d
-        };
-        assert!(device_of_segment.is_sorted(), "{device_of_segment:?}");
-        // 12 tokens all routed to experts 0 and 1 (top-2), dropless.
-        let logits: Vec<f32> = (0..12 * 4).map(|i| [3.0, 2.0, 0.0, -1.0][i % 4]).collect();
-        let routed = route(&logits, 4, &RouterConfig::dropless(2));
-        let h = HostRouting::with_segments(&routed, layout.num_segments(), |e, nth| {
-            layout.segment_of_slot(placement.slot_for(0, ExpertId(e), nth))
-        });
-        assert_eq!(h.offsets[layout.num_segments()], 24);
-        assert!(
-            [0u32, 1]
-                .iter()
-                .any(|e| placement.num_replicas(0, ExpertId(*e)) > 1),
-            "the case needs a replicated expert among the routed ones"
-        );
-        for e in [0u32, 1] {
-            // Each replica of a replicated expert takes some of its 12 pairs.
-            let slots = placement.logical_to_physical(0, ExpertId(e));
-            let rows: Vec<i32> = slots
-                .iter()
-                .map(|s| {
-                    let seg = layout.segment_of_slot(*s);
-                    h.offsets[seg + 1] - h.offsets[seg]
-                })
-                .collect();
-            assert_eq!(rows.iter().sum::<i32>(), 12, "expert {e}: {rows:?}");
-            if slots.len() > 1 {
-                assert!(
-                    rows.iter().all(|r| *r > 0),
-                    "expert {e}'s replicas: {rows:?}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn dropless_routing_counts_each_experts_pairs() {
-        let r = dropless_routing(&[0, 2, 2, 5], vec![0, 2, 2, 0, 2], 1);
-        assert_eq!(r.expert_load, [2, 0, 3]);
-        assert_eq!(r.counts.pairs, 5);
-        assert_eq!(r.counts.dropped, 0);
-        assert_eq!(r.chosen_experts, [0, 2, 2, 0, 2]);
-    }
 }

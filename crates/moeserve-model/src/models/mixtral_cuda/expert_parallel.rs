@@ -365,3 +365,59 @@ impl<T: CudaElement> ExpertGpus<T> {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::host_step::HostRouting;
+    use super::*;
+    use crate::moe::{RouterConfig, route};
+
+    #[test]
+    fn placed_segments_run_by_device_and_replicas_take_turns() {
+        use moeserve_core::ExpertPlacement;
+        // 1 layer, 4 experts on 2 devices, 2 replicated slots (6 physical slots).
+        let placement = ExpertPlacement::round_robin(1, 4, 2, 2).unwrap();
+        let layout = SegmentLayout::new(&placement, 0);
+        assert_eq!(layout.num_segments(), placement.num_physical(0));
+        let devices = placement.physical_to_device(0);
+        let device_of_segment: Vec<u32> = {
+            let mut d = vec![0; layout.num_segments()];
+            for (slot, dev) in devices.iter().enumerate() {
+                d[layout.segment_of_slot(slot)] = dev.0;
+            }
+            d
+        };
+        assert!(device_of_segment.is_sorted(), "{device_of_segment:?}");
+        // 12 tokens all routed to experts 0 and 1 (top-2), dropless.
+        let logits: Vec<f32> = (0..12 * 4).map(|i| [3.0, 2.0, 0.0, -1.0][i % 4]).collect();
+        let routed = route(&logits, 4, &RouterConfig::dropless(2));
+        let h = HostRouting::with_segments(&routed, layout.num_segments(), |e, nth| {
+            layout.segment_of_slot(placement.slot_for(0, ExpertId(e), nth))
+        });
+        assert_eq!(h.offsets[layout.num_segments()], 24);
+        assert!(
+            [0u32, 1]
+                .iter()
+                .any(|e| placement.num_replicas(0, ExpertId(*e)) > 1),
+            "the case needs a replicated expert among the routed ones"
+        );
+        for e in [0u32, 1] {
+            // Each replica of a replicated expert takes some of its 12 pairs.
+            let slots = placement.logical_to_physical(0, ExpertId(e));
+            let rows: Vec<i32> = slots
+                .iter()
+                .map(|s| {
+                    let seg = layout.segment_of_slot(*s);
+                    h.offsets[seg + 1] - h.offsets[seg]
+                })
+                .collect();
+            assert_eq!(rows.iter().sum::<i32>(), 12, "expert {e}: {rows:?}");
+            if slots.len() > 1 {
+                assert!(
+                    rows.iter().all(|r| *r > 0),
+                    "expert {e}'s replicas: {rows:?}"
+                );
+            }
+        }
+    }
+}
