@@ -12,7 +12,7 @@ use moeserve_backend::device::Device;
 use moeserve_core::{CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
-use moeserve_model::models::{CudaMixtral, ForwardOptions, MixtralModel};
+use moeserve_model::models::{CudaMixtral, ForwardOptions, ForwardWorkspace, MixtralModel};
 use moeserve_model::moe::MoeStepRecord;
 
 use crate::assets::ModelAssets;
@@ -37,8 +37,12 @@ pub struct EngineConfig {
 
 /// The forward pass and the KV storage it reads and writes.
 enum Executor {
-    /// The CPU forward of the loaded model; keys and values in host memory.
-    Cpu(PagedKvCache),
+    /// The CPU forward of the loaded model; keys and values in host memory, the step's
+    /// buffers reused from step to step.
+    Cpu {
+        kv: PagedKvCache,
+        workspace: Box<ForwardWorkspace>,
+    },
     /// The model's weights and KV cache on a CUDA device.
     Cuda(Box<CudaMixtral>),
 }
@@ -49,9 +53,17 @@ impl Executor {
         device: &Device,
         layout: KvCacheLayout,
         moe: &MoeConfig,
+        limits: &SchedulerLimits,
     ) -> Result<Self> {
         match device {
-            Device::Cpu => Ok(Executor::Cpu(PagedKvCache::new(layout))),
+            Device::Cpu => {
+                // Sized once for the largest step, so steps allocate nothing in the kernels.
+                model.reserve_task_scratch(limits.max_num_batched_tokens, limits.max_model_len);
+                Ok(Executor::Cpu {
+                    kv: PagedKvCache::new(layout),
+                    workspace: Box::default(),
+                })
+            }
             Device::Cuda(info) => {
                 // Expert parallelism puts device d's experts on GPU d.
                 if moe.expert_parallel_size > info.num_devices {
@@ -128,6 +140,10 @@ pub struct EngineCore {
     next_id: u64,
     stats: EngineStats,
     moe: MoeRuntime,
+    /// The last step's per-layer routing, kept for its buffers.
+    record: MoeStepRecord,
+    /// `[sampled sequences, vocab]`: the last step's logits, kept for the buffer.
+    logits: Vec<f32>,
 }
 
 impl EngineCore {
@@ -200,6 +216,7 @@ impl EngineCore {
                 &config.device,
                 model.kv_layout(num_blocks, block_size),
                 &config.moe,
+                &limits,
             )?,
             scheduler: Scheduler::new(limits, kv),
             assets,
@@ -207,6 +224,8 @@ impl EngineCore {
             next_id: 0,
             stats,
             moe,
+            record: MoeStepRecord::default(),
+            logits: Vec::new(),
         })
     }
 
@@ -276,14 +295,21 @@ impl EngineCore {
                 .clock;
             clock.first_scheduled.get_or_insert(started);
         }
-        let mut record = MoeStepRecord::default();
-        let logits = self.forward(&plan, &mut record)?;
-        self.account_moe(&plan, &record);
+        let mut record = std::mem::take(&mut self.record);
+        record.clear();
+        let mut logits = std::mem::take(&mut self.logits);
+        let forwarded = self.forward(&plan, &mut record, &mut logits);
+        if forwarded.is_ok() {
+            self.account_moe(&plan, &record);
+        }
+        self.record = record;
+        forwarded?;
         self.scheduler.update_from_output(&plan);
         let mut events = Vec::new();
         for (id, sampled) in self.sample_all(&plan, &logits) {
             self.take_sample(id, sampled, &mut events);
         }
+        self.logits = logits;
         self.stats.num_steps += 1;
         self.stats.num_batched_tokens += plan.num_batched_tokens() as u64;
         self.stats.last_step_seconds = started.elapsed().as_secs_f64();
@@ -308,8 +334,13 @@ impl EngineCore {
             .finish_step(self.stats.num_steps, record, &self.assets);
     }
 
-    /// One forward pass over every scheduled token of the step.
-    fn forward(&mut self, plan: &SchedulerOutput, record: &mut MoeStepRecord) -> Result<Vec<f32>> {
+    /// One forward pass over every scheduled token of the step; its logits go to `logits`.
+    fn forward(
+        &mut self,
+        plan: &SchedulerOutput,
+        record: &mut MoeStepRecord,
+        logits: &mut Vec<f32>,
+    ) -> Result<()> {
         let mut token_ids = Vec::with_capacity(plan.num_batched_tokens());
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(plan.scheduled.len());
         for s in &plan.scheduled {
@@ -352,10 +383,14 @@ impl EngineCore {
             moe: self.moe.options(record),
             ..Default::default()
         };
-        Ok(match &mut self.executor {
-            Executor::Cpu(kv) => self.assets.model.forward(&batch, kv, opts)?,
-            Executor::Cuda(gpu) => gpu.forward(&batch, opts)?,
-        })
+        match &mut self.executor {
+            Executor::Cpu { kv, workspace } => {
+                self.assets.model.forward_in(&batch, kv, opts, workspace)?;
+                workspace.swap_logits(logits);
+            }
+            Executor::Cuda(gpu) => *logits = gpu.forward(&batch, opts)?,
+        }
+        Ok(())
     }
 
     /// Samples every sequence of the step that needs a token, in parallel (each sequence has

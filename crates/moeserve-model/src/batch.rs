@@ -50,8 +50,15 @@ impl ForwardBatch<'_> {
 
     /// Checks the batch against the model and cache limits and lists every token's place.
     pub fn places(&self, limits: &BatchLimits) -> Result<Vec<TokenPlace>> {
-        let bad = |message: String| Err(ModelError::InvalidInput { message });
         let mut places = Vec::with_capacity(self.token_ids.len());
+        self.places_into(limits, &mut places)?;
+        Ok(places)
+    }
+
+    /// [`ForwardBatch::places`] into `places` (cleared first; a forward's workspace).
+    pub fn places_into(&self, limits: &BatchLimits, places: &mut Vec<TokenPlace>) -> Result<()> {
+        let bad = |message: String| Err(ModelError::InvalidInput { message });
+        places.clear();
         for (s, seq) in self.sequences.iter().enumerate() {
             if seq.query_start != places.len()
                 || seq.query_len == 0
@@ -102,7 +109,7 @@ impl ForwardBatch<'_> {
                 limits.vocab_size
             ));
         }
-        Ok(places)
+        Ok(())
     }
 }
 

@@ -27,24 +27,66 @@ pub struct ExpertRows<'a> {
     pub w2: &'a Weight,
 }
 
+/// The experts of a grouped SwiGLU in row order: a slice of [`ExpertRows`], or a view that
+/// makes them on demand (the MoE layer's segments), so a step builds no list of them.
+pub trait ExpertGroup: Sync {
+    fn num_experts(&self) -> usize;
+    fn expert(&self, i: usize) -> ExpertRows<'_>;
+}
+
+impl ExpertGroup for [ExpertRows<'_>] {
+    fn num_experts(&self) -> usize {
+        self.len()
+    }
+    fn expert(&self, i: usize) -> ExpertRows<'_> {
+        self[i]
+    }
+}
+
+/// The buffers of a grouped SwiGLU that live across its phases: where each expert's rows sit,
+/// the input rows in tile order and the SwiGLU activations. A step's workspace keeps one, so
+/// steps allocate nothing once it has seen one as large.
+#[derive(Default)]
+pub struct GroupedScratch {
+    placed: Vec<Placed>,
+    tiled: Vec<f32>,
+    act: Vec<f32>,
+}
+
 /// `x: [Σ rows, hidden]`, experts' rows consecutive in `experts` order → `out` of the same shape.
-pub fn grouped_swiglu(x: &[f32], experts: &[ExpertRows<'_>], out: &mut [f32]) {
-    let Some(first) = experts.first() else {
+pub fn grouped_swiglu<G: ExpertGroup + ?Sized>(x: &[f32], experts: &G, out: &mut [f32]) {
+    // Taken out of the thread-local, not borrowed: while this thread waits for the phases it
+    // may run another layer's job (expert-parallel devices, concurrent forwards), which then
+    // starts from empty buffers of its own.
+    let mut scratch = SCRATCH.take();
+    grouped_swiglu_in(x, experts, out, &mut scratch);
+    SCRATCH.set(scratch);
+}
+
+/// [`grouped_swiglu`] with the caller's buffers.
+pub fn grouped_swiglu_in<G: ExpertGroup + ?Sized>(
+    x: &[f32],
+    experts: &G,
+    out: &mut [f32],
+    scratch: &mut GroupedScratch,
+) {
+    let n = experts.num_experts();
+    if n == 0 {
         assert!(
             x.is_empty() && out.is_empty(),
             "grouped_swiglu: rows without experts"
         );
         return;
-    };
-    let hidden = first.w1.shape()[1];
-    let total: usize = experts.iter().map(|e| e.rows).sum();
+    }
+    let hidden = experts.expert(0).w1.shape()[1];
+    let total: usize = (0..n).map(|i| experts.expert(i).rows).sum();
     assert_eq!(
         x.len(),
         total * hidden,
         "grouped_swiglu: x is not [rows, hidden]"
     );
     assert_eq!(out.len(), x.len(), "grouped_swiglu: out must match x");
-    for e in experts {
+    for e in (0..n).map(|i| experts.expert(i)) {
         let inter = e.w1.shape()[0];
         assert!(
             e.w1.shape() == [inter, hidden]
@@ -58,137 +100,185 @@ pub fn grouped_swiglu(x: &[f32], experts: &[ExpertRows<'_>], out: &mut [f32]) {
     }
     #[cfg(target_arch = "x86_64")]
     if super::isa().packs_weights() {
-        by_panels(x, hidden, experts, out);
+        by_panels(x, hidden, experts, out, scratch);
         return;
     }
-    one_expert_at_a_time(x, hidden, experts, out);
+    one_expert_at_a_time(x, hidden, experts, out, scratch);
 }
 
 /// The portable path: three GEMMs per expert.
-fn one_expert_at_a_time(x: &[f32], hidden: usize, experts: &[ExpertRows<'_>], out: &mut [f32]) {
+fn one_expert_at_a_time<G: ExpertGroup + ?Sized>(
+    x: &[f32],
+    hidden: usize,
+    experts: &G,
+    out: &mut [f32],
+    scratch: &mut GroupedScratch,
+) {
+    // The gate and up projections of one expert at a time in the scratch's two buffers.
+    let (gate, up) = (&mut scratch.act, &mut scratch.tiled);
     let mut row = 0;
-    for e in experts {
+    for e in (0..experts.num_experts()).map(|i| experts.expert(i)) {
         let rows = row * hidden..(row + e.rows) * hidden;
         let inter = e.w1.shape()[0];
-        let mut gate = vec![0.0; e.rows * inter];
-        let mut up = vec![0.0; e.rows * inter];
-        matmul_wt(&x[rows.clone()], e.rows, e.w1, &mut gate);
-        matmul_wt(&x[rows.clone()], e.rows, e.w3, &mut up);
-        silu_mul(&mut gate, &up);
-        matmul_wt(&gate, e.rows, e.w2, &mut out[rows]);
+        gate.resize(e.rows * inter, 0.0);
+        up.resize(e.rows * inter, 0.0);
+        matmul_wt(&x[rows.clone()], e.rows, e.w1, gate);
+        matmul_wt(&x[rows.clone()], e.rows, e.w3, up);
+        silu_mul(gate, up);
+        matmul_wt(gate, e.rows, e.w2, &mut out[rows]);
         row += e.rows;
     }
 }
 
 /// Where one expert's rows sit: in `x`/`out` (row offset) and in the SwiGLU buffer.
 #[derive(Clone, Copy)]
-struct Placed<'a> {
-    e: ExpertRows<'a>,
+struct Placed {
+    /// Index in the expert group.
+    expert: usize,
     first_row: usize,
     /// Offset of its `[rows, intermediate]` block in the SwiGLU buffer.
     act_offset: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
-fn by_panels(x: &[f32], hidden: usize, experts: &[ExpertRows<'_>], out: &mut [f32]) {
-    let mut placed = Vec::with_capacity(experts.len());
+fn by_panels<G: ExpertGroup + ?Sized>(
+    x: &[f32],
+    hidden: usize,
+    experts: &G,
+    out: &mut [f32],
+    scratch: &mut GroupedScratch,
+) {
+    let GroupedScratch { placed, tiled, act } = scratch;
+    placed.clear();
     let (mut row, mut act_len) = (0, 0);
-    for e in experts.iter().filter(|e| e.rows > 0) {
+    for i in 0..experts.num_experts() {
+        let e = experts.expert(i);
+        if e.rows == 0 {
+            continue;
+        }
         placed.push(Placed {
-            e: *e,
+            expert: i,
             first_row: row,
             act_offset: act_len,
         });
         row += e.rows;
         act_len += e.rows * e.w1.shape()[0];
     }
-    // Every element of `act` is written in phase 1, so the buffer is reused unzeroed. It is
-    // taken out of the thread-local, not borrowed: while this thread waits for the phases it
-    // may run another layer's job (expert-parallel devices, concurrent forwards), which then
-    // starts from an empty buffer of its own.
-    let (mut act, mut tiled) = (ACT.take(), TILED_X.take());
+    // Every element of `act` is written in phase 1, so the buffer is reused unzeroed.
     if act.len() < act_len {
         act.resize(act_len, 0.0);
     }
     tiled.resize(x.len(), 0.0);
     let isa = super::isa();
-    for p in &placed {
-        let rows = p.first_row * hidden..(p.first_row + p.e.rows) * hidden;
-        TiledRows::pack_into(isa, &x[rows.clone()], p.e.rows, hidden, &mut tiled[rows]);
+    for p in placed.iter() {
+        let rows = experts.expert(p.expert).rows;
+        let range = p.first_row * hidden..(p.first_row + rows) * hidden;
+        TiledRows::pack_into(isa, &x[range.clone()], rows, hidden, &mut tiled[range]);
     }
-    two_phases(&tiled, hidden, &placed, &mut act[..act_len], out);
-    ACT.set(act);
-    TILED_X.set(tiled);
+    let groups = Groups { experts, placed };
+    two_phases(tiled, hidden, &groups, &mut act[..act_len], out);
+}
+
+/// The non-empty experts of a grouped SwiGLU with where their rows sit.
+struct Groups<'g, G: ?Sized> {
+    experts: &'g G,
+    placed: &'g [Placed],
+}
+
+impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
+    /// The `(expert rows, placement)` of every task of one phase: each non-empty expert's
+    /// 32-column panels (`panels_of` counts them).
+    fn tasks(
+        &self,
+        panels_of: fn(&ExpertRows<'_>) -> usize,
+    ) -> impl ParallelIterator<Item = (ExpertRows<'_>, Placed, usize)> {
+        self.placed.par_iter().flat_map(move |p| {
+            let e = self.experts.expert(p.expert);
+            (0..panels_of(&e)).into_par_iter().map(move |q| (e, *p, q))
+        })
+    }
 }
 
 /// `x` is in tile order per expert; `act` is written in tile order per expert.
 #[cfg(target_arch = "x86_64")]
-fn two_phases(x: &[f32], hidden: usize, placed: &[Placed<'_>], act: &mut [f32], out: &mut [f32]) {
+fn two_phases<G: ExpertGroup + ?Sized>(
+    x: &[f32],
+    hidden: usize,
+    groups: &Groups<'_, G>,
+    act: &mut [f32],
+    out: &mut [f32],
+) {
     use super::matmul::weight_panel;
 
     let isa = super::isa();
     let act_ptr = OutPtr(act.as_mut_ptr());
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let tasks = |panels_of: fn(&ExpertRows<'_>) -> usize| {
-        placed
-            .par_iter()
-            .flat_map(move |p| (0..panels_of(&p.e)).into_par_iter().map(move |q| (*p, q)))
-    };
     // Phase 1: act = silu(x · w1ᵀ) * (x · w3ᵀ), one panel of both at a time.
-    tasks(|e| e.w1.shape()[0].div_ceil(PANEL)).for_each(|(p, q)| {
-        let inter = p.e.w1.shape()[0];
-        let xe = &x[p.first_row * hidden..(p.first_row + p.e.rows) * hidden];
-        let xe = TiledRows::already_tiled(isa, xe, p.e.rows, hidden);
-        GATE_UP.with_borrow_mut(|(gate, up)| {
-            gate.resize(p.e.rows * PANEL, 0.0);
-            up.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(isa, xe, p.e.w1, q, gate);
-            weight_panel(isa, xe, p.e.w3, q, up);
-            silu_mul(gate, up);
-            let cols = PANEL.min(inter - q * PANEL);
-            // SAFETY: positions 32q .. 32q + cols of this expert's `[rows, inter]` block are
-            // inside `act` and written by this task only.
-            unsafe {
-                TiledRows::scatter_columns(
-                    isa,
-                    gate,
-                    (p.e.rows, inter),
-                    (q * PANEL, cols),
-                    act_ptr.get().add(p.act_offset),
-                )
-            };
-        })
-    });
-    // Phase 2: out = act · w2ᵀ.
-    tasks(|e| e.w2.shape()[0].div_ceil(PANEL)).for_each(|(p, q)| {
-        let inter = p.e.w1.shape()[0];
-        let ae = &act[p.act_offset..p.act_offset + p.e.rows * inter];
-        let ae = TiledRows::already_tiled(isa, ae, p.e.rows, inter);
-        GATE_UP.with_borrow_mut(|(down, _)| {
-            down.resize(p.e.rows * PANEL, 0.0);
-            weight_panel(isa, ae, p.e.w2, q, down);
-            let cols = PANEL.min(hidden - q * PANEL);
-            for (i, d) in down.chunks_exact(PANEL).enumerate() {
-                // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
-                // written by this task only.
+    groups
+        .tasks(|e| e.w1.shape()[0].div_ceil(PANEL))
+        .for_each(|(e, p, q)| {
+            let inter = e.w1.shape()[0];
+            let xe = &x[p.first_row * hidden..(p.first_row + e.rows) * hidden];
+            let xe = TiledRows::already_tiled(isa, xe, e.rows, hidden);
+            GATE_UP.with_borrow_mut(|(gate, up)| {
+                gate.resize(e.rows * PANEL, 0.0);
+                up.resize(e.rows * PANEL, 0.0);
+                weight_panel(isa, xe, e.w1, q, gate);
+                weight_panel(isa, xe, e.w3, q, up);
+                silu_mul(gate, up);
+                let cols = PANEL.min(inter - q * PANEL);
+                // SAFETY: positions 32q .. 32q + cols of this expert's `[rows, inter]` block are
+                // inside `act` and written by this task only.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        d.as_ptr(),
-                        out_ptr.get().add((p.first_row + i) * hidden + q * PANEL),
-                        cols,
+                    TiledRows::scatter_columns(
+                        isa,
+                        gate,
+                        (e.rows, inter),
+                        (q * PANEL, cols),
+                        act_ptr.get().add(p.act_offset),
                     )
                 };
-            }
-        })
+            })
+        });
+    // Phase 2: out = act · w2ᵀ.
+    groups
+        .tasks(|e| e.w2.shape()[0].div_ceil(PANEL))
+        .for_each(|(e, p, q)| {
+            let inter = e.w1.shape()[0];
+            let ae = &act[p.act_offset..p.act_offset + e.rows * inter];
+            let ae = TiledRows::already_tiled(isa, ae, e.rows, inter);
+            GATE_UP.with_borrow_mut(|(down, _)| {
+                down.resize(e.rows * PANEL, 0.0);
+                weight_panel(isa, ae, e.w2, q, down);
+                let cols = PANEL.min(hidden - q * PANEL);
+                for (i, d) in down.chunks_exact(PANEL).enumerate() {
+                    // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
+                    // written by this task only.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            d.as_ptr(),
+                            out_ptr.get().add((p.first_row + i) * hidden + q * PANEL),
+                            cols,
+                        )
+                    };
+                }
+            })
+        });
+}
+
+/// Makes this thread's task buffers hold experts of up to `max_rows` rows without growing
+/// (see [`super::reserve_task_scratch`]).
+pub(super) fn reserve_task_scratch(max_rows: usize) {
+    GATE_UP.with_borrow_mut(|(gate, up)| {
+        super::matmul::reserve(gate, max_rows * PANEL);
+        super::matmul::reserve(up, max_rows * PANEL);
     });
 }
 
 thread_local! {
-    /// The SwiGLU activations `[rows, intermediate]` of every expert (tile order), between
-    /// the phases.
-    static ACT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The input rows of every expert in tile order.
-    static TILED_X: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// [`grouped_swiglu`]'s buffers when the caller keeps none.
+    static SCRATCH: std::cell::RefCell<GroupedScratch> =
+        std::cell::RefCell::new(GroupedScratch::default());
     /// A task's gate and up panels (`rows × PANEL` each); the down panel reuses the first.
     static GATE_UP: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
@@ -226,9 +316,15 @@ mod tests {
         let total: usize = rows.iter().sum();
         let x = pseudo_random(total * hidden, 7);
         let mut grouped = vec![f32::NAN; x.len()];
-        grouped_swiglu(&x, &experts, &mut grouped);
+        grouped_swiglu(&x, &experts[..], &mut grouped);
         let mut want = vec![0.0; x.len()];
-        one_expert_at_a_time(&x, hidden, &experts, &mut want);
+        one_expert_at_a_time(
+            &x,
+            hidden,
+            &experts[..],
+            &mut want,
+            &mut GroupedScratch::default(),
+        );
         assert_eq!(grouped, want);
     }
 }

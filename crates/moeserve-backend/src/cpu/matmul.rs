@@ -41,11 +41,21 @@ struct Dims {
 
 /// `out[i, j] = Σ_k x[i, k] · w[j, k]` for `x: [m, k]`, `w: [n, k]`, `out: [m, n]`.
 pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    matmul_wt_on(isa(), x, m, w, out)
+    // Taken out of the thread-local, not borrowed: while this thread waits for the tasks it
+    // may run another product's task, which then packs into a buffer of its own.
+    let mut tiled = TILED_X.take();
+    matmul_wt_on(isa(), x, m, w, out, &mut tiled);
+    TILED_X.set(tiled);
+}
+
+/// [`matmul_wt`] with the caller's buffer for the activations in tile order (`m · k`
+/// elements; a step's workspace keeps one, so steps allocate nothing).
+pub fn matmul_wt_in(x: &[f32], m: usize, w: &Weight, out: &mut [f32], tiled: &mut Vec<f32>) {
+    matmul_wt_on(isa(), x, m, w, out, tiled)
 }
 
 /// [`matmul_wt`] on the kernels of `isa`, which the CPU must support.
-fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tiled: &mut Vec<f32>) {
     assert_eq!(w.shape().len(), 2, "matmul_wt: weight must be 2-D");
     let d = Dims {
         m,
@@ -74,10 +84,7 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => {
-            // Taken out of the thread-local, not borrowed: while this thread waits for the
-            // tasks it may run another product's task, which then packs into a buffer of its own.
-            let mut buf = TILED_X.take();
-            let x = TiledRows::pack(isa, x, m, d.k, &mut buf);
+            let x = TiledRows::pack(isa, x, m, d.k, tiled);
             match w.packed() {
                 PackedWeight::F32(p) => run_packed(isa, x, d, p, out, None),
                 PackedWeight::F16(p) => run_packed(isa, x, d, p, out, None),
@@ -86,7 +93,6 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
                     run_packed(isa, x, d, panels, out, Some(scales))
                 }
             }
-            TILED_X.set(buf);
         }
         _ => match w.data() {
             WeightData::F32(v) => run_scalar(x, v, d, out),
@@ -389,6 +395,21 @@ struct BlockScratch {
     part: Vec<f32>,
 }
 
+/// Makes this thread's task buffers hold products of up to `max_rows` rows without growing
+/// (see [`super::reserve_task_scratch`]).
+pub(super) fn reserve_task_scratch(max_rows: usize) {
+    BLOCK_SCRATCH.with_borrow_mut(|s| {
+        reserve(&mut s.wide, KC * PANEL);
+        reserve(&mut s.part, max_rows * PANEL);
+    });
+    PANEL_OUT.with_borrow_mut(|acc| reserve(acc, max_rows * PANEL));
+}
+
+/// `buf` with room for `len` elements.
+pub(super) fn reserve(buf: &mut Vec<f32>, len: usize) {
+    buf.reserve(len.saturating_sub(buf.len()));
+}
+
 thread_local! {
     static BLOCK_SCRATCH: std::cell::RefCell<BlockScratch> =
         std::cell::RefCell::new(BlockScratch::default());
@@ -548,7 +569,7 @@ mod tests {
                 let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 6));
                 let run = |isa| {
                     let mut out = vec![0.0; m * n];
-                    matmul_wt_on(isa, &x, m, &w, &mut out);
+                    matmul_wt_on(isa, &x, m, &w, &mut out, &mut Vec::new());
                     out
                 };
                 assert_eq!(run(Isa::Avx2), run(Isa::Avx512), "{dtype} {m}x{n}x{k}");

@@ -17,8 +17,8 @@ pub mod probe;
 mod quant;
 pub mod reference;
 
-pub use grouped::{ExpertRows, grouped_swiglu};
-pub use matmul::matmul_wt;
+pub use grouped::{ExpertGroup, ExpertRows, GroupedScratch, grouped_swiglu, grouped_swiglu_in};
+pub use matmul::{matmul_wt, matmul_wt_in};
 pub use ops::{
     RopeAngles, add_assign, add_rms_norm, apply_rope, rms_norm, rope_inv_freq, silu_mul,
     softmax_in_place,
@@ -26,6 +26,16 @@ pub use ops::{
 pub use quant::{WeightQuantization, set_weight_quantization, weight_quantization};
 
 use std::sync::OnceLock;
+
+/// Sizes every kernel thread's per-task buffers for products of up to `max_rows` activation
+/// rows (a step's token budget), so the steps after it allocate nothing in the kernels' tasks
+/// whichever thread runs them. Runs on every thread of the current pool.
+pub fn reserve_task_scratch(max_rows: usize) {
+    rayon::broadcast(|_| {
+        matmul::reserve_task_scratch(max_rows);
+        grouped::reserve_task_scratch(max_rows);
+    });
+}
 
 /// Sizes the kernels' persistent thread pool: `threads`, or one per core. Call once, before
 /// the first kernel runs; returns the pool's size.

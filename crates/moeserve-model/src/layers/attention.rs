@@ -52,25 +52,41 @@ impl Attention {
     /// Attention of every step token of `batch`; writes this step's keys and values to `kv` at
     /// `layer` first, so a token sees itself and its sequence's earlier tokens.
     ///
-    /// `x: [num_tokens, hidden]` (already normed) → `out: [num_tokens, hidden]`.
-    pub fn forward(&self, step: &AttentionStep<'_>, kv: &mut PagedKvCache, out: &mut [f32]) {
+    /// `x: [num_tokens, hidden]` (already normed) → `out: [num_tokens, hidden]`; `bufs` holds
+    /// the step's queries, keys, values and attention outputs, `tiled` the projections'
+    /// activations in tile order (both reused across layers and steps).
+    pub fn forward(
+        &self,
+        step: &AttentionStep<'_>,
+        kv: &mut PagedKvCache,
+        bufs: &mut AttentionBuffers,
+        tiled: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
         let t = step.places.len();
         let (qd, kvd) = (
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         );
-        let mut q = vec![0.0; t * qd]; // [num_tokens, num_heads * head_dim]
-        let mut k = vec![0.0; t * kvd]; // [num_tokens, num_kv_heads * head_dim]
-        let mut v = vec![0.0; t * kvd];
-        cpu::matmul_wt(step.x, t, &self.q_proj, &mut q);
-        cpu::matmul_wt(step.x, t, &self.k_proj, &mut k);
-        cpu::matmul_wt(step.x, t, &self.v_proj, &mut v);
+        let AttentionBuffers {
+            q,
+            k,
+            v,
+            attn,
+            angles,
+        } = bufs;
+        for (buf, len) in [(&mut *q, t * qd), (&mut *k, t * kvd), (&mut *v, t * kvd)] {
+            buf.clear();
+            buf.resize(len, 0.0);
+        }
+        cpu::matmul_wt_in(step.x, t, &self.q_proj, q, tiled);
+        cpu::matmul_wt_in(step.x, t, &self.k_proj, k, tiled);
+        cpu::matmul_wt_in(step.x, t, &self.v_proj, v, tiled);
         let block_size = kv.layout().block_size;
-        let mut angles = cpu::RopeAngles::default();
         for (i, place) in step.places.iter().enumerate() {
             angles.set(place.position, &self.inv_freq);
-            cpu::apply_rope(&mut q[i * qd..(i + 1) * qd], self.head_dim, &angles);
-            cpu::apply_rope(&mut k[i * kvd..(i + 1) * kvd], self.head_dim, &angles);
+            cpu::apply_rope(&mut q[i * qd..(i + 1) * qd], self.head_dim, angles);
+            cpu::apply_rope(&mut k[i * kvd..(i + 1) * kvd], self.head_dim, angles);
             let table = step.batch.sequences[place.sequence].block_table;
             let slot = slot_of(table, block_size, place.position);
             kv.write(
@@ -80,23 +96,25 @@ impl Attention {
                 &v[i * kvd..(i + 1) * kvd],
             );
         }
-        let mut attn = vec![0.0; t * qd]; // [num_tokens, num_heads * head_dim]
+        attn.clear();
+        attn.resize(t * qd, 0.0);
         let kv = &*kv;
         let d = self.head_dim;
         let group = self.num_heads / self.num_kv_heads;
         // One task per (token, KV head): the heads of a group share their K/V rows, and a
         // batch-1 decode still spreads over the cores.
-        attn.par_chunks_mut(group * d).enumerate().for_each_init(
-            || (Vec::new(), Vec::new()),
-            |scratch, (i, out)| {
+        attn.par_chunks_mut(group * d)
+            .enumerate()
+            .for_each(|(i, out)| {
                 let (token, kvh) = (i / self.num_kv_heads, i % self.num_kv_heads);
                 let place = step.places[token];
                 let table = step.batch.sequences[place.sequence].block_table;
                 let q = &q[token * qd + kvh * group * d..][..group * d];
-                self.attend(step.layer, kv, (place, table, kvh), q, scratch, out);
-            },
-        );
-        cpu::matmul_wt(&attn, t, &self.o_proj, out);
+                ATTEND_SCRATCH.with_borrow_mut(|scratch| {
+                    self.attend(step.layer, kv, (place, table, kvh), q, scratch, out)
+                });
+            });
+        cpu::matmul_wt_in(attn, t, &self.o_proj, out, tiled);
     }
 
     /// The query heads of KV head `kvh` of one token against its visible keys; `scratch` holds
@@ -134,6 +152,39 @@ impl Attention {
         };
         attention::attend_kv_head(&query, scores, out);
     }
+}
+
+/// The buffers of a step's attention, reused across layers and steps.
+#[derive(Default)]
+pub struct AttentionBuffers {
+    /// `[num_tokens, num_heads * head_dim]`
+    q: Vec<f32>,
+    /// `[num_tokens, num_kv_heads * head_dim]`
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// `[num_tokens, num_heads * head_dim]`: attention outputs before `o_proj`.
+    attn: Vec<f32>,
+    angles: cpu::RopeAngles,
+}
+
+thread_local! {
+    /// A kernel thread's visible slots and scores of its current (token, KV head) task; kept
+    /// per thread so the tasks of a step allocate nothing once the threads have seen a context
+    /// as long.
+    static ATTEND_SCRATCH: std::cell::RefCell<(Vec<usize>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Makes every kernel thread's attention scratch hold a query of up to `group` heads against
+/// `max_context` keys without growing (with `cpu::reserve_task_scratch`, what lets a step
+/// allocate nothing whichever thread runs a task).
+pub fn reserve_task_scratch(group: usize, max_context: usize) {
+    rayon::broadcast(|_| {
+        ATTEND_SCRATCH.with_borrow_mut(|(slots, scores)| {
+            slots.reserve(max_context.saturating_sub(slots.len()));
+            scores.reserve((group * max_context).saturating_sub(scores.len()));
+        })
+    });
 }
 
 /// What one layer's attention needs about the step.

@@ -11,6 +11,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
 use crate::kv_cache::{KvCacheLayout, PagedKvCache};
 use crate::layers::attention::{Attention, AttentionStep};
+use crate::models::workspace::{ForwardWorkspace, zeroed};
 use crate::moe::experts::check_router_bias;
 use crate::moe::{MoeLayerStep, MoeOptions, SparseMoe};
 use crate::{ModelError, Result};
@@ -236,6 +237,18 @@ impl MixtralModel {
         }
     }
 
+    /// Sizes every kernel thread's per-task buffers for steps of up to `max_tokens` tokens over
+    /// contexts of up to `max_context` (the engine's token budget and `--max-model-len`), so
+    /// that steps run in a warmed-up [`ForwardWorkspace`] allocate nothing whichever pool
+    /// thread runs which task. Without it the buffers grow on first use.
+    pub fn reserve_task_scratch(&self, max_tokens: usize, max_context: usize) {
+        let c = &self.config;
+        cpu::reserve_task_scratch(max_tokens);
+        let visible = c.sliding_window.map_or(max_context, |w| w.min(max_context));
+        let group = c.num_attention_heads / c.num_key_value_heads.max(1);
+        crate::layers::attention::reserve_task_scratch(group, visible);
+    }
+
     /// Runs one step: writes the step tokens' keys/values into `kv` and returns logits
     /// (`[num_sequences or num_tokens, vocab]`, see [`LogitsFor`]).
     pub fn forward(
@@ -244,10 +257,26 @@ impl MixtralModel {
         kv: &mut PagedKvCache,
         opts: ForwardOptions<'_>,
     ) -> Result<Vec<f32>> {
+        let mut ws = ForwardWorkspace::default();
+        self.forward_in(batch, kv, opts, &mut ws)?;
+        Ok(std::mem::take(&mut ws.logits))
+    }
+
+    /// [`MixtralModel::forward`] in the buffers of `ws`, which holds the logits it returns.
+    /// Steps run in one workspace allocate nothing once it has seen a step as large (without
+    /// expert parallelism or a trace).
+    pub fn forward_in<'w>(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut PagedKvCache,
+        opts: ForwardOptions<'_>,
+        ws: &'w mut ForwardWorkspace,
+    ) -> Result<&'w [f32]> {
         // The whole pass runs on a kernel pool thread: each of the step's ~500 parallel kernels
         // then forks from inside the pool instead of waking the pool from outside and sleeping
         // until it is done (a futex round trip per kernel).
-        rayon::scope(|_| self.forward_on_pool(batch, kv, opts))
+        rayon::scope(|_| self.forward_on_pool(batch, kv, opts, ws))?;
+        Ok(&ws.logits)
     }
 
     fn forward_on_pool(
@@ -255,7 +284,8 @@ impl MixtralModel {
         batch: &ForwardBatch<'_>,
         kv: &mut PagedKvCache,
         opts: ForwardOptions<'_>,
-    ) -> Result<Vec<f32>> {
+        ws: &mut ForwardWorkspace,
+    ) -> Result<()> {
         let c = &self.config;
         let layout = *kv.layout();
         if layout.num_layers != c.num_hidden_layers || layout.kv_dim != c.kv_dim() {
@@ -263,29 +293,44 @@ impl MixtralModel {
                 message: format!("KV cache layout {layout:?} does not fit the model"),
             });
         }
-        let places = batch.places(&BatchLimits {
+        let limits = BatchLimits {
             vocab_size: c.vocab_size,
             max_position_embeddings: c.max_position_embeddings,
             block_size: layout.block_size,
             num_blocks: layout.num_blocks,
-        })?;
+        };
+        batch.places_into(&limits, &mut ws.places)?;
         self.check_moe_options(&opts.moe)?;
         let (t, h) = (batch.num_tokens(), c.hidden_size);
         let mut trace = opts.trace;
         let mut moe = opts.moe;
-        let mut hidden = vec![0.0; t * h]; // [num_tokens, hidden]: the residual stream
+        let ForwardWorkspace {
+            places,
+            hidden,
+            normed,
+            delta,
+            attention,
+            tiled,
+            router_logits,
+            moe: moe_ws,
+            logit_rows,
+            selected,
+            final_normed,
+            logits,
+        } = ws;
+        zeroed(hidden, t * h);
         for (row, id) in hidden.chunks_exact_mut(h).zip(batch.token_ids) {
             cpu::convert::widen_row(self.embed_tokens.data(), *id as usize, row);
         }
-        let mut normed = vec![0.0; t * h];
-        let mut delta = vec![0.0; t * h];
+        zeroed(normed, t * h);
+        zeroed(delta, t * h);
         for (l, layer) in self.layers.iter().enumerate() {
             // The previous layer's MoE residual is added in the same pass as this norm.
             if l == 0 {
-                cpu::rms_norm(&hidden, &layer.input_layernorm, c.rms_norm_eps, &mut normed);
+                cpu::rms_norm(hidden, &layer.input_layernorm, c.rms_norm_eps, normed);
             } else {
                 let w = &layer.input_layernorm;
-                cpu::add_rms_norm(&mut hidden, &delta, w, c.rms_norm_eps, &mut normed);
+                cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
                 if let Some(trace) = trace.as_deref_mut() {
                     trace.layer_outputs.push(hidden.clone());
                 }
@@ -293,51 +338,51 @@ impl MixtralModel {
             let step = AttentionStep {
                 layer: l,
                 batch,
-                places: &places,
-                x: &normed,
+                places,
+                x: normed,
             };
-            layer.self_attn.forward(&step, kv, &mut delta);
+            layer.self_attn.forward(&step, kv, attention, tiled, delta);
             let w = &layer.post_attention_layernorm;
-            cpu::add_rms_norm(&mut hidden, &delta, w, c.rms_norm_eps, &mut normed);
-            let router_logits = layer.block_sparse_moe.router_logits(&normed, t);
+            cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
+            let block = &layer.block_sparse_moe;
+            block.router_logits_into(normed, t, router_logits, tiled);
             let step = MoeLayerStep {
                 layer: l,
-                x: &normed,
-                router_logits: &router_logits,
+                x: normed,
+                router_logits,
                 capacity: moe.capacity,
                 experts: moe.experts,
             };
-            let routing = layer.block_sparse_moe.forward(&step, &mut delta);
-            if let Some(record) = moe.record.as_deref_mut() {
-                record.layers.push(routing);
-            }
+            let summary = moe.record.as_deref_mut().map(|r| r.push_layer());
+            block.forward_in(&step, moe_ws, delta, summary);
             if let Some(trace) = trace.as_deref_mut() {
-                trace.router_logits.push(router_logits);
+                trace.router_logits.push(router_logits.clone());
             }
         }
         // The last layer's MoE residual (zeros without layers).
-        cpu::add_assign(&mut hidden, &delta);
+        cpu::add_assign(hidden, delta);
         if let Some(trace) = trace.filter(|_| !self.layers.is_empty()) {
             trace.layer_outputs.push(hidden.clone());
         }
-        let rows: Vec<usize> = match opts.logits {
-            LogitsFor::AllTokens => (0..t).collect(),
-            LogitsFor::LastTokens => batch
-                .sequences
-                .iter()
-                .map(|s| s.query_start + s.query_len - 1)
-                .collect(),
-        };
-        let selected: Vec<f32> = rows
-            .iter()
-            .flat_map(|r| &hidden[r * h..(r + 1) * h])
-            .copied()
-            .collect();
-        let mut final_normed = vec![0.0; selected.len()];
-        cpu::rms_norm(&selected, &self.norm, c.rms_norm_eps, &mut final_normed);
-        let mut logits = vec![0.0; rows.len() * c.vocab_size];
-        cpu::matmul_wt(&final_normed, rows.len(), &self.lm_head, &mut logits);
-        Ok(logits)
+        logit_rows.clear();
+        match opts.logits {
+            LogitsFor::AllTokens => logit_rows.extend(0..t),
+            LogitsFor::LastTokens => logit_rows.extend(
+                batch
+                    .sequences
+                    .iter()
+                    .map(|s| s.query_start + s.query_len - 1),
+            ),
+        }
+        selected.clear();
+        for r in logit_rows.iter() {
+            selected.extend_from_slice(&hidden[r * h..(r + 1) * h]);
+        }
+        zeroed(final_normed, selected.len());
+        cpu::rms_norm(selected, &self.norm, c.rms_norm_eps, final_normed);
+        zeroed(logits, logit_rows.len() * c.vocab_size);
+        cpu::matmul_wt_in(final_normed, logit_rows.len(), &self.lm_head, logits, tiled);
+        Ok(())
     }
 
     /// A valid capacity and, with expert parallelism, a placement made for this model.

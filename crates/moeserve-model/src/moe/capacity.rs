@@ -12,7 +12,7 @@ use moeserve_core::ConfigError;
 /// Lives in core so `MoeConfig` can name it; re-exported here with the capacity it applies to.
 pub use moeserve_core::OverflowPolicy;
 
-use super::router::{Ranking, RoutedPair, RoutingCounts};
+use super::router::{Ranking, RoutedPair, RoutedStep, RoutingCounts};
 
 /// The per-expert limit of one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -70,18 +70,9 @@ pub fn expert_capacity(num_tokens: usize, top_k: usize, num_experts: usize, alph
     (slots as usize).max(1)
 }
 
-/// The pairs of one step after capacity; see `RoutedStep` for the layout.
-pub(crate) struct Assignment {
-    pub(crate) pairs: Vec<RoutedPair>,
-    pub(crate) token_offsets: Vec<usize>,
-    pub(crate) counts: RoutingCounts,
-    pub(crate) expert_load: Vec<u32>,
-    pub(crate) expert_capacity: Option<usize>,
-    pub(crate) num_passes: u32,
-}
-
-/// Assigns slots in token order, and within a token in rank order.
-pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity) -> Assignment {
+/// Assigns slots in token order, and within a token in rank order: fills the pairs, token
+/// offsets, counts, loads, capacity and passes of `out` (its buffers are reused).
+pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity, out: &mut RoutedStep) {
     let (num_tokens, num_experts) = (ranking.num_tokens(), ranking.num_experts());
     let (limit, policy) = match *capacity {
         Capacity::Dropless => (None, None),
@@ -91,17 +82,16 @@ pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity) -> As
         ),
     };
     let has_room = |load: &[u32], e: u32| limit.is_none_or(|c| (load[e as usize] as usize) < c);
-    let mut out = Assignment {
-        pairs: Vec::with_capacity(num_tokens * top_k),
-        token_offsets: Vec::with_capacity(num_tokens + 1),
-        counts: RoutingCounts {
-            pairs: (num_tokens * top_k) as u64,
-            ..RoutingCounts::default()
-        },
-        expert_load: vec![0; num_experts],
-        expert_capacity: limit,
-        num_passes: 0,
+    out.pairs.clear();
+    out.token_offsets.clear();
+    out.counts = RoutingCounts {
+        pairs: (num_tokens * top_k) as u64,
+        ..RoutingCounts::default()
     };
+    out.expert_load.clear();
+    out.expert_load.resize(num_experts, 0);
+    out.expert_capacity = limit;
+    out.num_passes = 0;
     out.token_offsets.push(0);
     for token in 0..num_tokens {
         let (probs, order) = (ranking.probs(token), ranking.order(token));
@@ -155,7 +145,6 @@ pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity) -> As
         kept.iter_mut().for_each(|p| p.weight /= sum);
         out.token_offsets.push(out.pairs.len());
     }
-    out
 }
 
 #[cfg(test)]

@@ -42,7 +42,8 @@ impl SlotMap<'_> {
     }
 }
 
-/// One layer's pairs, grouped for the devices.
+/// One layer's pairs, grouped for the devices. Its buffers are reused from step to step.
+#[derive(Default)]
 pub(crate) struct Dispatch {
     /// `[num_devices]`
     pub(crate) work: Vec<DeviceWork>,
@@ -51,31 +52,58 @@ pub(crate) struct Dispatch {
     hidden: usize,
     /// `[num_devices]`: pairs each device computes.
     pub(crate) device_pairs: Vec<u64>,
+    /// Scratch of `plan`: pairs routed to each expert so far.
+    ordinal: Vec<usize>,
+    /// Scratch of `plan`: (device, slot, pass, pair index) of every pair.
+    keyed: Vec<(usize, usize, u32, usize)>,
+    /// Scratch of `combine`: one token's pairs in expert order.
+    order: Vec<usize>,
 }
 
 impl Dispatch {
     /// Groups `routed`'s pairs by (device, slot, pass) and gathers their rows of
     /// `x: [num_tokens, hidden]`. Within a segment rows keep token order.
+    #[cfg(test)]
     pub(crate) fn plan(routed: &RoutedStep, x: &[f32], hidden: usize, slots: SlotMap<'_>) -> Self {
-        let mut ordinal = vec![0usize; routed.num_experts()];
-        // (device, slot, pass, pair index): unique, so the sort is deterministic.
-        let mut keyed: Vec<(usize, usize, u32, usize)> = Vec::with_capacity(routed.pairs.len());
+        let mut dispatch = Dispatch::default();
+        dispatch.replan(routed, x, hidden, slots);
+        dispatch
+    }
+
+    /// `plan` into this dispatch's buffers.
+    pub(crate) fn replan(
+        &mut self,
+        routed: &RoutedStep,
+        x: &[f32],
+        hidden: usize,
+        slots: SlotMap<'_>,
+    ) {
+        let (ordinal, keyed) = (&mut self.ordinal, &mut self.keyed);
+        ordinal.clear();
+        ordinal.resize(routed.num_experts(), 0);
+        keyed.clear();
         for (i, pair) in routed.pairs.iter().enumerate() {
             let nth = &mut ordinal[pair.expert as usize];
             let (slot, device) = slots.locate(pair.expert, *nth);
             *nth += 1;
+            // Unique (the pair index), so the sort is deterministic.
             keyed.push((device, slot, pair.pass, i));
         }
         keyed.sort_unstable();
-        let mut work: Vec<DeviceWork> = (0..slots.num_devices())
-            .map(|_| DeviceWork {
-                hidden,
-                ..DeviceWork::default()
-            })
-            .collect();
-        let mut location = vec![(0, 0); routed.pairs.len()];
-        let mut rows = vec![0usize; work.len()];
-        for (device, slot, pass, i) in keyed {
+        let work = &mut self.work;
+        work.resize_with(slots.num_devices(), DeviceWork::default);
+        for w in work.iter_mut() {
+            w.hidden = hidden;
+            w.input.clear();
+            w.segments.clear();
+        }
+        self.hidden = hidden;
+        self.location.clear();
+        self.location.resize(routed.pairs.len(), (0, 0));
+        let rows = &mut self.device_pairs;
+        rows.clear();
+        rows.resize(work.len(), 0);
+        for &(device, slot, pass, i) in keyed.iter() {
             let pair = &routed.pairs[i];
             let w = &mut work[device];
             match w.segments.last_mut() {
@@ -89,28 +117,27 @@ impl Dispatch {
             }
             w.input
                 .extend_from_slice(&x[pair.token * hidden..(pair.token + 1) * hidden]);
-            location[i] = (device, rows[device]);
+            self.location[i] = (device, rows[device] as usize);
             rows[device] += 1;
-        }
-        Dispatch {
-            work,
-            location,
-            hidden,
-            device_pairs: rows.into_iter().map(|r| r as u64).collect(),
         }
     }
 
     /// `out[t] = Σ weight · expert output` over token `t`'s pairs in ascending expert order;
     /// tokens without pairs get zeros. `outputs` are the devices' results for the work.
-    pub(crate) fn combine(&self, routed: &RoutedStep, outputs: &[DeviceOutput], out: &mut [f32]) {
+    pub(crate) fn combine(
+        &mut self,
+        routed: &RoutedStep,
+        outputs: &[DeviceOutput],
+        out: &mut [f32],
+    ) {
         let hidden = self.hidden;
         out.fill(0.0);
-        let mut order: Vec<usize> = Vec::with_capacity(routed.top_k);
+        let order = &mut self.order;
         for (t, o) in out.chunks_exact_mut(hidden.max(1)).enumerate() {
             order.clear();
             order.extend(routed.token_offsets[t]..routed.token_offsets[t + 1]);
             order.sort_unstable_by_key(|i| routed.pairs[*i].expert);
-            for &i in &order {
+            for &i in order.iter() {
                 let (device, row) = self.location[i];
                 let y = &outputs[device].output[row * hidden..(row + 1) * hidden];
                 let w = routed.pairs[i].weight;
@@ -194,7 +221,7 @@ mod tests {
     #[test]
     fn combine_weights_outputs_back_into_token_order() {
         let (routed, x) = step(Capacity::Dropless);
-        let d = Dispatch::plan(&routed, &x, 1, SlotMap::Local);
+        let mut d = Dispatch::plan(&routed, &x, 1, SlotMap::Local);
         // A fake expert e maps row r to 10·r + e.
         let mut output = Vec::new();
         for s in &d.work[0].segments {

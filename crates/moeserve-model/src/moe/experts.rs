@@ -12,9 +12,9 @@ use moeserve_backend::{Weight, WeightBytes, cpu};
 use super::arena::ExpertParallel;
 use super::capacity::Capacity;
 use super::dispatch::{Dispatch, SlotMap};
-use super::parallel::compute_segments;
+use super::parallel::{DeviceOutput, compute_segments_into};
 use super::record::LayerRouting;
-use super::router::{RouterConfig, route};
+use super::router::{Ranking, RoutedStep, RouterConfig, route_into};
 use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
 use crate::{ModelError, Result};
@@ -38,6 +38,17 @@ pub struct SparseMoe {
     pub top_k: usize,
     /// `[num_experts]`, added to the router logits (see `MixtralModel::add_router_bias`).
     pub router_bias: Option<Vec<f32>>,
+}
+
+/// The buffers of an MoE layer's step (routing, dispatch, expert outputs), reused across the
+/// layers and steps of a forward's workspace so a step allocates nothing once warmed up.
+#[derive(Default)]
+pub struct MoeWorkspace {
+    ranking: Ranking,
+    routed: RoutedStep,
+    dispatch: Dispatch,
+    outputs: Vec<DeviceOutput>,
+    grouped: cpu::GroupedScratch,
 }
 
 /// One MoE layer's input for one step.
@@ -88,42 +99,88 @@ impl SparseMoe {
 
     /// Router logits `[num_tokens, num_experts]` of the normed input `x: [num_tokens, hidden]`.
     pub fn router_logits(&self, x: &[f32], num_tokens: usize) -> Vec<f32> {
-        let mut logits = vec![0.0; num_tokens * self.num_experts()];
-        cpu::matmul_wt(x, num_tokens, &self.gate, &mut logits);
+        let mut logits = Vec::new();
+        self.router_logits_into(x, num_tokens, &mut logits, &mut Vec::new());
+        logits
+    }
+
+    /// [`SparseMoe::router_logits`] into `logits` (resized); `tiled` is the product's buffer
+    /// for the activations in tile order.
+    pub fn router_logits_into(
+        &self,
+        x: &[f32],
+        num_tokens: usize,
+        logits: &mut Vec<f32>,
+        tiled: &mut Vec<f32>,
+    ) {
+        logits.clear();
+        logits.resize(num_tokens * self.num_experts(), 0.0);
+        cpu::matmul_wt_in(x, num_tokens, &self.gate, logits, tiled);
         if let Some(bias) = &self.router_bias {
             for row in logits.chunks_exact_mut(bias.len()) {
                 row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
             }
         }
-        logits
     }
 
     /// `out[t] = Σ weight(t, e) · expert_e(x[t])` over the pairs routing leaves token `t`, in
     /// expert order; `out: [num_tokens, hidden]`. Returns what routing did and where the
     /// pairs ran. The capacity must be valid (`Capacity::validate`).
     pub fn forward(&self, step: &MoeLayerStep<'_>, out: &mut [f32]) -> LayerRouting {
+        let mut summary = LayerRouting::default();
+        self.forward_in(step, &mut MoeWorkspace::default(), out, Some(&mut summary));
+        summary
+    }
+
+    /// [`SparseMoe::forward`] with the buffers of `ws`; the summary goes to `summary` when asked
+    /// for. Without expert parallelism nothing is allocated once `ws` has seen a step as large.
+    pub fn forward_in(
+        &self,
+        step: &MoeLayerStep<'_>,
+        ws: &mut MoeWorkspace,
+        out: &mut [f32],
+        summary: Option<&mut LayerRouting>,
+    ) {
         let hidden = self.gate.shape()[1];
         let config = RouterConfig {
             top_k: self.top_k,
             capacity: step.capacity,
         };
-        let routed = route(step.router_logits, self.num_experts(), &config);
-        let mut summary = LayerRouting::from_routed(&routed, &step.capacity);
+        let routed = &mut ws.routed;
+        route_into(
+            step.router_logits,
+            self.num_experts(),
+            &config,
+            &mut ws.ranking,
+            routed,
+        );
         let slots = step
             .experts
             .map_or(SlotMap::Local, |ep| ep.slot_map(step.layer));
-        let mut dispatch = Dispatch::plan(&routed, step.x, hidden, slots);
-        let work = std::mem::take(&mut dispatch.work);
-        let outputs = match step.experts {
-            Some(ep) => ep.run(step.layer, work),
-            None => vec![compute_segments(&work[0], |s| {
-                &self.experts[s.expert.0 as usize]
-            })],
-        };
-        dispatch.combine(&routed, &outputs, out);
-        summary.device_seconds = outputs.iter().map(|o| o.compute_seconds).collect();
-        summary.device_pairs = dispatch.device_pairs;
-        summary
+        let dispatch = &mut ws.dispatch;
+        dispatch.replan(routed, step.x, hidden, slots);
+        match step.experts {
+            // The devices' workers own their work (it crosses threads), so this path allocates.
+            Some(ep) => ws.outputs = ep.run(step.layer, std::mem::take(&mut dispatch.work)),
+            None => {
+                ws.outputs.resize_with(1, DeviceOutput::default);
+                let expert_for = |s: &super::parallel::Segment| &self.experts[s.expert.0 as usize];
+                let (work, out) = (&dispatch.work[0], &mut ws.outputs[0]);
+                compute_segments_into(work, expert_for, out, &mut ws.grouped);
+            }
+        }
+        dispatch.combine(routed, &ws.outputs, out);
+        if let Some(summary) = summary {
+            summary.set_routed(routed, &step.capacity);
+            summary.device_seconds.clear();
+            summary
+                .device_seconds
+                .extend(ws.outputs.iter().map(|o| o.compute_seconds));
+            summary.device_pairs.clear();
+            summary
+                .device_pairs
+                .extend_from_slice(&dispatch.device_pairs);
+        }
     }
 }
 
@@ -131,7 +188,7 @@ impl Expert {
     /// SwiGLU of `x: [n, hidden]` into `out: [n, hidden]`, each weight read once for all rows.
     #[cfg(test)]
     pub(crate) fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        cpu::grouped_swiglu(x, &[self.rows(n)], out);
+        cpu::grouped_swiglu(x, &[self.rows(n)][..], out);
     }
 
     /// This expert applied to `rows` rows of a grouped SwiGLU.

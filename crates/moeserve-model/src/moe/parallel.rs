@@ -164,19 +164,50 @@ fn spawn_on_each(pools: &[rayon::ThreadPool], jobs: Jobs<'_, '_>) {
 /// grouped SwiGLU, each expert matrix read once.
 pub fn compute_segments<'e>(
     work: &DeviceWork,
-    expert_for: impl Fn(&Segment) -> &'e Expert,
+    expert_for: impl Fn(&Segment) -> &'e Expert + Sync,
 ) -> DeviceOutput {
+    let mut out = DeviceOutput::default();
+    let mut scratch = cpu::GroupedScratch::default();
+    compute_segments_into(work, expert_for, &mut out, &mut scratch);
+    out
+}
+
+/// [`compute_segments`] into `out` with the grouped SwiGLU's buffers in `scratch` (both
+/// reused from step to step).
+pub(crate) fn compute_segments_into<'e>(
+    work: &DeviceWork,
+    expert_for: impl Fn(&Segment) -> &'e Expert + Sync,
+    out: &mut DeviceOutput,
+    scratch: &mut cpu::GroupedScratch,
+) {
     let started = Instant::now();
-    let mut output = vec![0.0; work.input.len()];
-    let experts: Vec<cpu::ExpertRows<'_>> = work
-        .segments
-        .iter()
-        .map(|segment| expert_for(segment).rows(segment.num_rows))
-        .collect();
-    cpu::grouped_swiglu(&work.input, &experts, &mut output);
-    DeviceOutput {
-        output,
-        compute_seconds: started.elapsed().as_secs_f64(),
+    out.output.clear();
+    out.output.resize(work.input.len(), 0.0);
+    let experts = SegmentExperts {
+        segments: &work.segments,
+        expert_for,
+        experts: std::marker::PhantomData,
+    };
+    cpu::grouped_swiglu_in(&work.input, &experts, &mut out.output, scratch);
+    out.compute_seconds = started.elapsed().as_secs_f64();
+}
+
+/// The segments of a device's work as the experts of a grouped SwiGLU.
+struct SegmentExperts<'w, 'e, F> {
+    segments: &'w [Segment],
+    expert_for: F,
+    /// The experts outlive the view (so a borrow of it can hand them out).
+    experts: std::marker::PhantomData<&'e Expert>,
+}
+
+impl<'e, F: Fn(&Segment) -> &'e Expert + Sync> cpu::ExpertGroup for SegmentExperts<'_, 'e, F> {
+    fn num_experts(&self) -> usize {
+        self.segments.len()
+    }
+
+    fn expert(&self, i: usize) -> cpu::ExpertRows<'_> {
+        let segment = &self.segments[i];
+        (self.expert_for)(segment).rows(segment.num_rows)
     }
 }
 

@@ -16,7 +16,8 @@ pub struct MoeOptions<'a> {
     pub capacity: Capacity,
     /// Experts spread over devices; `None` runs the model's own experts on the caller's threads.
     pub experts: Option<&'a ExpertParallel>,
-    /// Receives one [`LayerRouting`] per MoE layer, in layer order (appended).
+    /// Receives one [`LayerRouting`] per MoE layer, in layer order (appended; a record
+    /// [`MoeStepRecord::clear`]ed between steps reuses its buffers).
     pub record: Option<&'a mut MoeStepRecord>,
 }
 
@@ -58,22 +59,30 @@ pub struct LayerRouting {
 
 impl LayerRouting {
     /// The routing part of the summary (device figures are filled in after the experts ran).
+    #[cfg(any(test, feature = "cuda"))]
     pub(crate) fn from_routed(routed: &RoutedStep, capacity: &Capacity) -> Self {
-        let token_counts = match capacity {
-            Capacity::Dropless => Vec::new(),
-            Capacity::Factor { .. } => (0..routed.num_tokens)
-                .map(|t| token_pair_counts(routed, t))
-                .collect(),
-        };
-        LayerRouting {
-            counts: routed.counts,
-            expert_load: routed.expert_load.clone(),
-            top_k: routed.top_k,
-            chosen_experts: routed.chosen_experts.clone(),
-            token_counts,
-            device_pairs: Vec::new(),
-            device_seconds: Vec::new(),
+        let mut summary = LayerRouting::default();
+        summary.set_routed(routed, capacity);
+        summary
+    }
+
+    /// [`LayerRouting::from_routed`] into this summary's buffers; the device figures are
+    /// cleared.
+    pub(crate) fn set_routed(&mut self, routed: &RoutedStep, capacity: &Capacity) {
+        self.counts = routed.counts;
+        self.top_k = routed.top_k;
+        self.expert_load.clear();
+        self.expert_load.extend_from_slice(&routed.expert_load);
+        self.chosen_experts.clear();
+        self.chosen_experts
+            .extend_from_slice(&routed.chosen_experts);
+        self.token_counts.clear();
+        if let Capacity::Factor { .. } = capacity {
+            let counts = (0..routed.num_tokens).map(|t| token_pair_counts(routed, t));
+            self.token_counts.extend(counts);
         }
+        self.device_pairs.clear();
+        self.device_seconds.clear();
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -108,13 +117,34 @@ fn token_pair_counts(routed: &RoutedStep, token: usize) -> TokenPairCounts {
 }
 
 /// Every MoE layer's summary of one forward pass.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub struct MoeStepRecord {
     /// In layer order.
     pub layers: Vec<LayerRouting>,
+    /// Summaries of an earlier step kept for their buffers (see [`MoeStepRecord::clear`]).
+    spare: Vec<LayerRouting>,
+}
+
+impl PartialEq for MoeStepRecord {
+    fn eq(&self, other: &Self) -> bool {
+        self.layers == other.layers
+    }
 }
 
 impl MoeStepRecord {
+    /// Empties the record for the next step; its summaries' buffers are reused, so recording
+    /// a step of the same size allocates nothing.
+    pub fn clear(&mut self) {
+        self.spare.append(&mut self.layers);
+    }
+
+    /// A summary appended for the next layer (a reused one when the record was cleared).
+    pub(crate) fn push_layer(&mut self) -> &mut LayerRouting {
+        let summary = self.spare.pop().unwrap_or_default();
+        self.layers.push(summary);
+        self.layers.last_mut().expect("just pushed")
+    }
+
     /// All layers' counts added up.
     pub fn total_counts(&self) -> RoutingCounts {
         let mut total = RoutingCounts::default();
@@ -188,6 +218,7 @@ mod tests {
         assert_eq!(summary.chosen_by_token().next(), Some(&[0u32, 1][..]));
         let record = MoeStepRecord {
             layers: vec![summary.clone(), summary],
+            ..MoeStepRecord::default()
         };
         assert_eq!(record.total_counts().pairs, 12);
     }

@@ -129,7 +129,7 @@ impl RoutingCounts {
 /// `pairs` is token-major: token `t`'s pairs are `pairs[token_offsets[t]..token_offsets[t + 1]]`,
 /// in the rank order of the router's choice (a rerouted pair takes the place of the pair it
 /// replaces). Group them by `expert` to run the experts.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RoutedStep {
     pub num_tokens: usize,
     pub top_k: usize,
@@ -170,26 +170,37 @@ impl RoutedStep {
 /// Slots are taken in token order, and within a token in rank order, so the result is a pure
 /// function of the logits. `config` must have passed `validate(num_experts)`.
 pub fn route(router_logits: &[f32], num_experts: usize, config: &RouterConfig) -> RoutedStep {
-    let ranking = Ranking::new(router_logits, num_experts);
+    let mut routed = RoutedStep::default();
+    route_into(
+        router_logits,
+        num_experts,
+        config,
+        &mut Ranking::default(),
+        &mut routed,
+    );
+    routed
+}
+
+/// [`route`] into `out`, reusing its buffers and those of `ranking` (a step's workspace).
+pub(crate) fn route_into(
+    router_logits: &[f32],
+    num_experts: usize,
+    config: &RouterConfig,
+    ranking: &mut Ranking,
+    out: &mut RoutedStep,
+) {
+    ranking.rank(router_logits, num_experts);
     let top_k = config.top_k;
-    let chosen_experts = (0..ranking.num_tokens())
-        .flat_map(|t| ranking.order(t)[..top_k].iter().copied())
-        .collect();
-    let assigned = capacity::assign(&ranking, top_k, &config.capacity);
-    RoutedStep {
-        num_tokens: ranking.num_tokens(),
-        top_k,
-        chosen_experts,
-        pairs: assigned.pairs,
-        token_offsets: assigned.token_offsets,
-        counts: assigned.counts,
-        expert_load: assigned.expert_load,
-        expert_capacity: assigned.expert_capacity,
-        num_passes: assigned.num_passes,
-    }
+    out.num_tokens = ranking.num_tokens();
+    out.top_k = top_k;
+    out.chosen_experts.clear();
+    out.chosen_experts
+        .extend((0..ranking.num_tokens()).flat_map(|t| ranking.order(t)[..top_k].iter().copied()));
+    capacity::assign(ranking, top_k, &config.capacity, out);
 }
 
 /// Softmax probabilities and the experts in descending probability of every token.
+#[derive(Default)]
 pub(crate) struct Ranking {
     num_experts: usize,
     /// `[num_tokens * num_experts]`
@@ -200,21 +211,28 @@ pub(crate) struct Ranking {
 
 impl Ranking {
     pub(crate) fn new(router_logits: &[f32], num_experts: usize) -> Self {
-        let mut probs = router_logits.to_vec();
-        probs.truncate(router_logits.len() / num_experts * num_experts);
-        let mut order = Vec::with_capacity(probs.len());
+        let mut ranking = Ranking::default();
+        ranking.rank(router_logits, num_experts);
+        ranking
+    }
+
+    /// Ranks the rows of `router_logits`, reusing this ranking's buffers.
+    pub(crate) fn rank(&mut self, router_logits: &[f32], num_experts: usize) {
+        let (probs, order) = (&mut self.probs, &mut self.order);
+        probs.clear();
+        probs.extend_from_slice(&router_logits[..router_logits.len() / num_experts * num_experts]);
+        order.clear();
         for row in probs.chunks_exact_mut(num_experts) {
             cpu::softmax_in_place(row);
             let start = order.len();
             order.extend(0..num_experts as u32);
-            // Stable sort by descending probability keeps lower indices first among ties.
-            order[start..].sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
+            // Descending probability, lower index first among ties (what a stable sort gives;
+            // the unstable sort never allocates).
+            order[start..].sort_unstable_by(|a, b| {
+                row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b))
+            });
         }
-        Ranking {
-            num_experts,
-            probs,
-            order,
-        }
+        self.num_experts = num_experts;
     }
 
     pub(crate) fn num_tokens(&self) -> usize {

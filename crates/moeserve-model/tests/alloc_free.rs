@@ -1,0 +1,175 @@
+//! A forward step allocates nothing on the heap once its workspace has seen a step as large
+//! and the kernel threads' task buffers are reserved (the CPU-performance issue: "no heap
+//! allocation inside the step loop"). A counting global allocator counts every `alloc` /
+//! `realloc` of any thread (the kernels run on the pool's threads) while the measured steps
+//! run; this binary holds one test so no other test's threads allocate meanwhile.
+//! `MOESERVE_ALLOC_TRACE=1` prints a backtrace of each counted allocation, to find the one
+//! that crept in.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use common::fixtures_dir;
+use moeserve_model::batch::{ForwardBatch, SequenceSlice};
+use moeserve_model::kv_cache::PagedKvCache;
+use moeserve_model::models::{ForwardOptions, ForwardWorkspace, MixtralModel};
+use moeserve_model::moe::{Capacity, MoeOptions, MoeStepRecord, OverflowPolicy};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static TRACE: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+}
+
+fn count() {
+    if !COUNTING.load(Ordering::Relaxed) {
+        return;
+    }
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    if TRACE.load(Ordering::Relaxed) && !IN_TRACE.with(|t| t.replace(true)) {
+        eprintln!("{}", std::backtrace::Backtrace::force_capture());
+        IN_TRACE.with(|t| t.set(false));
+    }
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; counting touches only atomics
+// (and, when tracing, allocates through a re-entrancy guard).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count();
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count();
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count();
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Heap allocations made by any thread while `f` runs.
+fn allocations_in(f: impl FnOnce()) -> usize {
+    TRACE.store(
+        std::env::var_os("MOESERVE_ALLOC_TRACE").is_some(),
+        Ordering::Relaxed,
+    );
+    ALLOCATIONS.store(0, Ordering::Relaxed);
+    COUNTING.store(true, Ordering::SeqCst);
+    f();
+    COUNTING.store(false, Ordering::SeqCst);
+    ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+const BLOCK_SIZE: usize = 4;
+const MAX_CONTEXT: usize = 40;
+/// The largest step below: a 6-token prompt chunk beside two decodes.
+const MAX_STEP_TOKENS: usize = 8;
+
+/// Three sequences over one cache, stepped through one workspace.
+struct Steps<'m> {
+    model: &'m MixtralModel,
+    cache: PagedKvCache,
+    tables: Vec<Vec<u32>>,
+    /// Tokens each sequence has in the cache.
+    context: Vec<usize>,
+    ws: ForwardWorkspace,
+    record: MoeStepRecord,
+    capacity: Capacity,
+}
+
+impl Steps<'_> {
+    /// One step computing `new[s]` tokens of sequence `s` (0 = not scheduled).
+    fn step(&mut self, new: &[usize]) {
+        let mut slices = [SequenceSlice {
+            query_start: 0,
+            query_len: 0,
+            context_len: 0,
+            block_table: &[],
+        }; 3];
+        let mut used = 0;
+        let mut start = 0;
+        for (s, &n) in new.iter().enumerate().filter(|(_, n)| **n > 0) {
+            self.context[s] += n;
+            slices[used] = SequenceSlice {
+                query_start: start,
+                query_len: n,
+                context_len: self.context[s],
+                block_table: &self.tables[s],
+            };
+            used += 1;
+            start += n;
+        }
+        const IDS: [u32; MAX_STEP_TOKENS] = [3, 5, 7, 11, 13, 17, 19, 23];
+        let batch = ForwardBatch {
+            token_ids: &IDS[..start],
+            sequences: &slices[..used],
+        };
+        self.record.clear();
+        let opts = ForwardOptions {
+            moe: MoeOptions {
+                capacity: self.capacity,
+                experts: None,
+                record: Some(&mut self.record),
+            },
+            ..ForwardOptions::default()
+        };
+        let logits = self
+            .model
+            .forward_in(&batch, &mut self.cache, opts, &mut self.ws);
+        assert_eq!(logits.unwrap().len(), used * self.model.config().vocab_size);
+    }
+}
+
+#[test]
+fn steps_in_a_warm_workspace_allocate_nothing() {
+    let model = MixtralModel::load(&fixtures_dir().join("mixtral-gqa")).unwrap();
+    model.reserve_task_scratch(MAX_STEP_TOKENS, MAX_CONTEXT);
+    let blocks = MAX_CONTEXT / BLOCK_SIZE;
+    let spill = Capacity::Factor {
+        alpha: 0.5,
+        overflow: OverflowPolicy::Spill,
+    };
+    for capacity in [Capacity::Dropless, spill] {
+        let mut steps = Steps {
+            model: &model,
+            cache: PagedKvCache::new(model.kv_layout(3 * blocks, BLOCK_SIZE)),
+            tables: (0..3)
+                .map(|s| (s * blocks..(s + 1) * blocks).map(|b| b as u32).collect())
+                .collect(),
+            context: vec![0; 3],
+            ws: ForwardWorkspace::default(),
+            record: MoeStepRecord::default(),
+            capacity,
+        };
+        // Warm-up: the largest step, then prompts for the other two sequences.
+        steps.step(&[0, 6, 0]);
+        steps.step(&[6, 1, 1]);
+        // Decodes, and a prompt chunk joining decodes, as the engine schedules them.
+        let n = allocations_in(|| {
+            steps.step(&[1, 1, 1]);
+            steps.step(&[1, 0, 1]);
+            steps.step(&[1, 5, 1]);
+            steps.step(&[1, 1, 1]);
+        });
+        assert_eq!(
+            n, 0,
+            "{capacity:?}: heap allocations in four steps (MOESERVE_ALLOC_TRACE=1 shows them)"
+        );
+        assert_eq!(steps.record.layers.len(), model.config().num_hidden_layers);
+    }
+}
