@@ -1,8 +1,10 @@
 //! Shared vocabulary of moeserve: element types, ids, sampling parameters, the engine's config
-//! structs (cache, scheduler, MoE) and the expert placement table.
+//! structs (cache, scheduler, MoE) and the expert placement table; plus a counting allocator
+//! for tests (`alloc_count`).
 //!
 //! Nothing here knows about devices, models or HTTP; every other crate may depend on it.
 
+pub mod alloc_count;
 mod config;
 mod dtype;
 mod ids;

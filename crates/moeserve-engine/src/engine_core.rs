@@ -144,6 +144,9 @@ pub struct EngineCore {
     record: MoeStepRecord,
     /// `[sampled sequences, vocab]`: the last step's logits, kept for the buffer.
     logits: Vec<f32>,
+    /// The last step's token ids and block tables (concatenated), kept for the buffers.
+    step_tokens: Vec<u32>,
+    step_tables: Vec<u32>,
 }
 
 impl EngineCore {
@@ -226,6 +229,8 @@ impl EngineCore {
             moe,
             record: MoeStepRecord::default(),
             logits: Vec::new(),
+            step_tokens: Vec::new(),
+            step_tables: Vec::new(),
         })
     }
 
@@ -341,8 +346,9 @@ impl EngineCore {
         record: &mut MoeStepRecord,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let mut token_ids = Vec::with_capacity(plan.num_batched_tokens());
-        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(plan.scheduled.len());
+        let (token_ids, tables) = (&mut self.step_tokens, &mut self.step_tables);
+        token_ids.clear();
+        tables.clear();
         for s in &plan.scheduled {
             let req = self
                 .scheduler
@@ -351,20 +357,15 @@ impl EngineCore {
             token_ids.extend_from_slice(
                 &req.token_ids[s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens],
             );
-            tables.push(
-                self.scheduler
-                    .block_table(s.id)
-                    .iter()
-                    .map(|b| b.0)
-                    .collect(),
-            );
+            tables.extend(self.scheduler.block_table(s.id).iter().map(|b| b.0));
         }
-        let mut start = 0;
+        let (mut start, mut rest) = (0, &tables[..]);
         let sequences: Vec<SequenceSlice> = plan
             .scheduled
             .iter()
-            .zip(&tables)
-            .map(|(s, table)| {
+            .map(|s| {
+                let (table, tail) = rest.split_at(self.scheduler.block_table(s.id).len());
+                rest = tail;
                 let slice = SequenceSlice {
                     query_start: start,
                     query_len: s.num_new_tokens,
@@ -376,7 +377,7 @@ impl EngineCore {
             })
             .collect();
         let batch = ForwardBatch {
-            token_ids: &token_ids,
+            token_ids,
             sequences: &sequences,
         };
         let opts = ForwardOptions {

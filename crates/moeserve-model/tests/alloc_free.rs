@@ -1,79 +1,21 @@
 //! A forward step allocates nothing on the heap once its workspace has seen a step as large
 //! and the kernel threads' task buffers are reserved (the CPU-performance issue: "no heap
-//! allocation inside the step loop"). A counting global allocator counts every `alloc` /
-//! `realloc` of any thread (the kernels run on the pool's threads) while the measured steps
-//! run; this binary holds one test so no other test's threads allocate meanwhile.
-//! `MOESERVE_ALLOC_TRACE=1` prints a backtrace of each counted allocation, to find the one
-//! that crept in.
+//! allocation inside the step loop"). `CountingAllocator` counts every allocation of any
+//! thread (the kernels run on the pool's threads) while the measured steps run; this binary
+//! holds one test so no other test's threads allocate meanwhile. `MOESERVE_ALLOC_TRACE=1`
+//! prints a backtrace of each counted allocation, to find the one that crept in.
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
 use common::fixtures_dir;
+use moeserve_core::alloc_count::{CountingAllocator, allocations_in};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::PagedKvCache;
 use moeserve_model::models::{ForwardOptions, ForwardWorkspace, MixtralModel};
 use moeserve_model::moe::{Capacity, MoeOptions, MoeStepRecord, OverflowPolicy};
 
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static TRACE: AtomicBool = AtomicBool::new(false);
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
-}
-
-fn count() {
-    if !COUNTING.load(Ordering::Relaxed) {
-        return;
-    }
-    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-    if TRACE.load(Ordering::Relaxed) && !IN_TRACE.with(|t| t.replace(true)) {
-        eprintln!("{}", std::backtrace::Backtrace::force_capture());
-        IN_TRACE.with(|t| t.set(false));
-    }
-}
-
-// SAFETY: forwards every call to the system allocator unchanged; counting touches only atomics
-// (and, when tracing, allocates through a re-entrancy guard).
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count();
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Heap allocations made by any thread while `f` runs.
-fn allocations_in(f: impl FnOnce()) -> usize {
-    TRACE.store(
-        std::env::var_os("MOESERVE_ALLOC_TRACE").is_some(),
-        Ordering::Relaxed,
-    );
-    ALLOCATIONS.store(0, Ordering::Relaxed);
-    COUNTING.store(true, Ordering::SeqCst);
-    f();
-    COUNTING.store(false, Ordering::SeqCst);
-    ALLOCATIONS.load(Ordering::Relaxed)
-}
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 const BLOCK_SIZE: usize = 4;
 const MAX_CONTEXT: usize = 40;
