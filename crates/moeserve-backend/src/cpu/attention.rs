@@ -144,26 +144,65 @@ pub(super) mod avx512 {
                 let heads = (group - h0).min(VALUE_HEADS);
                 for c0 in (0..d).step_by(16 * VALUE_VECTORS) {
                     let width = ((d - c0) / 16).min(VALUE_VECTORS);
-                    let mut o = [[_mm512_setzero_ps(); VALUE_VECTORS]; VALUE_HEADS];
-                    for (s, slot) in a.slots.iter().enumerate() {
-                        let v = a.values.row(*slot, d).as_ptr().add(c0);
-                        let mut rows = [_mm512_setzero_ps(); VALUE_VECTORS];
-                        for (i, r) in rows.iter_mut().enumerate().take(width) {
-                            *r = _mm512_loadu_ps(v.add(16 * i));
-                        }
-                        for (j, o) in o.iter_mut().enumerate().take(heads) {
-                            let w = _mm512_set1_ps(*scores.get_unchecked((h0 + j) * n + s));
-                            for (o, r) in o.iter_mut().zip(&rows).take(width) {
-                                *o = _mm512_fmadd_ps(w, *r, *o);
+                    let pass = ValuePass {
+                        a,
+                        scores,
+                        h0,
+                        c0,
+                        out: out.as_mut_ptr(),
+                    };
+                    // Compile-time counts keep the accumulators in registers: with run-time
+                    // bounds the compiler turned the row loads and output stores into memcpy
+                    // calls (with register spills) inside the loop over the values.
+                    macro_rules! dispatch {
+                        ($($h:literal $w:literal),*) => {
+                            match (heads, width) {
+                                $(($h, $w) => value_pass::<$h, $w>(&pass),)*
+                                _ => unreachable!("1..=4 heads and vectors"),
                             }
-                        }
+                        };
                     }
-                    for (j, o) in o.iter().enumerate().take(heads) {
-                        for (i, o) in o.iter().enumerate().take(width) {
-                            let at = (h0 + j) * d + c0 + 16 * i;
-                            _mm512_storeu_ps(out.as_mut_ptr().add(at), *o);
-                        }
+                    dispatch!(1 1, 1 2, 1 3, 1 4, 2 1, 2 2, 2 3, 2 4,
+                              3 1, 3 2, 3 3, 3 4, 4 1, 4 2, 4 3, 4 4);
+                }
+            }
+        }
+    }
+
+    /// One pass over the values for heads `h0..h0 + HEADS`, columns `c0..c0 + 16 · WIDTH`.
+    struct ValuePass<'p, 'q> {
+        a: &'p KvHeadQuery<'q>,
+        /// `[group, n]` softmaxed scores.
+        scores: &'p [f32],
+        h0: usize,
+        c0: usize,
+        /// `[group, head_dim]`
+        out: *mut f32,
+    }
+
+    /// `out[h][c] = Σ_s scores[h][s] · value[s][c]`, an FMA chain over the rows in order.
+    ///
+    /// # Safety
+    /// AVX-512F is available; the heads and columns are inside the query's group and head.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn value_pass<const HEADS: usize, const WIDTH: usize>(p: &ValuePass<'_, '_>) {
+        let (d, n) = (p.a.head_dim, p.a.slots.len());
+        let mut o = [[_mm512_setzero_ps(); WIDTH]; HEADS];
+        unsafe {
+            for (s, slot) in p.a.slots.iter().enumerate() {
+                let v = p.a.values.row(*slot, d).as_ptr().add(p.c0);
+                let rows: [__m512; WIDTH] = std::array::from_fn(|i| _mm512_loadu_ps(v.add(16 * i)));
+                for (j, o) in o.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*p.scores.get_unchecked((p.h0 + j) * n + s));
+                    for (o, r) in o.iter_mut().zip(&rows) {
+                        *o = _mm512_fmadd_ps(w, *r, *o);
                     }
+                }
+            }
+            for (j, o) in o.iter().enumerate() {
+                for (i, o) in o.iter().enumerate() {
+                    let at = (p.h0 + j) * d + p.c0 + 16 * i;
+                    _mm512_storeu_ps(p.out.add(at), *o);
                 }
             }
         }
