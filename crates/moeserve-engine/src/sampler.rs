@@ -261,9 +261,8 @@ impl LogSoftmax {
         if max == f32::NEG_INFINITY {
             return invalid(format!("all {} logits are -inf", logits.len()));
         }
-        let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
         Ok(LogSoftmax {
-            log_sum_exp: max + sum.ln() as f32,
+            log_sum_exp: moeserve_backend::cpu::log_sum_exp(logits),
         })
     }
 

@@ -113,6 +113,50 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `ln Σ_i e^{x_i}`, a row of logits' normaliser (`logprob = x - log_sum_exp`): the max, then
+/// `e^{x - max}` summed in f64. The row must hold no NaN or +inf and a finite value. With
+/// AVX-512 the exponentials are the vectorised f32 `exp` (about 1 ulp; the sampler runs this
+/// over the whole vocabulary of every sequence every step), summed in f64 lanes.
+pub fn log_sum_exp(x: &[f32]) -> f32 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 {
+        // SAFETY: AVX-512F is available.
+        let sum = unsafe { sum_exp_avx512(x, max) };
+        return max + sum.ln() as f32;
+    }
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    max + sum.ln() as f32
+}
+
+/// `Σ e^{x_i - max}` in f64, 16 lanes of `exp` at a time.
+///
+/// # Safety
+/// AVX-512F is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let (p, max) = (x.as_ptr(), _mm512_set1_ps(max));
+    let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+    for c in (0..n).step_by(16) {
+        let m: __mmask16 = if n - c >= 16 {
+            0xffff
+        } else {
+            (1u16 << (n - c)) - 1
+        };
+        // SAFETY: lanes under the mask are inside `x`.
+        let v = unsafe { _mm512_maskz_loadu_ps(m, p.add(c)) };
+        let e = super::attention::avx512::exp(_mm512_sub_ps(v, max));
+        let e = _mm512_maskz_mov_ps(m, e);
+        lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)));
+        hi = _mm512_add_pd(hi, _mm512_cvtps_pd(upper));
+    }
+    _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
+}
+
 /// Numerically stable softmax of one row, in place.
 pub fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -182,6 +226,32 @@ impl RopeAngles {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_sum_exp_matches_the_f64_definition() {
+        let mut state = 7u64;
+        for n in [1, 15, 16, 17, 1000, 49_152] {
+            let mut row: Vec<f32> = (0..n)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    ((state >> 40) % 4001) as f32 * 0.01 - 20.0
+                })
+                .collect();
+            if n > 1 {
+                row[0] = 35.0;
+                row[n / 2] = f32::NEG_INFINITY;
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
+            let want = max as f64 + sum.ln();
+            let got = log_sum_exp(&row);
+            assert!(
+                (f64::from(got) - want).abs() < 4e-6,
+                "n {n}: {got} vs {want}"
+            );
+        }
+        assert_eq!(log_sum_exp(&[f32::NEG_INFINITY, 2.0]), 2.0);
+    }
 
     #[test]
     fn softmax_sums_to_one_and_keeps_order() {
