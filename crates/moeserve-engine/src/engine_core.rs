@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use moeserve_backend::device::Device;
-use moeserve_core::{CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
+use moeserve_core::{BlockId, CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
 use moeserve_model::models::{CudaMixtral, ForwardOptions, ForwardWorkspace, MixtralModel};
@@ -144,9 +144,8 @@ pub struct EngineCore {
     record: MoeStepRecord,
     /// `[sampled sequences, vocab]`: the last step's logits, kept for the buffer.
     logits: Vec<f32>,
-    /// The last step's token ids and block tables (concatenated), kept for the buffers.
+    /// The last step's token ids, kept for the buffer.
     step_tokens: Vec<u32>,
-    step_tables: Vec<u32>,
 }
 
 impl EngineCore {
@@ -230,7 +229,6 @@ impl EngineCore {
             record: MoeStepRecord::default(),
             logits: Vec::new(),
             step_tokens: Vec::new(),
-            step_tables: Vec::new(),
         })
     }
 
@@ -346,36 +344,25 @@ impl EngineCore {
         record: &mut MoeStepRecord,
         logits: &mut Vec<f32>,
     ) -> Result<()> {
-        let (token_ids, tables) = (&mut self.step_tokens, &mut self.step_tables);
+        let token_ids = &mut self.step_tokens;
         token_ids.clear();
-        tables.clear();
+        let mut sequences: Vec<SequenceSlice> = Vec::with_capacity(plan.scheduled.len());
         for s in &plan.scheduled {
             let req = self
                 .scheduler
                 .request(s.id)
                 .expect("scheduled request is known");
+            sequences.push(SequenceSlice {
+                query_start: token_ids.len(),
+                query_len: s.num_new_tokens,
+                context_len: s.num_computed_tokens + s.num_new_tokens,
+                // The scheduler's table itself, viewed as raw ids (no copy).
+                block_table: BlockId::raw_table(self.scheduler.block_table(s.id)),
+            });
             token_ids.extend_from_slice(
                 &req.token_ids[s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens],
             );
-            tables.extend(self.scheduler.block_table(s.id).iter().map(|b| b.0));
         }
-        let (mut start, mut rest) = (0, &tables[..]);
-        let sequences: Vec<SequenceSlice> = plan
-            .scheduled
-            .iter()
-            .map(|s| {
-                let (table, tail) = rest.split_at(self.scheduler.block_table(s.id).len());
-                rest = tail;
-                let slice = SequenceSlice {
-                    query_start: start,
-                    query_len: s.num_new_tokens,
-                    context_len: s.num_computed_tokens + s.num_new_tokens,
-                    block_table: table,
-                };
-                start += s.num_new_tokens;
-                slice
-            })
-            .collect();
         let batch = ForwardBatch {
             token_ids,
             sequences: &sequences,

@@ -50,7 +50,7 @@ fn an_engine_step_allocates_a_few_times_per_request_not_per_layer() {
     eprintln!(
         "{REQUESTS} decoding requests, {num_layers} layers: {per_step} heap allocations per engine step"
     );
-    // Measured 2026-11-30: 10.1 (before the forward's workspace: ≈ 36 more per layer).
+    // Measured 2026-11-30: 10.0 (before the forward's workspace: ≈ 36 more per layer).
     assert!(
         per_step <= 4.0 * f64::from(REQUESTS),
         "{per_step} allocations per step (MOESERVE_ALLOC_TRACE=1 shows them)"
