@@ -166,7 +166,7 @@ impl SparseMoe {
                 ws.outputs.resize_with(1, DeviceOutput::default);
                 let expert_for = |s: &super::parallel::Segment| &self.experts[s.expert.0 as usize];
                 let (work, out) = (&dispatch.work[0], &mut ws.outputs[0]);
-                compute_segments_into(work, expert_for, out, &mut ws.grouped);
+                compute_segments_into(work, expert_for, out, Some(&mut ws.grouped));
             }
         }
         dispatch.combine(routed, &ws.outputs, out);

@@ -167,18 +167,18 @@ pub fn compute_segments<'e>(
     expert_for: impl Fn(&Segment) -> &'e Expert + Sync,
 ) -> DeviceOutput {
     let mut out = DeviceOutput::default();
-    let mut scratch = cpu::GroupedScratch::default();
-    compute_segments_into(work, expert_for, &mut out, &mut scratch);
+    // The device workers' threads keep the grouped SwiGLU's buffers in their thread-locals.
+    compute_segments_into(work, expert_for, &mut out, None);
     out
 }
 
-/// [`compute_segments`] into `out` with the grouped SwiGLU's buffers in `scratch` (both
-/// reused from step to step).
+/// [`compute_segments`] into `out`, with the grouped SwiGLU's buffers in `scratch` when the
+/// caller keeps them (a forward's workspace), else in the thread's own.
 pub(crate) fn compute_segments_into<'e>(
     work: &DeviceWork,
     expert_for: impl Fn(&Segment) -> &'e Expert + Sync,
     out: &mut DeviceOutput,
-    scratch: &mut cpu::GroupedScratch,
+    scratch: Option<&mut cpu::GroupedScratch>,
 ) {
     let started = Instant::now();
     out.output.clear();
@@ -188,7 +188,10 @@ pub(crate) fn compute_segments_into<'e>(
         expert_for,
         experts: std::marker::PhantomData,
     };
-    cpu::grouped_swiglu_in(&work.input, &experts, &mut out.output, scratch);
+    match scratch {
+        Some(scratch) => cpu::grouped_swiglu_in(&work.input, &experts, &mut out.output, scratch),
+        None => cpu::grouped_swiglu(&work.input, &experts, &mut out.output),
+    }
     out.compute_seconds = started.elapsed().as_secs_f64();
 }
 
