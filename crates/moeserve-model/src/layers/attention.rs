@@ -14,6 +14,7 @@ use crate::batch::{ForwardBatch, TokenPlace};
 use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
 use crate::kv_cache::{PagedKvCache, slot_of};
+use crate::models::workspace::zeroed;
 
 /// The attention weights of one layer plus the shapes they imply.
 pub struct Attention {
@@ -75,10 +76,9 @@ impl Attention {
             attn,
             angles,
         } = bufs;
-        for (buf, len) in [(&mut *q, t * qd), (&mut *k, t * kvd), (&mut *v, t * kvd)] {
-            buf.clear();
-            buf.resize(len, 0.0);
-        }
+        zeroed(q, t * qd);
+        zeroed(k, t * kvd);
+        zeroed(v, t * kvd);
         cpu::matmul_wt_in(step.x, t, &self.q_proj, q, tiled);
         cpu::matmul_wt_in(step.x, t, &self.k_proj, k, tiled);
         cpu::matmul_wt_in(step.x, t, &self.v_proj, v, tiled);
@@ -96,8 +96,7 @@ impl Attention {
                 &v[i * kvd..(i + 1) * kvd],
             );
         }
-        attn.clear();
-        attn.resize(t * qd, 0.0);
+        zeroed(attn, t * qd);
         let kv = &*kv;
         let d = self.head_dim;
         let group = self.num_heads / self.num_kv_heads;

@@ -7,7 +7,7 @@ mod mixtral_cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "mixtral_cuda_stub.rs"]
 mod mixtral_cuda;
-mod workspace;
+pub(crate) mod workspace;
 
 pub use mixtral::{ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
 pub use mixtral_cuda::CudaMixtral;

@@ -17,6 +17,7 @@ use super::record::LayerRouting;
 use super::router::{Ranking, RoutedStep, RouterConfig, route_into};
 use crate::checkpoint::Checkpoint;
 use crate::config::MixtralConfig;
+use crate::models::workspace::zeroed;
 use crate::{ModelError, Result};
 
 /// One expert's SwiGLU MLP; clones share the weight bytes.
@@ -113,8 +114,7 @@ impl SparseMoe {
         logits: &mut Vec<f32>,
         tiled: &mut Vec<f32>,
     ) {
-        logits.clear();
-        logits.resize(num_tokens * self.num_experts(), 0.0);
+        zeroed(logits, num_tokens * self.num_experts());
         cpu::matmul_wt_in(x, num_tokens, &self.gate, logits, tiled);
         if let Some(bias) = &self.router_bias {
             for row in logits.chunks_exact_mut(bias.len()) {
