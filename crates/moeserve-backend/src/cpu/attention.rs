@@ -208,8 +208,8 @@ pub(super) mod avx512 {
         }
     }
 
-    /// The low `len` (≤ 16) lanes.
-    fn mask(len: usize) -> __mmask16 {
+    /// The low `len` lanes (all 16 from 16 up): a row's tail chunk.
+    pub(in crate::cpu) fn mask(len: usize) -> __mmask16 {
         if len >= 16 { 0xFFFF } else { (1u16 << len) - 1 }
     }
 

@@ -90,11 +90,7 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
     let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
     let one = _mm512_set1_ps(1.0);
     for c in (0..n).step_by(16) {
-        let m: __mmask16 = if n - c >= 16 {
-            0xffff
-        } else {
-            (1u16 << (n - c)) - 1
-        };
+        let m = super::attention::avx512::mask(n - c);
         // SAFETY: lanes under the mask are inside both slices.
         unsafe {
             let x = _mm512_maskz_loadu_ps(m, g.add(c));
@@ -141,11 +137,7 @@ unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f64 {
     let (p, max) = (x.as_ptr(), _mm512_set1_ps(max));
     let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
     for c in (0..n).step_by(16) {
-        let m: __mmask16 = if n - c >= 16 {
-            0xffff
-        } else {
-            (1u16 << (n - c)) - 1
-        };
+        let m = super::attention::avx512::mask(n - c);
         // SAFETY: lanes under the mask are inside `x`.
         let v = unsafe { _mm512_maskz_loadu_ps(m, p.add(c)) };
         let e = super::attention::avx512::exp(_mm512_sub_ps(v, max));
