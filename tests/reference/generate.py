@@ -15,6 +15,8 @@ What it makes (the file formats are a contract with the Rust tests):
   D. smolmoe-demo/reference.json  greedy chat references of the dense SmolLM2-135M
      (GGUF dequantized, rounded to bf16) that the upcycled demo MoE must reproduce.
      See smollm_demo.py.
+  E. smolmoe-eval/reference.json  the same kind of reference for 16 more chat turns of up
+     to 64 tokens: the positions the int8 accuracy figures are measured on.
 
 How to run (from the repository root, CPU only, ~5 minutes):
     python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
@@ -41,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ref_common import FIXTURES_DIR, script_sha256, set_determinism, versions  # noqa: E402
 
 GLOBAL_SEED = 1234
-SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo")
+SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo", "smolmoe-eval")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -80,6 +82,10 @@ def main(argv: list[str]) -> int:
             import smollm_demo  # noqa: PLC0415
 
             smollm_demo.generate_smolmoe_reference(FIXTURES_DIR / "smolmoe-demo", provenance)
+        elif section == "smolmoe-eval":
+            import smollm_demo  # noqa: PLC0415
+
+            smollm_demo.generate_smolmoe_eval(FIXTURES_DIR / "smolmoe-eval", provenance)
         print(f"[{section}] done in {time.time() - started:.1f}s")
     return 0
 
