@@ -40,9 +40,12 @@ fn int8_weights_halve_the_bytes_and_stay_close_to_bf16() {
     let (mut got, mut exact) = (vec![0.0; 2 * n], vec![0.0; 2 * n]);
     cpu::matmul_wt(&x, 2, &w, &mut got);
     cpu::matmul_wt(&x, 2, &router, &mut exact);
-    // 70 rows in 3 panels of 32 (the last padded): int8 data + f32 scales, stored per panel.
-    // Five scales per row: k = 300 spans five groups of 64.
-    assert_eq!(w.kernel_bytes(), 3 * 32 * k + 4 * 3 * 32 * k.div_ceil(64));
+    // 70 rows in 3 panels of 32 (the last padded): int8 data + f32 scales and offsets, stored
+    // per panel. Five of each per row: k = 300 spans five groups of 64.
+    assert_eq!(
+        w.kernel_bytes(),
+        3 * 32 * k + 2 * 4 * 3 * 32 * k.div_ceil(64)
+    );
     assert_eq!(
         router.kernel_bytes(),
         3 * 32 * k * 2,

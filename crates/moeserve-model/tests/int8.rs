@@ -50,10 +50,13 @@ fn int8_weights_stay_close_to_the_references() {
     }
     cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
 
-    // The demo model (real SmolLM2 weights, bf16) is the accuracy case. Measured 2026-11-29:
-    // mean |Δlogprob| 0.037 with 256-position scale groups, 0.028 (greedy agreement 96.2 %
-    // over 79 positions) with 64-position groups since 2026-11-30 (the issue asks for
-    // ≤ 0.02; not met — see bench/RESULTS.md). The bounds here guard against regressions.
+    // The demo model (real SmolLM2 weights, bf16) is the accuracy case: the issue asks for mean
+    // |Δlogprob| ≤ 0.02. Fixture smolmoe-eval (16 chat turns, up to 64 greedy tokens each, 883
+    // positions) is the measure; smolmoe-demo's 79 positions are reported too, but there one
+    // near-tie position moves greedy agreement by 1.3 points. Measured 2026-11-30: symmetric
+    // 64-position groups 0.0276 on smolmoe-demo (0.030 on smolmoe-eval in bench/int8_accuracy.py's
+    // simulation); groups spanning their own range 0.0196 / 0.0231, greedy agreement 93.7 % /
+    // 98.3 %. The ≤ 0.02 target is not met; the bounds guard against regressions.
     let dir = demo_model_dir();
     let model = MixtralModel::load(&dir)
         .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()));
@@ -62,10 +65,18 @@ fn int8_weights_stay_close_to_the_references() {
     eprintln!("demo model: {read} bytes of dense matrices read as int8 (stored {stored} in all)");
     let (delta, agree, n) = teacher_forced(&model, &fixtures_dir().join("smolmoe-demo"));
     eprintln!(
-        "demo model int8: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} ({n} positions)"
+        "demo model int8, smolmoe-demo: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} \
+         ({n} positions)"
     );
-    assert!(delta <= 0.035, "mean |Δlogprob| {delta}");
-    assert!(agree >= 0.95, "greedy agreement {agree}");
+    assert!(delta <= 0.022, "smolmoe-demo: mean |Δlogprob| {delta}");
+    assert!(agree >= 0.9, "smolmoe-demo: greedy agreement {agree}");
+    let (delta, agree, n) = teacher_forced(&model, &fixtures_dir().join("smolmoe-eval"));
+    eprintln!(
+        "demo model int8, smolmoe-eval: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} \
+         ({n} positions)"
+    );
+    assert!(delta <= 0.025, "smolmoe-eval: mean |Δlogprob| {delta}");
+    assert!(agree >= 0.97, "smolmoe-eval: greedy agreement {agree}");
 
     // The random fixtures have near-flat distributions, so they are only a sanity bound.
     for case in ["mixtral-swa", "mixtral-tied", "mixtral-gqa"] {

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::packed::{PANEL, PackedPanels, PackedWeight};
+use super::packed::{Int8Groups, PANEL, PackedPanels, PackedWeight};
 use super::quant::GROUP;
 use super::{Isa, isa};
 use crate::{Weight, WeightData};
@@ -89,8 +89,8 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
                 PackedWeight::F32(p) => run_packed(isa, x, d, p, out, None),
                 PackedWeight::F16(p) => run_packed(isa, x, d, p, out, None),
                 PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, None),
-                PackedWeight::I8 { panels, scales } => {
-                    run_packed(isa, x, d, panels, out, Some(scales))
+                PackedWeight::I8 { panels, groups } => {
+                    run_packed(isa, x, d, panels, out, Some(groups))
                 }
             }
         }
@@ -192,6 +192,27 @@ impl<'a> TiledRows<'a> {
         }
     }
 
+    /// `out[i]` = row `i`'s positions `p0 .. p0 + len` summed in position order from 0.0 (the
+    /// int8 kernels' offset term; the fused kernel adds the same values in the same order). One
+    /// vector add per position and tile: this runs once per panel and group.
+    #[cfg(target_arch = "x86_64")]
+    pub fn sum_positions(&self, isa: Isa, p0: usize, len: usize, out: &mut Vec<f32>) {
+        out.clear();
+        out.resize(self.m, 0.0);
+        for (i0, mr) in row_tiles(self.m, self.max_mr) {
+            let run = &self.data[i0 * self.k + p0 * mr..][..len * mr];
+            let sums = &mut out[i0..i0 + mr];
+            // SAFETY: the caller's `isa` is supported; `run` holds `len` positions of `mr` rows
+            // and `sums` `mr` elements (mr ≤ the ISA's tile rows).
+            unsafe {
+                match isa {
+                    Isa::Avx2 => super::avx2::sum_positions(run, mr, sums),
+                    _ => super::avx512::sum_positions(run, mr, sums),
+                }
+            }
+        }
+    }
+
     /// Writes `cols` columns of `src: [m, PANEL]` (row-major) as positions `p0 .. p0 + cols` of
     /// the tiled layout of `m` rows of `k` positions in `dst` — how a product's output panel
     /// becomes the next product's tiled input.
@@ -240,8 +261,8 @@ pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc
         PackedWeight::F32(p) => panel_product(isa, x, d, p, q, None, acc),
         PackedWeight::F16(p) => panel_product(isa, x, d, p, q, None, acc),
         PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, None, acc),
-        PackedWeight::I8 { panels, scales } => {
-            panel_product(isa, x, d, panels, q, Some(scales), acc)
+        PackedWeight::I8 { panels, groups } => {
+            panel_product(isa, x, d, panels, q, Some(groups), acc)
         }
     }
 }
@@ -254,12 +275,12 @@ fn run_packed<T: Element + Sync>(
     d: Dims,
     w: &PackedPanels<T>,
     out: OutPtr,
-    scales: Option<&[f32]>,
+    int8: Option<&Int8Groups>,
 ) {
     for_each_task(w.num_panels(), d, |q| {
         PANEL_OUT.with_borrow_mut(|acc| {
             acc.resize(d.m * PANEL, 0.0);
-            panel_product(isa, x, d, w, q, scales, acc);
+            panel_product(isa, x, d, w, q, int8, acc);
             let cols = PANEL.min(d.n - q * PANEL);
             for (i, row) in acc.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
@@ -283,9 +304,10 @@ fn run_packed<T: Element + Sync>(
 /// every tile of activation rows runs through it, the tiles' running sums carried in `acc`
 /// between blocks. With more than one tile, a 16-bit block is widened to f32 once so the inner
 /// loop is loads and FMAs only. Every output is the same FMA chain over `p = 0..k` in order
-/// whatever the tiling, so results do not depend on the batch. With `scales` (int8 weights, one
-/// per weight row and block) a block's sums start from zero and are added to the running sums
-/// times their scale.
+/// whatever the tiling, so results do not depend on the batch. With `int8` (the weight's group
+/// scales and offsets) a block is one group: its sums start from zero and are added to the
+/// running sums as `partial · scale + Σx · offset`, `Σx` the row's activations summed over the
+/// group in position order.
 #[cfg(target_arch = "x86_64")]
 fn panel_product<T: Element>(
     isa: Isa,
@@ -293,27 +315,28 @@ fn panel_product<T: Element>(
     d: Dims,
     w: &PackedPanels<T>,
     q: usize,
-    scales: Option<&[f32]>,
+    int8: Option<&Int8Groups>,
     acc: &mut [f32],
 ) {
-    if let Some(scales) = scales
+    let int8 = int8.map(|g| g.panel(q, d.k));
+    if let Some(groups) = int8
         && isa == Isa::Avx512
         && d.m <= SCALED_INT8_MAX_ROWS
     {
         // Only int8 panels carry scales (one-byte elements).
         debug_assert_eq!(std::mem::size_of::<T>(), 1);
-        let groups = d.k.div_ceil(GROUP);
         let t = super::avx512::ScaledInt8Panel {
             x: x.data.as_ptr(),
             w: w.panel(q).as_ptr() as *const i8,
             k: d.k,
             group: GROUP,
-            scales: scales[q * groups * PANEL..(q + 1) * groups * PANEL].as_ptr(),
+            scales: groups.scales.as_ptr(),
+            offsets: groups.offsets.as_ptr(),
             acc: acc.as_mut_ptr(),
         };
         use super::avx512::int8_panel_scaled as run;
         // SAFETY: AVX-512 is the caller's ISA; x is one tile of m ≤ 6 rows × k positions (tile
-        // order), the panel k × 32 int8, its scales groups × 32, acc m × 32.
+        // order), the panel k × 32 int8, its scales and offsets groups × 32 each, acc m × 32.
         unsafe {
             match d.m {
                 1 => run::<1>(t),
@@ -330,9 +353,9 @@ fn panel_product<T: Element>(
     let widen = d.m > max_rows_per_tile(isa) && std::mem::size_of::<T>() < 4;
     let panel = w.panel(q);
     // int8: one block per scale group.
-    let step = if scales.is_some() { GROUP } else { KC };
+    let step = if int8.is_some() { GROUP } else { KC };
     BLOCK_SCRATCH.with_borrow_mut(|s| {
-        let BlockScratch { wide, part } = s;
+        let BlockScratch { wide, part, sums_x } = s;
         for k0 in (0..d.k).step_by(step) {
             let kc = step.min(d.k - k0);
             let block = &panel[k0 * PANEL..(k0 + kc) * PANEL];
@@ -341,9 +364,9 @@ fn panel_product<T: Element>(
                 d,
                 k0,
                 kc,
-                first: k0 == 0 || scales.is_some(),
+                first: k0 == 0 || int8.is_some(),
             };
-            let sums = if scales.is_some() {
+            let sums = if int8.is_some() {
                 part.resize(d.m * PANEL, 0.0);
                 &mut part[..]
             } else {
@@ -362,13 +385,17 @@ fn panel_product<T: Element>(
             } else {
                 b.run_tiles(isa, block, true, sums);
             }
-            if let Some(scales) = scales {
-                let (groups, g) = (d.k.div_ceil(GROUP), k0 / GROUP);
-                let s = &scales[(q * groups + g) * PANEL..][..PANEL];
-                for (a, p) in acc.chunks_exact_mut(PANEL).zip(part.chunks_exact(PANEL)) {
+            if let Some(groups) = int8 {
+                let g = k0 / GROUP;
+                let scale = &groups.scales[g * PANEL..][..PANEL];
+                let offset = &groups.offsets[g * PANEL..][..PANEL];
+                x.sum_positions(isa, k0, kc, sums_x);
+                let rows = acc.chunks_exact_mut(PANEL).zip(part.chunks_exact(PANEL));
+                for ((a, p), sx) in rows.zip(sums_x.iter()) {
                     for c in 0..PANEL {
                         let base = if k0 == 0 { 0.0 } else { a[c] };
-                        a[c] = base + p[c] * s[c];
+                        // The fused kernel's operations in its order (no FMA: same on AVX2).
+                        a[c] = base + (p[c] * scale[c] + sx * offset[c]);
                     }
                 }
             }
@@ -388,11 +415,13 @@ const _: () = assert!(SCALED_INT8_MAX_ROWS <= MAX_MR);
 pub(super) const KC: usize = 128;
 
 /// Per-thread buffers of [`panel_product`] reused across calls: a widened block
-/// (`KC × PANEL`) and one block's sums before scaling (int8, `m × PANEL`).
+/// (`KC × PANEL`), one block's sums before scaling and each row's activation sum over the block
+/// (int8, `m × PANEL` and `m`).
 #[derive(Default)]
 struct BlockScratch {
     wide: Vec<f32>,
     part: Vec<f32>,
+    sums_x: Vec<f32>,
 }
 
 /// Makes this thread's task buffers hold products of up to `max_rows` rows without growing
@@ -401,6 +430,7 @@ pub(super) fn reserve_task_scratch(max_rows: usize) {
     BLOCK_SCRATCH.with_borrow_mut(|s| {
         reserve(&mut s.wide, KC * PANEL);
         reserve(&mut s.part, max_rows * PANEL);
+        reserve(&mut s.sums_x, max_rows);
     });
     PANEL_OUT.with_borrow_mut(|acc| reserve(acc, max_rows * PANEL));
 }
@@ -628,7 +658,7 @@ mod tests {
             let x = pseudo_random(m * k, 9);
             let wv = pseudo_random(n * k, 10);
             let packed = PackedWeight::pack_int8(WeightData::F32(&wv), n, k);
-            let PackedWeight::I8 { panels, scales } = &packed else {
+            let PackedWeight::I8 { panels, groups } = &packed else {
                 unreachable!()
             };
             let run = |x: &[f32], m: usize| {
@@ -640,17 +670,13 @@ mod tests {
                     Dims { m, n, k },
                     panels,
                     OutPtr(out.as_mut_ptr()),
-                    Some(scales),
+                    Some(groups),
                 );
                 out
             };
             let got = run(&x, m);
-            let (q, s) = super::super::quant::quantize_rows_int8(WeightData::F32(&wv), n, k);
-            let deq: Vec<f32> = q
-                .iter()
-                .enumerate()
-                .map(|(i, v)| *v as f32 * s[(i / k) * k.div_ceil(GROUP) + (i % k) / GROUP])
-                .collect();
+            let rows = super::super::quant::quantize_rows_int8(WeightData::F32(&wv), n, k);
+            let deq: Vec<f32> = (0..n * k).map(|i| rows.dequantized(i, k)).collect();
             let mut want = vec![0.0; m * n];
             reference::matmul_wt(&x, m, &deq, n, &mut want);
             for (a, b) in got.iter().zip(&want) {

@@ -21,13 +21,38 @@ pub enum PackedWeight {
     F16(PackedPanels<f16>),
     BF16(PackedPanels<bf16>),
     /// Weight-only int8 (`--quantization int8`): `w[32q + c][p] ≈ panels[q][p][c] ·
-    /// scales[q][p / GROUP][c]`.
+    /// scales[q][p / GROUP][c] + offsets[q][p / GROUP][c]`.
     I8 {
         panels: PackedPanels<i8>,
-        /// Panel layout, `[num_panels, k.div_ceil(GROUP), PANEL]` (padding rows 0): a block's
-        /// 32 scales are one contiguous pair of vectors.
-        scales: Vec<f32>,
+        /// The groups' grids, panel by panel.
+        groups: Int8Groups,
     },
+}
+
+/// The scales and offsets of an int8 weight's groups, each in panel layout
+/// `[num_panels, k.div_ceil(GROUP), PANEL]` (padding rows 0): a group's 32 scales are one
+/// contiguous pair of vectors, and so are its offsets.
+pub struct Int8Groups {
+    pub scales: Vec<f32>,
+    pub offsets: Vec<f32>,
+}
+
+impl Int8Groups {
+    /// Panel `q`'s scales and offsets.
+    pub fn panel(&self, q: usize, k: usize) -> PanelGroups<'_> {
+        let len = k.div_ceil(super::quant::GROUP) * PANEL;
+        PanelGroups {
+            scales: &self.scales[q * len..(q + 1) * len],
+            offsets: &self.offsets[q * len..(q + 1) * len],
+        }
+    }
+}
+
+/// One panel's group scales and offsets, `[k.div_ceil(GROUP), PANEL]` each.
+#[derive(Clone, Copy)]
+pub struct PanelGroups<'a> {
+    pub scales: &'a [f32],
+    pub offsets: &'a [f32],
 }
 
 /// `num_panels × k × PANEL` elements.
@@ -88,20 +113,27 @@ fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
 }
 
 impl PackedWeight {
-    /// Quantizes a row-major `[n, k]` weight to int8 rows with scales, then packs it.
+    /// Quantizes a row-major `[n, k]` weight to int8 rows with group scales and offsets, then
+    /// packs it.
     pub fn pack_int8(data: WeightData<'_>, n: usize, k: usize) -> Self {
-        let (q, row_scales) = super::quant::quantize_rows_int8(data, n, k);
+        let rows = super::quant::quantize_rows_int8(data, n, k);
         let groups = k.div_ceil(super::quant::GROUP);
-        let mut scales = vec![0.0; n.div_ceil(PANEL) * groups * PANEL];
-        for (j, row) in row_scales.chunks_exact(groups).enumerate() {
-            let (q, c) = (j / PANEL, j % PANEL);
-            for (g, s) in row.iter().enumerate() {
-                scales[(q * groups + g) * PANEL + c] = *s;
+        let to_panels = |by_row: &[f32]| {
+            let mut out = vec![0.0; n.div_ceil(PANEL) * groups * PANEL];
+            for (j, row) in by_row.chunks_exact(groups).enumerate() {
+                let (q, c) = (j / PANEL, j % PANEL);
+                for (g, v) in row.iter().enumerate() {
+                    out[(q * groups + g) * PANEL + c] = *v;
+                }
             }
-        }
+            out
+        };
         PackedWeight::I8 {
-            panels: PackedPanels::pack(&q, n, k),
-            scales,
+            panels: PackedPanels::pack(&rows.q, n, k),
+            groups: Int8Groups {
+                scales: to_panels(&rows.scales),
+                offsets: to_panels(&rows.offsets),
+            },
         }
     }
 
@@ -111,7 +143,9 @@ impl PackedWeight {
             PackedWeight::F32(p) => p.data.len() * 4,
             PackedWeight::F16(p) => p.data.len() * 2,
             PackedWeight::BF16(p) => p.data.len() * 2,
-            PackedWeight::I8 { panels, scales } => panels.data.len() + scales.len() * 4,
+            PackedWeight::I8 { panels, groups } => {
+                panels.data.len() + (groups.scales.len() + groups.offsets.len()) * 4
+            }
         }
     }
 

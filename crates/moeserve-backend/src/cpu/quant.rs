@@ -1,9 +1,14 @@
 //! Weight-only int8 (`--quantization int8`): each output row of a matrix is cut into groups of
-//! `GROUP` positions, each stored as int8 with one f32 scale (`max |w| / 127`, round to
-//! nearest), made at load from the checkpoint's bf16/f16/f32 values. The GEMM widens int8 to
-//! f32 like bf16, sums a group as one k-block, then adds that partial sum times the group's
-//! scale; activations and sums stay f32 and decode reads 0.53× the bytes of bf16. Chosen once
+//! `GROUP` positions, each stored as int8 `q` with an f32 scale and offset spanning the group's
+//! own range (`w ≈ q · scale + offset`, `q ∈ [-128, 127]`, round to nearest), made at load from
+//! the checkpoint's bf16/f16/f32 values. The GEMM widens int8 to f32 like bf16, sums a group as
+//! one k-block, then adds `partial · scale + Σx · offset` (`Σx` the activations' sum over the
+//! group); activations and sums stay f32 and decode reads 0.56× the bytes of bf16. Chosen once
 //! per process, before any weight is packed.
+//!
+//! Why an offset: a symmetric grid (`max |w| / 127`) leaves unused whichever side of zero the
+//! group does not reach; spanning `[min, max]` makes the step 11–17 % smaller on Gaussian or
+//! Laplace weights and 21 % on the demo model's, for 4 more bytes per 64 weights.
 
 use std::sync::OnceLock;
 
@@ -64,17 +69,42 @@ pub fn set_weight_quantization(q: WeightQuantization) -> Result<(), String> {
     Ok(())
 }
 
-/// Positions per scale; the GEMM runs int8 weights in k-blocks of one group. Measured on the
-/// demo model against the transformers references (mean |Δlogprob|) and batch-1 decode of
-/// mixtral-bench-1b: 256 → 0.037; 64 → 0.028, 5–7 % slower; 32 (GGML's Q8_0) → 0.026, 14 %
-/// slower (more bytes and a kernel call and scale pass per 32 positions).
+/// Positions per scale and offset; the GEMM runs int8 weights in k-blocks of one group.
+/// Measured with symmetric groups on the demo model against the transformers references (mean
+/// |Δlogprob|) and batch-1 decode of mixtral-bench-1b: 256 → 0.037; 64 → 0.028, 5–7 % slower;
+/// 32 (GGML's Q8_0) → 0.026, 14 % slower (more bytes and a kernel call and scale pass per 32
+/// positions, before the fused decode kernel). With offsets 64 → 0.020 (bench/RESULTS.md).
 pub const GROUP: usize = 64;
 const _: () = assert!(GROUP <= super::matmul::KC);
 
-/// `[n, k]` weights as int8 and their scales, `[n, k.div_ceil(GROUP)]` (`w ≈ q · scale`).
-pub fn quantize_rows_int8(data: WeightData<'_>, n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
-    let mut q = Vec::with_capacity(n * k);
-    let mut scales = Vec::with_capacity(n);
+/// A matrix quantized by [`quantize_rows_int8`]: `w[j][p] ≈ q[j][p] · scales[j][p / GROUP] +
+/// offsets[j][p / GROUP]`.
+pub struct Int8Rows {
+    /// `[n, k]`.
+    pub q: Vec<i8>,
+    /// `[n, k.div_ceil(GROUP)]`.
+    pub scales: Vec<f32>,
+    /// `[n, k.div_ceil(GROUP)]`.
+    pub offsets: Vec<f32>,
+}
+
+#[cfg(test)]
+impl Int8Rows {
+    /// Element `i` of the flattened `[n, k]` matrix as the kernels see it.
+    pub fn dequantized(&self, i: usize, k: usize) -> f32 {
+        let g = (i / k) * k.div_ceil(GROUP) + (i % k) / GROUP;
+        f32::from(self.q[i]) * self.scales[g] + self.offsets[g]
+    }
+}
+
+/// Quantizes `[n, k]` weights row by row, group by group (see the module note).
+pub fn quantize_rows_int8(data: WeightData<'_>, n: usize, k: usize) -> Int8Rows {
+    let groups = n * k.div_ceil(GROUP);
+    let mut out = Int8Rows {
+        q: Vec::with_capacity(n * k),
+        scales: Vec::with_capacity(groups),
+        offsets: Vec::with_capacity(groups),
+    };
     // One row widened at a time: no f32 copy of the whole matrix at load.
     let mut row = vec![0.0f32; k];
     for r in 0..n {
@@ -91,17 +121,26 @@ pub fn quantize_rows_int8(data: WeightData<'_>, n: usize, k: usize) -> (Vec<i8>,
                 .for_each(|(d, s)| *d = s.to_f32()),
         }
         for group in row.chunks(GROUP) {
-            let max = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
-            q.extend(
-                group
-                    .iter()
-                    .map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8),
-            );
-            scales.push(scale);
+            let (lo, hi) = group
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), v| {
+                    (lo.min(*v), hi.max(*v))
+                });
+            // A constant group is its offset exactly (q = 0, scale 0).
+            let scale = if hi > lo { (hi - lo) / 255.0 } else { 0.0 };
+            let offset = if hi > lo { lo + 128.0 * scale } else { lo };
+            out.q.extend(group.iter().map(|v| {
+                if scale == 0.0 {
+                    0
+                } else {
+                    ((v - offset) / scale).round().clamp(-128.0, 127.0) as i8
+                }
+            }));
+            out.scales.push(scale);
+            out.offsets.push(offset);
         }
     }
-    (q, scales)
+    out
 }
 
 #[cfg(test)]
@@ -116,13 +155,47 @@ mod tests {
             0.0, 0.0, 0.0, 0.0, 0.0, //
             1e-3, -2e-3, 3e-3, 0.0, 5e-4,
         ];
-        let (q, scales) = quantize_rows_int8(WeightData::F32(&w), n, k);
-        assert_eq!(q[1], -127, "the largest magnitude maps to ±127");
-        assert_eq!(&q[5..10], &[0; 5], "a zero row stays zero");
-        assert_eq!(scales.len(), n, "one group per row when k ≤ GROUP");
+        let rows = quantize_rows_int8(WeightData::F32(&w), n, k);
+        assert_eq!(
+            (rows.q[1], rows.q[4]),
+            (-128, 127),
+            "the group's range spans the whole grid"
+        );
+        assert_eq!(&rows.q[5..10], &[0; 5], "a constant row is its offset");
+        assert_eq!((rows.scales[1], rows.offsets[1]), (0.0, 0.0));
+        assert_eq!(rows.scales.len(), n, "one group per row when k ≤ GROUP");
         for (i, v) in w.iter().enumerate() {
-            let s = scales[i / k];
-            assert!((q[i] as f32 * s - v).abs() <= s / 2.0 + 1e-9, "{i}: {v}");
+            let s = rows.scales[i / k];
+            assert!(
+                (rows.dequantized(i, k) - v).abs() <= s / 2.0 + 1e-6 * v.abs() + 1e-9,
+                "{i}: {v} vs {}",
+                rows.dequantized(i, k)
+            );
         }
+    }
+
+    #[test]
+    fn groups_are_cut_along_each_row() {
+        // Row 0: a group of small values and a group of large ones get their own grids.
+        let k = GROUP + 3;
+        let w: Vec<f32> = (0..k)
+            .map(|p| {
+                if p < GROUP {
+                    p as f32 * 1e-3
+                } else {
+                    10.0 + p as f32
+                }
+            })
+            .collect();
+        let rows = quantize_rows_int8(WeightData::F32(&w), 1, k);
+        assert_eq!(rows.scales.len(), 2);
+        for (i, v) in w.iter().enumerate() {
+            let s = rows.scales[i / GROUP];
+            assert!((rows.dequantized(i, k) - v).abs() <= s / 2.0 + 1e-6 * v.abs());
+        }
+        assert!(
+            rows.scales[0] < 1e-3 / 2.0,
+            "the small group keeps its resolution"
+        );
     }
 }

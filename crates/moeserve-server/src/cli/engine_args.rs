@@ -44,8 +44,9 @@ pub struct EngineArgs {
     /// Threads for the CPU kernels (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Weight quantization made at load: none (as stored) or int8 (per-output-channel scales,
-    /// f32 activations; half the bytes per decode step of bf16). Routers stay as stored.
+    /// Weight quantization made at load: none (as stored) or int8 (a scale and offset per output
+    /// row and 64 positions, f32 activations; 0.56× the bytes per decode step of bf16). Routers
+    /// stay as stored.
     #[arg(long, default_value = "none")]
     pub quantization: moeserve_backend::cpu::WeightQuantization,
     #[command(flatten)]
