@@ -20,7 +20,7 @@ pub enum WeightQuantization {
     /// As in the checkpoint.
     #[default]
     None,
-    /// int8 with a per-output-channel scale.
+    /// int8 with a scale and offset per output row and `GROUP` positions.
     Int8,
 }
 
