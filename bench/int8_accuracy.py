@@ -13,8 +13,11 @@ minimum, which flatters grids that span a group's range (an asymmetric grid on 3
 groups lands on those levels almost exactly). `--jitter` therefore also runs every grid on
 "generic" weights: each weight moved by uniform noise of one Q4_1 step (seeded), rounded to
 bf16, then compares against that jittered model in float32 on the same token sequences.
-`--gptq` adds GPTQ (Frantar et al. 2022; lazy batches of 128, 1 % damping, no act-order) with
-16 × 128 calibration tokens sampled from the model itself.
+`--gptq` adds GPTQ (Frantar et al. 2022; lazy batches of 128, 1 % damping) with 32 × 256
+calibration tokens sampled from the model itself, twice: in column order with each group's grid
+set when GPTQ reaches it (from the error-updated weights), and in act-order (columns by
+decreasing Hessian diagonal) with every group's grid fixed beforehand from the original weights
+("static groups") — the same stored format as round-to-nearest, only the integers differ.
 
 Run from the repository root with the reference venv (tests/reference/README.md):
     .venv-ref/bin/python bench/int8_accuracy.py [--jitter] [--gptq]
@@ -69,10 +72,17 @@ def asymmetric(w: torch.Tensor, group: int, store: torch.dtype | None = None) ->
     return on_grid(g, *grid(g, store)).reshape(n, k)
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, group: int = 64, block: int = 128, damp: float = 0.01) -> torch.Tensor:
-    """GPTQ onto the asymmetric grid; each group's grid is set from its error-updated weights."""
+def gptq(
+    w: torch.Tensor, h: torch.Tensor, act_order: bool, group: int = 64, block: int = 128, damp: float = 0.01
+) -> torch.Tensor:
+    """GPTQ onto the asymmetric grid. Without act-order each group's grid is set from its
+    error-updated weights when GPTQ reaches it; with act-order the grids are fixed from the
+    original weights and the columns run by decreasing diag(H)."""
     w, h = w.clone().double(), h.clone().double()
-    k = w.shape[1]
+    n, k = w.shape
+    static = grid(w.reshape(n, k // group, group), None)
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
@@ -83,7 +93,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, group: int = 64, block: int = 128, da
         i2 = min(i1 + block, k)
         w1, err1, hb = w[:, i1:i2].clone(), torch.zeros_like(w[:, i1:i2]), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            if (i1 + i) % group == 0:
+            column = int(perm[i1 + i])
+            if act_order:
+                s, o = static[0][:, column // group, 0], static[1][:, column // group, 0]
+            elif column % group == 0:
                 s, o = grid(w1[:, i : i + group], None)
                 s, o = s[:, 0], o[:, 0]
             q = on_grid(w1[:, i], s, o)
@@ -92,7 +105,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, group: int = 64, block: int = 128, da
             w1[:, i:] -= err[:, None] * hb[i, i:][None, :]
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return out.float()
+    return out[:, torch.argsort(perm)].float()
 
 
 class Twin:
@@ -134,9 +147,9 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], prompts: list[dic
 def calibration_hessians(model, hp: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(1234)
     sequences = [
-        model.generate(torch.tensor([[hp["bos"]]]), do_sample=True, top_k=0, max_new_tokens=127,
-                       min_new_tokens=127, pad_token_id=hp["eos"])[0]
-        for _ in range(16)
+        model.generate(torch.tensor([[hp["bos"]]]), do_sample=True, top_k=0, max_new_tokens=255,
+                       min_new_tokens=255, pad_token_id=hp["eos"])[0]
+        for _ in range(32)
     ]
     hessians: dict[str, torch.Tensor] = {}
 
@@ -174,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jitter", action="store_true", help="also on weights moved off the Q4_1 grids")
     parser.add_argument("--gptq", action="store_true", help="also GPTQ with self-sampled calibration")
+    parser.add_argument("--only-gptq", action="store_true", help="skip the round-to-nearest grids")
     args = parser.parse_args()
     torch.set_num_threads(2)
     reader = gguf.GGUFReader(str(smollm2_gguf_path()))
@@ -195,8 +209,11 @@ def main() -> None:
         want = {s: logprobs(base, p) for s, p in sets.items()}
         if args.gptq:
             hessians = calibration_hessians(base, hp)
-            grids["GPTQ, asymmetric, 64"] = lambda n, w: gptq(w, hessians[n])
+            grids["GPTQ, asymmetric, 64"] = lambda n, w: gptq(w, hessians[n], act_order=False)
+            grids["GPTQ act-order, static groups, asymmetric, 64"] = lambda n, w: gptq(w, hessians[n], act_order=True)
         for name, quantize in grids.items():
+            if args.only_gptq and not name.startswith("GPTQ"):
+                continue
             model = twin.build(quantize)
             figures = ", ".join(f"{s} {compare(logprobs(model, p), want[s], p)}" for s, p in sets.items())
             print(f"{label}: {name}: mean |Δlogprob| {figures}", flush=True)
