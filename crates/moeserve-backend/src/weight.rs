@@ -12,6 +12,7 @@ use moeserve_core::DType;
 
 use crate::cpu::WeightQuantization;
 use crate::cpu::packed::PackedWeight;
+use crate::cpu::quant::Int8Rows;
 use crate::{BackendError, Result};
 
 /// The bytes behind a [`Weight`].
@@ -56,6 +57,9 @@ pub struct Weight {
     packed: Arc<OnceLock<PackedWeight>>,
     /// Whether `--quantization` may apply (false for small, sensitive matrices: routers).
     quantizable: bool,
+    /// int8 rows stored in the checkpoint (`moeserve quantize`), used instead of quantizing
+    /// the stored values when the process runs int8.
+    int8: Option<Arc<Int8Rows>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -89,6 +93,7 @@ impl Weight {
             bytes,
             packed: Arc::default(),
             quantizable: true,
+            int8: None,
         })
     }
 
@@ -137,15 +142,48 @@ impl Weight {
         self
     }
 
+    /// Uses `rows` (`[n, k]` with the GEMM's groups) as this weight's int8 form instead of
+    /// quantizing the stored values; the stored values stay for runs without `--quantization`.
+    /// The clone gets its own packed form (a tied embedding keeps its rows as stored).
+    pub fn with_int8(&self, rows: Int8Rows) -> Result<Self> {
+        let (n, k) = match self.shape[..] {
+            [n, k] => (n, k),
+            _ => (0, 0),
+        };
+        let groups = n * k.div_ceil(crate::cpu::quant::GROUP);
+        if self.shape.len() != 2
+            || rows.q.len() != n * k
+            || rows.scales.len() != groups
+            || rows.offsets.len() != groups
+        {
+            return Err(BackendError::ShapeMismatch {
+                op: "Weight::with_int8",
+                expected: self.shape.clone(),
+                got: vec![rows.q.len(), rows.scales.len(), rows.offsets.len()],
+            });
+        }
+        Ok(Weight {
+            packed: Arc::default(),
+            int8: Some(Arc::new(rows)),
+            ..self.clone()
+        })
+    }
+
+    /// Whether the checkpoint supplied this weight's int8 form ([`Weight::with_int8`]).
+    pub fn has_stored_int8(&self) -> bool {
+        self.int8.is_some()
+    }
+
     /// The weight in the GEMM's panel layout (2-D weights only), quantized when the process
     /// chose a quantization and the weight allows it; packed once, on first use.
     pub fn packed(&self) -> &PackedWeight {
         self.packed.get_or_init(|| {
             let (n, k) = (self.shape[0], self.shape[1]);
             match crate::cpu::weight_quantization() {
-                WeightQuantization::Int8 if self.quantizable => {
-                    PackedWeight::pack_int8(self.data(), n, k)
-                }
+                WeightQuantization::Int8 if self.quantizable => match &self.int8 {
+                    Some(rows) => PackedWeight::pack_int8_rows(rows, n, k),
+                    None => PackedWeight::pack_int8(self.data(), n, k),
+                },
                 _ => PackedWeight::pack(self.data(), n, k),
             }
         })

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
+use moeserve_backend::cpu::quant::{GROUP, Int8Rows};
 use moeserve_backend::{Weight, WeightBytes};
 use moeserve_core::DType;
 use safetensors::{Dtype, SafeTensors};
@@ -35,6 +36,8 @@ pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<(PathBuf, Arc<Mmap>)>,
     tensors: HashMap<String, TensorEntry>,
+    /// Whether weights ignore `--quantization` and stored int8 tensors ([`Checkpoint::as_stored`]).
+    as_stored: bool,
 }
 
 impl Checkpoint {
@@ -55,6 +58,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files: Vec::new(),
             tensors: HashMap::new(),
+            as_stored: false,
         };
         for name in file_names {
             checkpoint.add_file(&dir.join(name))?;
@@ -90,6 +94,74 @@ impl Checkpoint {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Makes [`Checkpoint::weight`] return weights as stored whatever `--quantization` says,
+    /// without the checkpoint's int8 tensors (the calibration pass of `moeserve quantize`).
+    pub fn as_stored(mut self) -> Self {
+        self.as_stored = true;
+        self
+    }
+
+    /// Every tensor's name and the name of the file holding it.
+    pub fn tensor_files(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.tensors.iter().map(|(name, entry)| {
+            let path = &self.files[entry.file].0;
+            let file = path.file_name().and_then(|f| f.to_str()).unwrap_or("");
+            (name.as_str(), file)
+        })
+    }
+
+    /// The int8 form of matrix `{prefix}.weight` (`[n, k]`) written by `moeserve quantize`:
+    /// `{prefix}.qweight` (i8 `[n, k]`), `{prefix}.scales` and `{prefix}.offsets` (f32
+    /// `[n, k / 64]`); `None` when the checkpoint has no `{prefix}.qweight`.
+    pub fn int8_rows(&self, prefix: &str, n: usize, k: usize) -> Result<Option<Int8Rows>> {
+        let qweight = format!("{prefix}.qweight");
+        if self.as_stored || !self.tensors.contains_key(&qweight) {
+            return Ok(None);
+        }
+        let groups = k.div_ceil(GROUP);
+        let q = self.raw(&qweight, Dtype::I8, &[n, k])?;
+        let scales = self.raw(&format!("{prefix}.scales"), Dtype::F32, &[n, groups])?;
+        let offsets = self.raw(&format!("{prefix}.offsets"), Dtype::F32, &[n, groups])?;
+        let floats = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        Ok(Some(Int8Rows {
+            q: q.iter().map(|b| *b as i8).collect(),
+            scales: floats(scales),
+            offsets: floats(offsets),
+        }))
+    }
+
+    /// The bytes of tensor `name`, checked to have `dtype` and `shape`.
+    fn raw(&self, name: &str, dtype: Dtype, shape: &[usize]) -> Result<&[u8]> {
+        let entry = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.dir.clone(),
+                name: name.to_string(),
+            })?;
+        let path = &self.files[entry.file].0;
+        if entry.shape != shape {
+            return Err(ModelError::TensorShape {
+                path: path.clone(),
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                got: entry.shape.clone(),
+            });
+        }
+        if entry.dtype != dtype {
+            return Err(ModelError::UnsupportedDType {
+                path: path.clone(),
+                name: name.to_string(),
+                dtype: format!("{:?} (expected {dtype:?})", entry.dtype),
+            });
+        }
+        Ok(&self.files[entry.file].1[entry.start..entry.end])
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -140,7 +212,19 @@ impl Checkpoint {
             start: entry.start,
             end: entry.end,
         };
-        Ok(Weight::new(dtype, entry.shape.clone(), bytes)?)
+        let weight = Weight::new(dtype, entry.shape.clone(), bytes)?;
+        if self.as_stored {
+            return Ok(weight.exact());
+        }
+        // A matrix `moeserve quantize` stored in int8 too.
+        let int8 = match (name.strip_suffix(".weight"), expected_shape) {
+            (Some(prefix), [n, k]) => self.int8_rows(prefix, *n, *k)?,
+            _ => None,
+        };
+        match int8 {
+            Some(rows) => Ok(weight.with_int8(rows)?),
+            None => Ok(weight),
+        }
     }
 }
 

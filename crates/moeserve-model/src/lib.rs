@@ -20,6 +20,7 @@ pub mod layers;
 pub mod models;
 pub mod moe;
 pub mod presets;
+pub mod quantize;
 pub mod tokenizer;
 pub mod writer;
 

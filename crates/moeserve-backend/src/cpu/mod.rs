@@ -14,7 +14,7 @@ mod matmul;
 mod ops;
 pub mod packed;
 pub mod probe;
-mod quant;
+pub mod quant;
 pub mod reference;
 
 pub use grouped::{ExpertGroup, ExpertRows, GroupedScratch, grouped_swiglu, grouped_swiglu_in};

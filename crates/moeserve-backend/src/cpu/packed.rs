@@ -116,7 +116,11 @@ impl PackedWeight {
     /// Quantizes a row-major `[n, k]` weight to int8 rows with group scales and offsets, then
     /// packs it.
     pub fn pack_int8(data: WeightData<'_>, n: usize, k: usize) -> Self {
-        let rows = super::quant::quantize_rows_int8(data, n, k);
+        Self::pack_int8_rows(&super::quant::quantize_rows_int8(data, n, k), n, k)
+    }
+
+    /// Packs int8 rows made elsewhere (a GPTQ checkpoint's, `moeserve quantize`).
+    pub fn pack_int8_rows(rows: &super::quant::Int8Rows, n: usize, k: usize) -> Self {
         let groups = k.div_ceil(super::quant::GROUP);
         let to_panels = |by_row: &[f32]| {
             let mut out = vec![0.0; n.div_ceil(PANEL) * groups * PANEL];

@@ -166,6 +166,13 @@ pub struct AttentionBuffers {
     angles: cpu::RopeAngles,
 }
 
+impl AttentionBuffers {
+    /// The last step's attention outputs before `o_proj`, `[num_tokens, num_heads * head_dim]`.
+    pub fn outputs(&self) -> &[f32] {
+        &self.attn
+    }
+}
+
 thread_local! {
     /// A kernel thread's visible slots and scores of its current (token, KV head) task; kept
     /// per thread so the tasks of a step allocate nothing once the threads have seen a context

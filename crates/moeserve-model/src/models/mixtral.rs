@@ -14,6 +14,7 @@ use crate::layers::attention::{Attention, AttentionStep};
 use crate::models::workspace::{ForwardWorkspace, zeroed};
 use crate::moe::experts::check_router_bias;
 use crate::moe::{MoeLayerStep, MoeOptions, SparseMoe};
+use crate::quantize::Hessians;
 use crate::{ModelError, Result};
 
 pub(crate) struct DecoderLayer {
@@ -86,11 +87,24 @@ impl MixtralModel {
         Self::from_checkpoint(config, &ckpt)
     }
 
+    /// As [`MixtralModel::load`], every weight as stored whatever `--quantization` says and
+    /// without the checkpoint's int8 tensors: what `moeserve quantize` calibrates.
+    pub fn load_as_stored(dir: &Path) -> Result<Self> {
+        let config = MixtralConfig::from_dir(dir)?;
+        let model = Self::from_checkpoint(config, &Checkpoint::open(dir)?.as_stored())?;
+        model.prepare_kernels();
+        Ok(model)
+    }
+
     pub fn from_checkpoint(config: MixtralConfig, ckpt: &Checkpoint) -> Result<Self> {
         let (h, v) = (config.hidden_size, config.vocab_size);
         let embed_tokens = ckpt.weight("model.embed_tokens.weight", &[v, h])?;
         let lm_head = if config.tie_word_embeddings {
-            embed_tokens.clone()
+            // A tied head may still have an int8 form of its own (`moeserve quantize`).
+            match ckpt.int8_rows("lm_head", v, h)? {
+                Some(rows) => embed_tokens.with_int8(rows)?,
+                None => embed_tokens.clone(),
+            }
         } else {
             ckpt.weight("lm_head.weight", &[v, h])?
         };
@@ -275,8 +289,22 @@ impl MixtralModel {
         // The whole pass runs on a kernel pool thread: each of the step's ~500 parallel kernels
         // then forks from inside the pool instead of waking the pool from outside and sleeping
         // until it is done (a futex round trip per kernel).
-        rayon::scope(|_| self.forward_on_pool(batch, kv, opts, ws))?;
+        rayon::scope(|_| self.forward_on_pool(batch, kv, opts, ws, None))?;
         Ok(&ws.logits)
+    }
+
+    /// A forward pass that also adds every quantizable matrix's inputs to `hessians` (the
+    /// calibration pass of `moeserve quantize`); returns the last tokens' logits.
+    pub fn forward_calibrating(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut PagedKvCache,
+        hessians: &mut Hessians,
+    ) -> Result<Vec<f32>> {
+        let mut ws = ForwardWorkspace::default();
+        let opts = ForwardOptions::default();
+        rayon::scope(|_| self.forward_on_pool(batch, kv, opts, &mut ws, Some(hessians)))?;
+        Ok(std::mem::take(&mut ws.logits))
     }
 
     fn forward_on_pool(
@@ -285,6 +313,7 @@ impl MixtralModel {
         kv: &mut PagedKvCache,
         opts: ForwardOptions<'_>,
         ws: &mut ForwardWorkspace,
+        mut calibration: Option<&mut Hessians>,
     ) -> Result<()> {
         let c = &self.config;
         let layout = *kv.layout();
@@ -335,6 +364,9 @@ impl MixtralModel {
                     trace.layer_outputs.push(hidden.clone());
                 }
             }
+            if let Some(hs) = calibration.as_deref_mut() {
+                hs.attention_input(l, normed);
+            }
             let step = AttentionStep {
                 layer: l,
                 batch,
@@ -342,10 +374,16 @@ impl MixtralModel {
                 x: normed,
             };
             layer.self_attn.forward(&step, kv, attention, tiled, delta);
+            if let Some(hs) = calibration.as_deref_mut() {
+                hs.attention_output(l, attention.outputs(), t);
+            }
             let w = &layer.post_attention_layernorm;
             cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
             let block = &layer.block_sparse_moe;
             block.router_logits_into(normed, t, router_logits, tiled);
+            if let Some(hs) = calibration.as_deref_mut() {
+                hs.moe_input(l, block, normed, router_logits);
+            }
             let step = MoeLayerStep {
                 layer: l,
                 x: normed,
@@ -363,6 +401,12 @@ impl MixtralModel {
         cpu::add_assign(hidden, delta);
         if let Some(trace) = trace.filter(|_| !self.layers.is_empty()) {
             trace.layer_outputs.push(hidden.clone());
+        }
+        if let Some(hs) = calibration {
+            // lm_head's input at every position, not only the rows that get logits.
+            let mut all_normed = vec![0.0; hidden.len()];
+            cpu::rms_norm(hidden, &self.norm, c.rms_norm_eps, &mut all_normed);
+            hs.lm_head_input(&all_normed);
         }
         logit_rows.clear();
         match opts.logits {

@@ -9,6 +9,7 @@ mod generate;
 mod make_model;
 pub mod moe_args;
 mod plan;
+mod quantize;
 pub mod serve;
 mod tune;
 
@@ -31,6 +32,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Write a Mixtral checkpoint: a random preset, or a dense GGUF upcycled into experts.
     MakeModel(make_model::MakeModelArgs),
+    /// Write an int8 checkpoint made with GPTQ, calibrated on text sampled from the model.
+    Quantize(quantize::QuantizeArgs),
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(Box<serve::ServeArgs>),
     /// Benchmarks: `serve` load-tests any OpenAI-compatible server; `plot` compares results.
@@ -61,6 +64,7 @@ pub fn run(cli: Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::MakeModel(args) => make_model::run(args),
+        Command::Quantize(args) => quantize::run(args),
         Command::Serve(args) => {
             let serve_matches = matches
                 .subcommand_matches("serve")

@@ -1,0 +1,125 @@
+//! The calibration pass of `moeserve quantize`: every quantized matrix's Hessian `H = Σ x xᵀ`
+//! over the inputs `x` it sees while the model (in its stored precision) reads sample text.
+//!
+//! Matrices that read the same input share one Hessian: q, k and v a layer's normed hidden
+//! state; an expert's w1 and w3 the rows routed to it (its own tokens only, so a rarely chosen
+//! expert gets few); w2 the expert's SwiGLU output for those rows, recomputed here from w1 and
+//! w3; lm_head the final normed hidden state of every position.
+
+use moeserve_backend::cpu;
+
+use super::gptq::f32_matrix;
+use crate::moe::SparseMoe;
+use crate::moe::router::route_top_k;
+
+/// `Σ x xᵀ` over the rows seen so far, `[k, k]`; allocated on first use.
+#[derive(Debug, Default)]
+pub struct Hessian {
+    pub sum: Vec<f32>,
+    /// Input rows accumulated.
+    pub rows: usize,
+}
+
+impl Hessian {
+    /// Adds the rows of `x: [rows, k]`, as one GEMM (`Xᵀ X`).
+    fn add(&mut self, x: &[f32], k: usize) {
+        let rows = x.len() / k;
+        if rows == 0 {
+            return;
+        }
+        let mut xt = vec![0.0f32; k * rows];
+        for (t, row) in x.chunks_exact(k).enumerate() {
+            for (p, v) in row.iter().enumerate() {
+                xt[p * rows + t] = *v;
+            }
+        }
+        let mut out = vec![0.0f32; k * k];
+        cpu::matmul_wt(&xt, k, &f32_matrix(vec![k, rows], &xt), &mut out);
+        if self.sum.is_empty() {
+            self.sum = out;
+        } else {
+            cpu::add_assign(&mut self.sum, &out);
+        }
+        self.rows += rows;
+    }
+}
+
+/// The Hessians of one layer.
+#[derive(Debug, Default)]
+pub struct LayerHessians {
+    /// Input of q, k and v.
+    pub attention_in: Hessian,
+    /// Input of o_proj.
+    pub attention_out: Hessian,
+    /// Per expert: input of w1 and w3.
+    pub expert_in: Vec<Hessian>,
+    /// Per expert: input of w2.
+    pub expert_hidden: Vec<Hessian>,
+}
+
+/// Every quantized matrix's Hessian, filled by forward passes given `Some(&mut hessians)`.
+#[derive(Debug)]
+pub struct Hessians {
+    pub layers: Vec<LayerHessians>,
+    pub lm_head: Hessian,
+    hidden: usize,
+}
+
+impl Hessians {
+    pub fn new(num_layers: usize, num_experts: usize, hidden: usize) -> Self {
+        let layers = (0..num_layers)
+            .map(|_| LayerHessians {
+                expert_in: (0..num_experts).map(|_| Hessian::default()).collect(),
+                expert_hidden: (0..num_experts).map(|_| Hessian::default()).collect(),
+                ..LayerHessians::default()
+            })
+            .collect();
+        Hessians {
+            layers,
+            lm_head: Hessian::default(),
+            hidden,
+        }
+    }
+
+    pub(crate) fn attention_input(&mut self, layer: usize, x: &[f32]) {
+        self.layers[layer].attention_in.add(x, self.hidden);
+    }
+
+    pub(crate) fn attention_output(&mut self, layer: usize, x: &[f32], rows: usize) {
+        if let Some(width) = x.len().checked_div(rows) {
+            self.layers[layer].attention_out.add(x, width);
+        }
+    }
+
+    /// Routes `x`'s rows as the block does (top-k of the router logits, no capacity limit),
+    /// then records each expert's rows and its SwiGLU output for them.
+    pub(crate) fn moe_input(&mut self, layer: usize, block: &SparseMoe, x: &[f32], logits: &[f32]) {
+        let h = self.hidden;
+        let num_experts = block.experts.len();
+        let routing = route_top_k(logits, num_experts, block.top_k);
+        for (e, expert) in block.experts.iter().enumerate() {
+            let mut rows = Vec::new();
+            for (t, chosen) in routing.expert_ids.chunks_exact(block.top_k).enumerate() {
+                if chosen.contains(&(e as u32)) {
+                    rows.extend_from_slice(&x[t * h..(t + 1) * h]);
+                }
+            }
+            let m = rows.len() / h;
+            if m == 0 {
+                continue;
+            }
+            let inter = expert.w1.shape()[0];
+            let (mut gate, mut up) = (vec![0.0f32; m * inter], vec![0.0f32; m * inter]);
+            cpu::matmul_wt(&rows, m, &expert.w1, &mut gate);
+            cpu::matmul_wt(&rows, m, &expert.w3, &mut up);
+            cpu::silu_mul(&mut gate, &up);
+            let hs = &mut self.layers[layer];
+            hs.expert_in[e].add(&rows, h);
+            hs.expert_hidden[e].add(&gate, inter);
+        }
+    }
+
+    pub(crate) fn lm_head_input(&mut self, x: &[f32]) {
+        self.lm_head.add(x, self.hidden);
+    }
+}

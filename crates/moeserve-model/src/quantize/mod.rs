@@ -1,0 +1,478 @@
+//! `moeserve quantize`: an int8 checkpoint made with GPTQ, as vLLM users get one from
+//! llm-compressor or AutoGPTQ. The stored format is `--quantization int8`'s (a scale and offset
+//! per row and 64 positions); only the integers are chosen by GPTQ instead of rounding to
+//! nearest, which cuts the demo model's mean |Δlogprob| (bench/RESULTS.md).
+//!
+//! 1. Calibration text is sampled from the model itself (temperature 1 from BOS, seeded), so
+//!    no dataset is needed and it follows the model's own distribution.
+//! 2. One forward pass over it in the stored precision records every matrix's Hessian
+//!    ([`calibrate`]).
+//! 3. GPTQ per matrix ([`gptq`]), the matrices in parallel.
+//! 4. The output directory holds the source's files unchanged (shards hard-linked where the
+//!    file system allows), `model-int8.safetensors` with `{matrix}.qweight` (i8 `[n, k]`),
+//!    `{matrix}.scales` and `{matrix}.offsets` (f32 `[n, k / 64]`), an index naming both, and
+//!    `quantization_config` in `config.json`. Loading it runs int8 with these integers unless
+//!    `--quantization none` asks for the stored weights.
+
+pub mod calibrate;
+pub mod gptq;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use moeserve_backend::Weight;
+use moeserve_backend::cpu::quant::{GROUP, Int8Rows, quantize_rows_int8};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use serde_json::{Value, json};
+
+pub use calibrate::{Hessian, Hessians};
+pub use gptq::{Fallback, GptqOptions, gptq_int8};
+
+use crate::batch::{ForwardBatch, SequenceSlice};
+use crate::generation_config::GenerationConfig;
+use crate::kv_cache::PagedKvCache;
+use crate::models::MixtralModel;
+use crate::models::mixtral::{ForwardOptions, LogitsFor};
+use crate::{ModelError, Result};
+
+/// `quantization_config.quant_method` of a checkpoint this module wrote.
+pub const QUANT_METHOD: &str = "moeserve-int8";
+/// The file holding the int8 tensors.
+pub const INT8_FILE: &str = "model-int8.safetensors";
+
+/// What `moeserve quantize` does.
+#[derive(Clone, Debug)]
+pub struct QuantizeOptions {
+    /// Calibration sequences sampled from the model.
+    pub samples: usize,
+    /// Tokens per calibration sequence (BOS included).
+    pub sample_len: usize,
+    pub seed: u64,
+    pub gptq: GptqOptions,
+}
+
+impl Default for QuantizeOptions {
+    fn default() -> Self {
+        QuantizeOptions {
+            samples: 32,
+            sample_len: 256,
+            seed: 0,
+            gptq: GptqOptions::default(),
+        }
+    }
+}
+
+/// What a quantization run did.
+#[derive(Debug, Default)]
+pub struct QuantizeReport {
+    pub matrices: usize,
+    pub calibration_tokens: usize,
+    /// Matrices rounded to nearest instead, with the reason (no calibration input reached
+    /// them, or their Hessian could not be factored).
+    pub round_to_nearest: Vec<(String, String)>,
+    pub sample_seconds: f64,
+    pub calibrate_seconds: f64,
+    pub gptq_seconds: f64,
+}
+
+/// A quantizable matrix of the model: its checkpoint prefix (`{prefix}.weight`), weight and
+/// Hessian.
+struct Job<'a> {
+    prefix: String,
+    weight: &'a Weight,
+    hessian: &'a Hessian,
+}
+
+/// Quantizes the model in `src` with GPTQ and writes the int8 checkpoint to `dst` (created; it
+/// must not be `src`). `progress` hears what is being done.
+pub fn quantize_checkpoint(
+    src: &Path,
+    dst: &Path,
+    opts: &QuantizeOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<QuantizeReport> {
+    if opts.samples == 0 || opts.sample_len < 2 {
+        return Err(ModelError::InvalidInput {
+            message: "calibration needs at least one sample of at least 2 tokens".into(),
+        });
+    }
+    if dst.exists() && same_dir(src, dst) {
+        return Err(ModelError::config(
+            dst,
+            "the output directory is the model directory",
+        ));
+    }
+    let model = MixtralModel::load_as_stored(src)?;
+    let generation = GenerationConfig::from_dir(src)?;
+    let bos = generation.bos_token_id.unwrap_or(0);
+    let mut report = QuantizeReport::default();
+
+    let clock = std::time::Instant::now();
+    progress(&format!(
+        "sampling {} calibration sequences of {} tokens from the model (seed {})",
+        opts.samples, opts.sample_len, opts.seed
+    ));
+    let sequences = sample_sequences(&model, opts, bos, &generation.eos_token_ids)?;
+    report.sample_seconds = clock.elapsed().as_secs_f64();
+
+    let clock = std::time::Instant::now();
+    progress("recording every matrix's inputs");
+    let c = model.config();
+    let mut hessians = Hessians::new(c.num_hidden_layers, c.num_local_experts, c.hidden_size);
+    calibrate(&model, &sequences, &mut hessians)?;
+    report.calibration_tokens = sequences.iter().map(Vec::len).sum();
+    report.calibrate_seconds = clock.elapsed().as_secs_f64();
+
+    let clock = std::time::Instant::now();
+    let jobs = jobs(&model, &hessians);
+    progress(&format!("GPTQ on {} matrices", jobs.len()));
+    let results: Vec<(Int8Rows, Option<String>)> = jobs
+        .par_iter()
+        .map(|job| quantize_one(job, opts.gptq))
+        .collect();
+    report.gptq_seconds = clock.elapsed().as_secs_f64();
+    report.matrices = jobs.len();
+    for (job, (_, why)) in jobs.iter().zip(&results) {
+        if let Some(why) = why {
+            report
+                .round_to_nearest
+                .push((job.prefix.clone(), why.clone()));
+        }
+    }
+
+    progress(&format!("writing {}", dst.display()));
+    let tensors: Vec<(String, &Int8Rows, [usize; 2])> = jobs
+        .iter()
+        .zip(&results)
+        .map(|(job, (rows, _))| {
+            let s = job.weight.shape();
+            (job.prefix.clone(), rows, [s[0], s[1]])
+        })
+        .collect();
+    write_checkpoint(src, dst, &tensors, opts, &report)?;
+    Ok(report)
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// GPTQ for one matrix; round-to-nearest (and why) when no calibration row reached it or its
+/// Hessian cannot be factored.
+fn quantize_one(job: &Job<'_>, opts: GptqOptions) -> (Int8Rows, Option<String>) {
+    let (n, k) = (job.weight.shape()[0], job.weight.shape()[1]);
+    let w = job.weight.to_f32_vec();
+    if job.hessian.rows == 0 {
+        let rows = quantize_rows_int8(moeserve_backend::WeightData::F32(&w), n, k);
+        return (rows, Some("no calibration token reached it".into()));
+    }
+    match gptq_int8(&w, n, k, job.hessian.sum.clone(), opts) {
+        (rows, None) => (rows, None),
+        (rows, Some(Fallback::NotPositiveDefinite { column })) => (
+            rows,
+            Some(format!(
+                "its damped Hessian is not positive definite (column {column})"
+            )),
+        ),
+    }
+}
+
+/// Every matrix `--quantization int8` quantizes (routers stay as stored), with its Hessian.
+fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians) -> Vec<Job<'a>> {
+    let mut jobs = Vec::new();
+    for (l, (layer, hs)) in model.layers.iter().zip(&hessians.layers).enumerate() {
+        let [q, k, v, o] = layer.self_attn.weights();
+        for (name, weight, hessian) in [
+            ("q_proj", q, &hs.attention_in),
+            ("k_proj", k, &hs.attention_in),
+            ("v_proj", v, &hs.attention_in),
+            ("o_proj", o, &hs.attention_out),
+        ] {
+            let prefix = format!("model.layers.{l}.self_attn.{name}");
+            jobs.push(Job {
+                prefix,
+                weight,
+                hessian,
+            });
+        }
+        let experts = &layer.block_sparse_moe.experts;
+        for (e, expert) in experts.iter().enumerate() {
+            for (name, weight, hessian) in [
+                ("w1", &expert.w1, &hs.expert_in[e]),
+                ("w2", &expert.w2, &hs.expert_hidden[e]),
+                ("w3", &expert.w3, &hs.expert_in[e]),
+            ] {
+                let prefix = format!("model.layers.{l}.block_sparse_moe.experts.{e}.{name}");
+                jobs.push(Job {
+                    prefix,
+                    weight,
+                    hessian,
+                });
+            }
+        }
+    }
+    jobs.push(Job {
+        prefix: "lm_head".into(),
+        weight: &model.lm_head,
+        hessian: &hessians.lm_head,
+    });
+    jobs
+}
+
+/// `opts.samples` sequences of `opts.sample_len` tokens: BOS, then tokens drawn from the
+/// model's distribution at temperature 1 with end-of-sequence tokens masked (as transformers'
+/// `min_new_tokens`), all sequences decoded together.
+fn sample_sequences(
+    model: &MixtralModel,
+    opts: &QuantizeOptions,
+    bos: u32,
+    eos: &[u32],
+) -> Result<Vec<Vec<u32>>> {
+    const BLOCK: usize = 16;
+    let (count, len) = (opts.samples, opts.sample_len);
+    let blocks_per_seq = len.div_ceil(BLOCK);
+    let mut kv = PagedKvCache::new(model.kv_layout(count * blocks_per_seq, BLOCK));
+    let tables: Vec<Vec<u32>> = (0..count)
+        .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let mut sequences = vec![vec![bos]; count];
+    let vocab = model.config().vocab_size;
+    let mut probs = vec![0.0f32; vocab];
+    for pos in 1..len {
+        let step_ids: Vec<u32> = sequences.iter().map(|s| s[pos - 1]).collect();
+        let slices: Vec<SequenceSlice<'_>> = tables
+            .iter()
+            .enumerate()
+            .map(|(s, table)| SequenceSlice {
+                query_start: s,
+                query_len: 1,
+                context_len: pos,
+                block_table: table,
+            })
+            .collect();
+        let batch = ForwardBatch {
+            token_ids: &step_ids,
+            sequences: &slices,
+        };
+        let opts = ForwardOptions {
+            logits: LogitsFor::LastTokens,
+            ..Default::default()
+        };
+        let logits = model.forward(&batch, &mut kv, opts)?;
+        for (seq, row) in sequences.iter_mut().zip(logits.chunks_exact(vocab)) {
+            probs.copy_from_slice(row);
+            for &e in eos {
+                if let Some(p) = probs.get_mut(e as usize) {
+                    *p = f32::NEG_INFINITY;
+                }
+            }
+            moeserve_backend::cpu::softmax_in_place(&mut probs);
+            seq.push(draw(&probs, &mut rng));
+        }
+    }
+    Ok(sequences)
+}
+
+/// A token drawn from `probs` (summing to 1).
+fn draw(probs: &[f32], rng: &mut ChaCha8Rng) -> u32 {
+    let target = rng.random::<f64>() * probs.iter().map(|p| f64::from(*p)).sum::<f64>();
+    let mut acc = 0.0f64;
+    for (i, p) in probs.iter().enumerate() {
+        acc += f64::from(*p);
+        if acc > target {
+            return i as u32;
+        }
+    }
+    probs.iter().rposition(|p| *p > 0.0).unwrap_or(0) as u32
+}
+
+/// Runs the sequences through the model a few at a time (whole-sequence prefills), recording
+/// every matrix's inputs.
+fn calibrate(model: &MixtralModel, sequences: &[Vec<u32>], hessians: &mut Hessians) -> Result<()> {
+    const BLOCK: usize = 16;
+    const TOKENS_PER_PASS: usize = 1024;
+    let len = sequences.iter().map(Vec::len).max().unwrap_or(0);
+    let per_pass = (TOKENS_PER_PASS / len.max(1)).max(1);
+    let blocks_per_seq = len.div_ceil(BLOCK);
+    let mut kv = PagedKvCache::new(model.kv_layout(per_pass * blocks_per_seq, BLOCK));
+    let tables: Vec<Vec<u32>> = (0..per_pass)
+        .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
+        .collect();
+    for chunk in sequences.chunks(per_pass) {
+        let token_ids: Vec<u32> = chunk.concat();
+        let mut start = 0;
+        let slices: Vec<SequenceSlice<'_>> = chunk
+            .iter()
+            .zip(&tables)
+            .map(|(s, table)| {
+                let slice = SequenceSlice {
+                    query_start: start,
+                    query_len: s.len(),
+                    context_len: s.len(),
+                    block_table: table,
+                };
+                start += s.len();
+                slice
+            })
+            .collect();
+        let batch = ForwardBatch {
+            token_ids: &token_ids,
+            sequences: &slices,
+        };
+        model.forward_calibrating(&batch, &mut kv, hessians)?;
+    }
+    Ok(())
+}
+
+/// Writes `dst`: the source's files, the int8 tensors and an index naming every tensor's file.
+fn write_checkpoint(
+    src: &Path,
+    dst: &Path,
+    tensors: &[(String, &Int8Rows, [usize; 2])],
+    opts: &QuantizeOptions,
+    report: &QuantizeReport,
+) -> Result<()> {
+    std::fs::create_dir_all(dst).map_err(|e| ModelError::io(dst, e))?;
+    let source = crate::checkpoint::Checkpoint::open(src)?;
+    let mut weight_map = BTreeMap::new();
+    for (name, file) in source.tensor_files().filter(|(_, f)| *f != INT8_FILE) {
+        weight_map.insert(name.to_string(), Value::String(file.to_string()));
+    }
+    let entries = std::fs::read_dir(src).map_err(|e| ModelError::io(src, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| ModelError::io(src, e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let from = entry.path();
+        let to = dst.join(&*name);
+        let replaced = ["config.json", "model.safetensors.index.json", INT8_FILE];
+        if !from.is_file() || replaced.contains(&&*name) {
+            continue;
+        }
+        if to.exists() {
+            std::fs::remove_file(&to).map_err(|e| ModelError::io(&to, e))?;
+        }
+        // The shards are large and unchanged: a hard link where the file system allows.
+        if std::fs::hard_link(&from, &to).is_err() {
+            std::fs::copy(&from, &to).map_err(|e| ModelError::io(&to, e))?;
+        }
+    }
+
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>, Dtype)> = tensors
+        .iter()
+        .flat_map(|(prefix, rows, [n, k])| {
+            let groups = k.div_ceil(GROUP);
+            [
+                (
+                    format!("{prefix}.qweight"),
+                    bytemuck::cast_slice::<i8, u8>(&rows.q).to_vec(),
+                    vec![*n, *k],
+                    Dtype::I8,
+                ),
+                (
+                    format!("{prefix}.scales"),
+                    bytemuck::cast_slice::<f32, u8>(&rows.scales).to_vec(),
+                    vec![*n, groups],
+                    Dtype::F32,
+                ),
+                (
+                    format!("{prefix}.offsets"),
+                    bytemuck::cast_slice::<f32, u8>(&rows.offsets).to_vec(),
+                    vec![*n, groups],
+                    Dtype::F32,
+                ),
+            ]
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(name, data, shape, dtype)| {
+            let view = TensorView::new(*dtype, shape.clone(), data).map_err(|e| {
+                ModelError::Safetensors {
+                    path: dst.join(INT8_FILE),
+                    message: e.to_string(),
+                }
+            })?;
+            weight_map.insert(name.clone(), Value::String(INT8_FILE.into()));
+            Ok((name.clone(), view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let path = dst.join(INT8_FILE);
+    if path.exists() {
+        // Never write through a hard link into another checkpoint.
+        std::fs::remove_file(&path).map_err(|e| ModelError::io(&path, e))?;
+    }
+    safetensors::serialize_to_file(views, None, &path).map_err(|e| ModelError::Safetensors {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    // Readable like the other files (the safetensors crate creates it owner-only).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let readable = std::fs::Permissions::from_mode(0o644);
+        std::fs::set_permissions(&path, readable).map_err(|e| ModelError::io(&path, e))?;
+    }
+    let index = json!({ "metadata": {}, "weight_map": weight_map });
+    write_json(&dst.join("model.safetensors.index.json"), &index)?;
+
+    let config_path = src.join("config.json");
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let mut config: Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::config(&config_path, e.to_string()))?;
+    config["quantization_config"] = json!({
+        "quant_method": QUANT_METHOD,
+        "bits": 8,
+        "group_size": GROUP,
+        "format": "w = q * scale + offset per row and group, q in [-128, 127]",
+        "method": "gptq",
+        "desc_act": true,
+        "static_groups": true,
+        "damp_percent": opts.gptq.damp,
+        "block_size": opts.gptq.block,
+        "calibration": {
+            "source": "sampled from the model, temperature 1, from BOS",
+            "samples": opts.samples,
+            "tokens_per_sample": opts.sample_len,
+            "seed": opts.seed,
+            "tokens": report.calibration_tokens,
+        },
+        "round_to_nearest": report.round_to_nearest.iter().map(|(m, _)| m).collect::<Vec<_>>(),
+    });
+    write_json(&dst.join("config.json"), &config)
+}
+
+fn write_json(path: &Path, value: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("JSON values serialize");
+    std::fs::write(path, text + "\n").map_err(|e| ModelError::io(path, e))
+}
+
+/// Whether `dir/config.json` says its checkpoint holds this module's int8 tensors.
+pub fn stored_int8(dir: &Path) -> Result<bool> {
+    let path: PathBuf = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let config: Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::config(&path, e.to_string()))?;
+    match config.get("quantization_config") {
+        None => Ok(false),
+        Some(q) => match q.get("quant_method").and_then(Value::as_str) {
+            Some(QUANT_METHOD) => Ok(true),
+            other => Err(ModelError::config(
+                &path,
+                format!(
+                    "quantization_config.quant_method {other:?} is not supported (only \
+                     {QUANT_METHOD:?}, written by `moeserve quantize`)"
+                ),
+            )),
+        },
+    }
+}

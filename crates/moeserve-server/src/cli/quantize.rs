@@ -1,0 +1,69 @@
+//! `moeserve quantize`: an int8 checkpoint made with GPTQ (calibrated on text sampled from the
+//! model itself), which `--quantization int8` then loads instead of rounding at load.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use moeserve_model::quantize::{GptqOptions, QuantizeOptions, quantize_checkpoint};
+
+#[derive(Debug, Args)]
+pub struct QuantizeArgs {
+    /// The model directory (a Hugging Face Mixtral checkpoint in bf16, f16 or f32).
+    #[arg(long)]
+    model: PathBuf,
+    /// Output directory: the source's files (hard-linked where possible), the int8 tensors and
+    /// `quantization_config` in config.json.
+    #[arg(long)]
+    out: PathBuf,
+    /// Calibration sequences sampled from the model.
+    #[arg(long, default_value_t = 32)]
+    calibration_samples: usize,
+    /// Tokens per calibration sequence.
+    #[arg(long, default_value_t = 256)]
+    calibration_len: usize,
+    /// Seed of the calibration samples.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// GPTQ's damping: this fraction of the mean Hessian diagonal is added to it.
+    #[arg(long, default_value_t = 0.01)]
+    damp: f32,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
+    let threads = moeserve_backend::cpu::init_threads(args.threads).map_err(anyhow::Error::msg)?;
+    let start = Instant::now();
+    let opts = QuantizeOptions {
+        samples: args.calibration_samples,
+        sample_len: args.calibration_len,
+        seed: args.seed,
+        gptq: GptqOptions {
+            damp: args.damp,
+            ..GptqOptions::default()
+        },
+    };
+    eprintln!(
+        "quantizing {} to int8 with GPTQ ({threads} threads)",
+        args.model.display()
+    );
+    let mut progress = |what: &str| eprintln!("[{:6.1} s] {what}", start.elapsed().as_secs_f64());
+    let report = quantize_checkpoint(&args.model, &args.out, &opts, &mut progress)?;
+    for (matrix, why) in &report.round_to_nearest {
+        eprintln!("rounded to nearest: {matrix}: {why}");
+    }
+    eprintln!(
+        "wrote {}: {} matrices, {} calibration tokens; sampling {:.1} s, calibration {:.1} s, \
+         GPTQ {:.1} s ({} rounded to nearest)",
+        args.out.display(),
+        report.matrices,
+        report.calibration_tokens,
+        report.sample_seconds,
+        report.calibrate_seconds,
+        report.gptq_seconds,
+        report.round_to_nearest.len()
+    );
+    Ok(())
+}
