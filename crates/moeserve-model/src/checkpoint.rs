@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 use moeserve_backend::cpu::quant::{GROUP, Int8Rows};
+use moeserve_backend::cpu::{WeightQuantization, weight_quantization};
 use moeserve_backend::{Weight, WeightBytes};
 use moeserve_core::DType;
 use safetensors::{Dtype, SafeTensors};
@@ -216,9 +217,12 @@ impl Checkpoint {
         if self.as_stored {
             return Ok(weight.exact());
         }
-        // A matrix `moeserve quantize` stored in int8 too.
+        // A matrix `moeserve quantize` stored in int8 too (read only when the process runs
+        // int8: `--quantization none` runs the stored values and needs no copy of them).
         let int8 = match (name.strip_suffix(".weight"), expected_shape) {
-            (Some(prefix), [n, k]) => self.int8_rows(prefix, *n, *k)?,
+            (Some(prefix), [n, k]) if weight_quantization() == WeightQuantization::Int8 => {
+                self.int8_rows(prefix, *n, *k)?
+            }
             _ => None,
         };
         match int8 {

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use common::{SoloSequence, argmax, fixtures_dir, log_softmax, read_reference};
 use moeserve_backend::cpu::{self, WeightQuantization};
 use moeserve_model::models::MixtralModel;
+use moeserve_model::quantize::{QuantizeOptions, quantize_checkpoint};
 
 /// (mean |Δlogprob|, greedy agreement, positions) of `model` on the references in `reference`.
 fn teacher_forced(model: &MixtralModel, reference: &Path) -> (f64, f64, usize) {
@@ -42,13 +43,72 @@ fn demo_model_dir() -> PathBuf {
     )
 }
 
-#[test]
-fn int8_weights_stay_close_to_the_references() {
+fn run_int8() -> bool {
     if !cpu::isa().packs_weights() {
         eprintln!("int8 needs the AVX-512 or AVX2 kernels; MOESERVE_ISA=scalar is set");
-        return;
+        return false;
     }
     cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
+    true
+}
+
+fn load_demo(dir: &Path) -> MixtralModel {
+    MixtralModel::load(dir)
+        .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()))
+}
+
+/// Checks the demo model's (fixture, most mean |Δlogprob|, least greedy agreement) cases.
+fn check_demo(label: &str, model: &MixtralModel, cases: [(&str, f64, f64); 2]) {
+    for (case, max_delta, min_agree) in cases {
+        let (delta, agree, n) = teacher_forced(model, &fixtures_dir().join(case));
+        eprintln!(
+            "demo model {label}, {case}: mean |Δlogprob| {delta:.4}, greedy agreement \
+             {agree:.3} ({n} positions)"
+        );
+        assert!(
+            delta <= max_delta,
+            "{label}, {case}: mean |Δlogprob| {delta}"
+        );
+        assert!(
+            agree >= min_agree,
+            "{label}, {case}: greedy agreement {agree}"
+        );
+    }
+}
+
+/// The issue's accuracy target: `moeserve quantize` (GPTQ in act-order with static groups,
+/// calibrated on 32 × 256 tokens the model samples itself, its defaults) then int8 with the
+/// stored integers: mean |Δlogprob| ≤ 0.02 on the demo model. Measured 2026-11-30: 0.0167 on
+/// smolmoe-demo (agreement 97.5 %), 0.0179 on smolmoe-eval (98.6 %); bench/int8_accuracy.py's
+/// simulation on the dense twin gave 0.0158 / 0.0183. Takes ≈ 3 minutes (sampling,
+/// calibration, GPTQ on 841 matrices).
+#[test]
+fn gptq_checkpoint_stays_within_the_target() {
+    if !run_int8() {
+        return;
+    }
+    let src = demo_model_dir();
+    // Beside the build, so the shards are hard-linked rather than copied.
+    let out = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let opts = QuantizeOptions::default();
+    let mut progress = |what: &str| eprintln!("quantize: {what}");
+    let report = quantize_checkpoint(&src, out.path(), &opts, &mut progress)
+        .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", src.display()));
+    eprintln!("{report:?}");
+    assert!(report.round_to_nearest.is_empty(), "{report:?}");
+    let model = load_demo(out.path());
+    check_demo(
+        "GPTQ int8",
+        &model,
+        [("smolmoe-demo", 0.02, 0.95), ("smolmoe-eval", 0.02, 0.975)],
+    );
+}
+
+#[test]
+fn int8_weights_stay_close_to_the_references() {
+    if !run_int8() {
+        return;
+    }
 
     // The demo model (real SmolLM2 weights, bf16) is the accuracy case: the issue asks for mean
     // |Δlogprob| ≤ 0.02. Fixture smolmoe-eval (16 chat turns, up to 64 greedy tokens each, 883
@@ -56,25 +116,17 @@ fn int8_weights_stay_close_to_the_references() {
     // near-tie position moves greedy agreement by 1.3 points. Measured 2026-11-30: symmetric
     // 64-position groups 0.0276 on smolmoe-demo (0.030 on smolmoe-eval in bench/int8_accuracy.py's
     // simulation); groups spanning their own range 0.0196 / 0.0231, greedy agreement 93.7 % /
-    // 98.3 %. The ≤ 0.02 target is not met; the bounds guard against regressions.
-    let dir = demo_model_dir();
-    let model = MixtralModel::load(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()));
+    // 98.3 %. Rounding at load does not reach ≤ 0.02 on smolmoe-eval; a `moeserve quantize`
+    // checkpoint does (the test above). These bounds guard against regressions.
+    let model = load_demo(&demo_model_dir());
     let stored: usize = model.weight_bytes();
     let read = model.dense_matrix_bytes();
     eprintln!("demo model: {read} bytes of dense matrices read as int8 (stored {stored} in all)");
-    // (fixture, most mean |Δlogprob|, least greedy agreement)
-    for (case, max_delta, min_agree) in
-        [("smolmoe-demo", 0.022, 0.9), ("smolmoe-eval", 0.025, 0.97)]
-    {
-        let (delta, agree, n) = teacher_forced(&model, &fixtures_dir().join(case));
-        eprintln!(
-            "demo model int8, {case}: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} \
-             ({n} positions)"
-        );
-        assert!(delta <= max_delta, "{case}: mean |Δlogprob| {delta}");
-        assert!(agree >= min_agree, "{case}: greedy agreement {agree}");
-    }
+    check_demo(
+        "int8",
+        &model,
+        [("smolmoe-demo", 0.022, 0.9), ("smolmoe-eval", 0.025, 0.97)],
+    );
 
     // The random fixtures have near-flat distributions, so they are only a sanity bound.
     for case in ["mixtral-swa", "mixtral-tied", "mixtral-gqa"] {

@@ -179,7 +179,7 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
         assets.model.weight_bytes() as f64 / 1e9,
         start.elapsed().as_secs_f64(),
         crate::cli::device::kernels_name(&config.engine.device),
-        moeserve_backend::cpu::weight_quantization(),
+        assets.model.quantization_summary(),
         yes_no(assets.tokenizer.is_some()),
         yes_no(assets.chat_template.is_some()),
     ));

@@ -101,7 +101,12 @@ impl MixtralModel {
         let embed_tokens = ckpt.weight("model.embed_tokens.weight", &[v, h])?;
         let lm_head = if config.tie_word_embeddings {
             // A tied head may still have an int8 form of its own (`moeserve quantize`).
-            match ckpt.int8_rows("lm_head", v, h)? {
+            let int8 = cpu::weight_quantization() == cpu::WeightQuantization::Int8;
+            match int8
+                .then(|| ckpt.int8_rows("lm_head", v, h))
+                .transpose()?
+                .flatten()
+            {
                 Some(rows) => embed_tokens.with_int8(rows)?,
                 None => embed_tokens.clone(),
             }
@@ -178,6 +183,25 @@ impl MixtralModel {
             all.extend(moe.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]));
         }
         all
+    }
+
+    /// What `--quantization` makes of the matrices, for logs: `none`, `int8 (rounded at load)`
+    /// or `int8 (GPTQ integers of N of M matrices from the checkpoint)`.
+    pub fn quantization_summary(&self) -> String {
+        let q = cpu::weight_quantization();
+        if q != cpu::WeightQuantization::Int8 {
+            return q.to_string();
+        }
+        let matrices = self.matrices();
+        let stored = matrices.iter().filter(|w| w.has_stored_int8()).count();
+        // Routers (one per layer) stay as stored.
+        let quantized = matrices.len() - self.layers.len();
+        match stored {
+            0 => "int8 (rounded at load)".into(),
+            _ => format!(
+                "int8 (GPTQ integers of {stored} of {quantized} matrices from the checkpoint)"
+            ),
+        }
     }
 
     /// Bytes (as the kernels store them) of the matrices every step reads whatever the routing: attention projections,

@@ -89,7 +89,7 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
         bail!("--batch and --prompt-len must be at least 1 and --output-len at least 2");
     }
     let device = super::device::select(args.engine.device)?;
-    let threads = args.engine.init_kernels()?;
+    let threads = args.engine.init_kernels(&args.model)?;
     let assets = Arc::new(
         ModelAssets::load_for(&args.model, &device)
             .with_context(|| format!("loading {}", args.model.display()))?,

@@ -44,21 +44,32 @@ pub struct EngineArgs {
     /// Threads for the CPU kernels (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Weight quantization made at load: none (as stored) or int8 (a scale and offset per output
-    /// row and 64 positions, f32 activations; 0.56× the bytes per decode step of bf16). Routers
-    /// stay as stored.
-    #[arg(long, default_value = "none")]
-    pub quantization: moeserve_backend::cpu::WeightQuantization,
+    /// Weight quantization: none (as stored) or int8 (a scale and offset per output row and
+    /// 64 positions, f32 activations; 0.56× the bytes per decode step of bf16). Default: int8
+    /// for a checkpoint written by `moeserve quantize` (its GPTQ integers), else none; int8 on
+    /// another checkpoint rounds its weights to nearest at load. Routers stay as stored.
+    #[arg(long)]
+    pub quantization: Option<moeserve_backend::cpu::WeightQuantization>,
     #[command(flatten)]
     pub moe: MoeArgs,
 }
 
 impl EngineArgs {
-    /// Starts the kernels' thread pool (`--threads`) and fixes `--quantization`; call once,
-    /// before loading a model. Returns the pool's size.
-    pub fn init_kernels(&self) -> anyhow::Result<usize> {
-        moeserve_backend::cpu::set_weight_quantization(self.quantization)
-            .map_err(anyhow::Error::msg)?;
+    /// Starts the kernels' thread pool (`--threads`) and fixes `--quantization` (by default
+    /// what the checkpoint in `model` says); call once, before loading it. Returns the pool's
+    /// size.
+    pub fn init_kernels(&self, model: &std::path::Path) -> anyhow::Result<usize> {
+        use moeserve_backend::cpu::WeightQuantization;
+        let quantization = match self.quantization {
+            Some(q) => q,
+            // A directory without a readable config.json is reported by the loader.
+            None => match moeserve_model::quantize::stored_int8(model) {
+                Ok(true) => WeightQuantization::Int8,
+                Ok(false) | Err(moeserve_model::ModelError::Io { .. }) => WeightQuantization::None,
+                Err(e) => return Err(e.into()),
+            },
+        };
+        moeserve_backend::cpu::set_weight_quantization(quantization).map_err(anyhow::Error::msg)?;
         moeserve_backend::cpu::init_threads(self.threads).map_err(anyhow::Error::msg)
     }
 

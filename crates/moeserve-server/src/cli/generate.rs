@@ -96,7 +96,7 @@ struct JsonOutput<'a> {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let device = super::device::select(args.engine.device)?;
-    args.engine.init_kernels()?;
+    args.engine.init_kernels(&args.model)?;
     let start = Instant::now();
     let assets = ModelAssets::load_for(&args.model, &device)
         .with_context(|| format!("loading {}", args.model.display()))?;
@@ -106,7 +106,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         start.elapsed().as_secs_f64(),
         assets.model.weight_bytes() as f64 / 1e9,
         super::device::kernels_name(&device),
-        moeserve_backend::cpu::weight_quantization()
+        assets.model.quantization_summary()
     );
     let requests = requests(&args)?;
     let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config(device))?;

@@ -255,8 +255,9 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
 
 pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
     let device = super::device::select(args.engine.device)?;
-    args.engine.init_kernels()?;
+    let engine_args = args.engine.clone();
     let mut config = resolve(args, matches)?;
+    engine_args.init_kernels(&config.model)?;
     config.engine.device = device;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

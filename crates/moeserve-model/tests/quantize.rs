@@ -1,0 +1,149 @@
+//! `moeserve quantize` on a small fixture: the checkpoint it writes, that loading it runs the
+//! stored GPTQ integers, that the source is left alone, and that broken int8 tensors are
+//! refused by name. Its own process: it runs int8 (the quantization is chosen once).
+
+mod common;
+
+use std::path::Path;
+
+use common::{fixtures_dir, prefill};
+use moeserve_backend::WeightData;
+use moeserve_backend::cpu::quant::quantize_rows_int8;
+use moeserve_backend::cpu::{self, WeightQuantization};
+use moeserve_model::checkpoint::Checkpoint;
+use moeserve_model::models::MixtralModel;
+use moeserve_model::models::mixtral::ForwardOptions;
+use moeserve_model::quantize::{
+    INT8_FILE, QuantizeOptions, QuantizeReport, quantize_checkpoint, stored_int8,
+};
+use safetensors::SafeTensors;
+use safetensors::tensor::TensorView;
+
+fn small_run() -> QuantizeOptions {
+    QuantizeOptions {
+        samples: 4,
+        sample_len: 24,
+        ..QuantizeOptions::default()
+    }
+}
+
+fn quantize(src: &Path, dst: &Path) -> QuantizeReport {
+    quantize_checkpoint(src, dst, &small_run(), &mut |_| {}).unwrap()
+}
+
+fn int8() -> bool {
+    if !cpu::isa().packs_weights() {
+        eprintln!("int8 needs the AVX-512 or AVX2 kernels; MOESERVE_ISA=scalar is set");
+        return false;
+    }
+    cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
+    true
+}
+
+#[test]
+fn quantized_checkpoint_loads_its_gptq_integers() {
+    if !int8() {
+        return;
+    }
+    let src = fixtures_dir().join("mixtral-swa");
+    let source_bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let report = quantize(&src, out.path());
+
+    let model = MixtralModel::load_as_stored(&src).unwrap();
+    let c = model.config();
+    let per_layer = 4 + 3 * c.num_local_experts;
+    assert_eq!(report.matrices, c.num_hidden_layers * per_layer + 1);
+    assert_eq!(report.calibration_tokens, 4 * 24);
+    assert!(stored_int8(out.path()).unwrap() && !stored_int8(&src).unwrap());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["quantization_config"]["desc_act"], true);
+    assert_eq!(config["num_hidden_layers"], c.num_hidden_layers);
+
+    // Static groups: RTN's grids, GPTQ's integers (not all the same as rounding's).
+    let ckpt = Checkpoint::open(out.path()).unwrap();
+    let stored = ckpt
+        .tensor_shape("model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    let (n, k) = (stored[0], stored[1]);
+    let rows = ckpt
+        .int8_rows("model.layers.0.self_attn.q_proj", n, k)
+        .unwrap()
+        .expect("q_proj has int8 tensors");
+    let w = ckpt
+        .weight("model.layers.0.self_attn.q_proj.weight", &[n, k])
+        .unwrap()
+        .to_f32_vec();
+    let rtn = quantize_rows_int8(WeightData::F32(&w), n, k);
+    assert_eq!((&rows.scales, &rows.offsets), (&rtn.scales, &rtn.offsets));
+    assert_ne!(rows.q, rtn.q);
+
+    // Loaded, the int8 model runs the stored integers: its logits differ from rounding at load,
+    // and both stay near the stored weights'.
+    let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
+    let opts = || ForwardOptions::default();
+    let exact = prefill(&model, &prompt, opts());
+    let rounded = prefill(&MixtralModel::load(&src).unwrap(), &prompt, opts());
+    let gptq = prefill(&MixtralModel::load(out.path()).unwrap(), &prompt, opts());
+    assert_ne!(gptq, rounded);
+    for got in [&rounded, &gptq] {
+        let diff = common::max_rel_diff(got, &exact);
+        assert!(diff < 0.05, "int8 logits {diff} from the stored weights'");
+    }
+
+    // Writing again replaces the int8 file, never through a link into the source.
+    quantize(&src, out.path());
+    assert_eq!(
+        std::fs::read(src.join("model.safetensors")).unwrap(),
+        source_bytes
+    );
+    assert!(!src.join(INT8_FILE).exists());
+}
+
+#[test]
+fn output_directory_cannot_be_the_model_directory() {
+    let src = fixtures_dir().join("mixtral-swa");
+    let err = quantize_checkpoint(&src, &src, &small_run(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("output directory"), "{err}");
+}
+
+#[test]
+fn broken_int8_tensor_is_named() {
+    if !int8() {
+        return;
+    }
+    let src = fixtures_dir().join("mixtral-swa");
+    let out = tempfile::tempdir().unwrap();
+    quantize(&src, out.path());
+    // q_proj's integers one column short.
+    let path = out.path().join(INT8_FILE);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.layers.1.self_attn.q_proj.qweight";
+    let full = st.tensor(name).unwrap();
+    let short_shape = vec![full.shape()[0], full.shape()[1] - 1];
+    let short = full.data()[..short_shape[0] * short_shape[1]].to_vec();
+    let views: Vec<(String, TensorView)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| match n == name {
+            true => (
+                n,
+                TensorView::new(v.dtype(), short_shape.clone(), &short).unwrap(),
+            ),
+            false => (n, v),
+        })
+        .collect();
+    std::fs::remove_file(&path).unwrap();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let err = match MixtralModel::load(out.path()) {
+        Ok(_) => panic!("a short qweight must not load"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(name) && err.contains(INT8_FILE),
+        "the message names the tensor and its file: {err}"
+    );
+}
