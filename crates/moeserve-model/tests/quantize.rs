@@ -14,7 +14,7 @@ use moeserve_model::checkpoint::Checkpoint;
 use moeserve_model::models::MixtralModel;
 use moeserve_model::models::mixtral::ForwardOptions;
 use moeserve_model::quantize::{
-    INT8_FILE, QuantizeOptions, QuantizeReport, quantize_checkpoint, stored_int8,
+    INT8_PREFIX, QuantizeOptions, QuantizeReport, int8_file, quantize_checkpoint, stored_int8,
 };
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
@@ -99,7 +99,55 @@ fn quantized_checkpoint_loads_its_gptq_integers() {
         std::fs::read(src.join("model.safetensors")).unwrap(),
         source_bytes
     );
-    assert!(!src.join(INT8_FILE).exists());
+    let names: Vec<String> = std::fs::read_dir(&src)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names.iter().any(|n| n.starts_with(INT8_PREFIX)),
+        "{names:?}"
+    );
+}
+
+/// A matrix's name, integers, scales and offsets.
+type StoredInt8 = (String, Vec<i8>, Vec<f32>, Vec<f32>);
+
+/// Every int8 tensor of the checkpoint in `dir`, by matrix.
+fn int8_tensors(dir: &Path) -> Vec<StoredInt8> {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut names: Vec<&str> = ckpt.tensor_names().collect();
+    names.sort();
+    names
+        .into_iter()
+        .filter_map(|n| n.strip_suffix(".qweight"))
+        .map(|prefix| {
+            let shape = ckpt.tensor_shape(&format!("{prefix}.qweight")).unwrap();
+            let rows = ckpt.int8_rows(prefix, shape[0], shape[1]).unwrap().unwrap();
+            (prefix.to_string(), rows.q, rows.scales, rows.offsets)
+        })
+        .collect()
+}
+
+#[test]
+fn a_small_hessian_budget_quantizes_layer_by_layer_to_the_same_integers() {
+    let src = fixtures_dir().join("mixtral-tied");
+    let (whole, by_layer) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let one_pass = quantize(&src, whole.path());
+    let opts = QuantizeOptions {
+        max_hessian_bytes: 1,
+        ..small_run()
+    };
+    let layered = quantize_checkpoint(&src, by_layer.path(), &opts, &mut |_| {}).unwrap();
+    let layers = MixtralModel::load_as_stored(&src)
+        .unwrap()
+        .config()
+        .num_hidden_layers;
+    assert_eq!((one_pass.passes, layered.passes), (1, layers));
+    assert_eq!(one_pass.matrices, layered.matrices);
+    assert!(by_layer.path().join(int8_file(layers, layers)).exists());
+    let (a, b) = (int8_tensors(whole.path()), int8_tensors(by_layer.path()));
+    assert_eq!(a.len(), one_pass.matrices);
+    assert!(a == b, "the same Hessians, so the same integers");
 }
 
 #[test]
@@ -118,7 +166,7 @@ fn broken_int8_tensor_is_named() {
     let out = tempfile::tempdir().unwrap();
     quantize(&src, out.path());
     // q_proj's integers one column short.
-    let path = out.path().join(INT8_FILE);
+    let path = out.path().join(int8_file(1, 1));
     let bytes = std::fs::read(&path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let name = "model.layers.1.self_attn.q_proj.qweight";
@@ -143,7 +191,7 @@ fn broken_int8_tensor_is_named() {
         Err(e) => e.to_string(),
     };
     assert!(
-        err.contains(name) && err.contains(INT8_FILE),
+        err.contains(name) && err.contains(&int8_file(1, 1)),
         "the message names the tensor and its file: {err}"
     );
 }

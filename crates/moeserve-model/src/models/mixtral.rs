@@ -426,7 +426,7 @@ impl MixtralModel {
         if let Some(trace) = trace.filter(|_| !self.layers.is_empty()) {
             trace.layer_outputs.push(hidden.clone());
         }
-        if let Some(hs) = calibration {
+        if let Some(hs) = calibration.filter(|hs| hs.records_lm_head()) {
             // lm_head's input at every position, not only the rows that get logits.
             let mut all_normed = vec![0.0; hidden.len()];
             cpu::rms_norm(hidden, &self.norm, c.rms_norm_eps, &mut all_normed);

@@ -6,6 +6,8 @@
 //! expert gets few); w2 the expert's SwiGLU output for those rows, recomputed here from w1 and
 //! w3; lm_head the final normed hidden state of every position.
 
+use std::ops::Range;
+
 use moeserve_backend::cpu;
 
 use super::gptq::f32_matrix;
@@ -57,17 +59,23 @@ pub struct LayerHessians {
     pub expert_hidden: Vec<Hessian>,
 }
 
-/// Every quantized matrix's Hessian, filled by forward passes given `Some(&mut hessians)`.
+/// The Hessians of the layers in `layers` (and of lm_head when `lm_head` is set), filled by
+/// forward passes given `Some(&mut hessians)`; the other layers' inputs are not recorded, so a
+/// model is calibrated a group of layers at a time within a memory budget.
 #[derive(Debug)]
 pub struct Hessians {
+    /// Layers `layers.start..layers.end`, in order.
     pub layers: Vec<LayerHessians>,
     pub lm_head: Hessian,
+    range: Range<usize>,
+    record_lm_head: bool,
     hidden: usize,
 }
 
 impl Hessians {
-    pub fn new(num_layers: usize, num_experts: usize, hidden: usize) -> Self {
-        let layers = (0..num_layers)
+    pub fn new(range: Range<usize>, num_experts: usize, hidden: usize, lm_head: bool) -> Self {
+        let layers = range
+            .clone()
             .map(|_| LayerHessians {
                 expert_in: (0..num_experts).map(|_| Hessian::default()).collect(),
                 expert_hidden: (0..num_experts).map(|_| Hessian::default()).collect(),
@@ -77,23 +85,43 @@ impl Hessians {
         Hessians {
             layers,
             lm_head: Hessian::default(),
+            range,
+            record_lm_head: lm_head,
             hidden,
         }
     }
 
+    /// The first layer recorded.
+    pub fn first_layer(&self) -> usize {
+        self.range.start
+    }
+
+    fn layer(&mut self, layer: usize) -> Option<&mut LayerHessians> {
+        let start = self.range.start;
+        self.range
+            .contains(&layer)
+            .then(|| &mut self.layers[layer - start])
+    }
+
     pub(crate) fn attention_input(&mut self, layer: usize, x: &[f32]) {
-        self.layers[layer].attention_in.add(x, self.hidden);
+        let h = self.hidden;
+        if let Some(hs) = self.layer(layer) {
+            hs.attention_in.add(x, h);
+        }
     }
 
     pub(crate) fn attention_output(&mut self, layer: usize, x: &[f32], rows: usize) {
-        if let Some(width) = x.len().checked_div(rows) {
-            self.layers[layer].attention_out.add(x, width);
+        if let (Some(hs), Some(width)) = (self.layer(layer), x.len().checked_div(rows)) {
+            hs.attention_out.add(x, width);
         }
     }
 
     /// Routes `x`'s rows as the block does (top-k of the router logits, no capacity limit),
     /// then records each expert's rows and its SwiGLU output for them.
     pub(crate) fn moe_input(&mut self, layer: usize, block: &SparseMoe, x: &[f32], logits: &[f32]) {
+        if !self.range.contains(&layer) {
+            return;
+        }
         let h = self.hidden;
         let num_experts = block.experts.len();
         let routing = route_top_k(logits, num_experts, block.top_k);
@@ -113,10 +141,15 @@ impl Hessians {
             cpu::matmul_wt(&rows, m, &expert.w1, &mut gate);
             cpu::matmul_wt(&rows, m, &expert.w3, &mut up);
             cpu::silu_mul(&mut gate, &up);
-            let hs = &mut self.layers[layer];
+            let hs = &mut self.layers[layer - self.range.start];
             hs.expert_in[e].add(&rows, h);
             hs.expert_hidden[e].add(&gate, inter);
         }
+    }
+
+    /// Whether lm_head's inputs are recorded (the forward skips norming every row otherwise).
+    pub(crate) fn records_lm_head(&self) -> bool {
+        self.record_lm_head
     }
 
     pub(crate) fn lm_head_input(&mut self, x: &[f32]) {

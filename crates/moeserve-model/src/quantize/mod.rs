@@ -5,19 +5,24 @@
 //!
 //! 1. Calibration text is sampled from the model itself (temperature 1 from BOS, seeded), so
 //!    no dataset is needed and it follows the model's own distribution.
-//! 2. One forward pass over it in the stored precision records every matrix's Hessian
+//! 2. A forward pass over it in the stored precision records every matrix's Hessian
 //!    ([`calibrate`]).
 //! 3. GPTQ per matrix ([`gptq`]), the matrices in parallel.
 //! 4. The output directory holds the source's files unchanged (shards hard-linked where the
-//!    file system allows), `model-int8.safetensors` with `{matrix}.qweight` (i8 `[n, k]`),
-//!    `{matrix}.scales` and `{matrix}.offsets` (f32 `[n, k / 64]`), an index naming both, and
+//!    file system allows), `model-int8-*.safetensors` with `{matrix}.qweight` (i8 `[n, k]`),
+//!    `{matrix}.scales` and `{matrix}.offsets` (f32 `[n, k / 64]`), an index naming all, and
 //!    `quantization_config` in `config.json`. Loading it runs int8 with these integers unless
 //!    `--quantization none` asks for the stored weights.
+//!
+//! Steps 2–4 run for a group of layers at a time, as many as `max_hessian_bytes` of Hessians
+//! allow (4·k² bytes per matrix input; 2.6 GB for the whole demo model, ≈ 6.6 GB per layer of
+//! Mixtral-8x7B), each group its own calibration pass and int8 file.
 
 pub mod calibrate;
 pub mod gptq;
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use moeserve_backend::Weight;
@@ -41,8 +46,8 @@ use crate::{ModelError, Result};
 
 /// `quantization_config.quant_method` of a checkpoint this module wrote.
 pub const QUANT_METHOD: &str = "moeserve-int8";
-/// The file holding the int8 tensors.
-pub const INT8_FILE: &str = "model-int8.safetensors";
+/// The start of the int8 files' names ([`int8_file`]).
+pub const INT8_PREFIX: &str = "model-int8";
 
 /// What `moeserve quantize` does.
 #[derive(Clone, Debug)]
@@ -53,6 +58,9 @@ pub struct QuantizeOptions {
     pub sample_len: usize,
     pub seed: u64,
     pub gptq: GptqOptions,
+    /// Most bytes of Hessians held at once: the layers are calibrated and quantized in groups
+    /// that fit (one calibration pass each).
+    pub max_hessian_bytes: u64,
 }
 
 impl Default for QuantizeOptions {
@@ -62,6 +70,7 @@ impl Default for QuantizeOptions {
             sample_len: 256,
             seed: 0,
             gptq: GptqOptions::default(),
+            max_hessian_bytes: 8 << 30,
         }
     }
 }
@@ -71,6 +80,8 @@ impl Default for QuantizeOptions {
 pub struct QuantizeReport {
     pub matrices: usize,
     pub calibration_tokens: usize,
+    /// Calibration passes (layer groups within `max_hessian_bytes`).
+    pub passes: usize,
     /// Matrices rounded to nearest instead, with the reason (no calibration input reached
     /// them, or their Hessian could not be factored).
     pub round_to_nearest: Vec<(String, String)>,
@@ -118,43 +129,80 @@ pub fn quantize_checkpoint(
     ));
     let sequences = sample_sequences(&model, opts, bos, &generation.eos_token_ids)?;
     report.sample_seconds = clock.elapsed().as_secs_f64();
-
-    let clock = std::time::Instant::now();
-    progress("recording every matrix's inputs");
-    let c = model.config();
-    let mut hessians = Hessians::new(c.num_hidden_layers, c.num_local_experts, c.hidden_size);
-    calibrate(&model, &sequences, &mut hessians)?;
     report.calibration_tokens = sequences.iter().map(Vec::len).sum();
-    report.calibrate_seconds = clock.elapsed().as_secs_f64();
 
-    let clock = std::time::Instant::now();
-    let jobs = jobs(&model, &hessians);
-    progress(&format!("GPTQ on {} matrices", jobs.len()));
-    let results: Vec<(Int8Rows, Option<String>)> = jobs
-        .par_iter()
-        .map(|job| quantize_one(job, opts.gptq))
-        .collect();
-    report.gptq_seconds = clock.elapsed().as_secs_f64();
-    report.matrices = jobs.len();
-    for (job, (_, why)) in jobs.iter().zip(&results) {
-        if let Some(why) = why {
-            report
-                .round_to_nearest
-                .push((job.prefix.clone(), why.clone()));
+    let mut weight_map = link_source_files(src, dst)?;
+    let groups = layer_groups(&model, opts.max_hessian_bytes);
+    report.passes = groups.len();
+    let c = model.config();
+    for (i, layers) in groups.iter().enumerate() {
+        let last = i + 1 == groups.len();
+        let clock = std::time::Instant::now();
+        progress(&format!(
+            "layers {}..{} of {}: recording their matrices' inputs",
+            layers.start, layers.end, c.num_hidden_layers
+        ));
+        let mut hessians = Hessians::new(layers.clone(), c.num_local_experts, c.hidden_size, last);
+        calibrate(&model, &sequences, &mut hessians)?;
+        report.calibrate_seconds += clock.elapsed().as_secs_f64();
+
+        let clock = std::time::Instant::now();
+        let jobs = jobs(&model, &hessians, last);
+        progress(&format!("GPTQ on {} matrices", jobs.len()));
+        let results: Vec<(Int8Rows, Option<String>)> = jobs
+            .par_iter()
+            .map(|job| quantize_one(job, opts.gptq))
+            .collect();
+        report.gptq_seconds += clock.elapsed().as_secs_f64();
+        report.matrices += jobs.len();
+        let file = int8_file(i + 1, groups.len());
+        let mut tensors = Vec::with_capacity(jobs.len());
+        for (job, (rows, why)) in jobs.iter().zip(&results) {
+            if let Some(why) = why {
+                let matrix = job.prefix.clone();
+                report.round_to_nearest.push((matrix, why.clone()));
+            }
+            let s = job.weight.shape();
+            tensors.push((job.prefix.as_str(), rows, [s[0], s[1]]));
+        }
+        write_int8_tensors(&dst.join(&file), &tensors, &mut weight_map)?;
+    }
+    progress(&format!("writing {}", dst.display()));
+    write_index_and_config(src, dst, weight_map, opts, &report)?;
+    Ok(report)
+}
+
+/// `model-int8-00001-of-00003.safetensors`: the int8 tensors of the `i`-th of `n` layer groups.
+pub fn int8_file(i: usize, n: usize) -> String {
+    format!("{INT8_PREFIX}-{i:05}-of-{n:05}.safetensors")
+}
+
+/// Consecutive layers whose Hessians (with lm_head's in the last group) fit in `budget` bytes
+/// together; a layer larger than the budget is a group of its own.
+fn layer_groups(model: &MixtralModel, budget: u64) -> Vec<Range<usize>> {
+    let c = model.config();
+    let square = |k: usize| 4 * (k * k) as u64;
+    let per_layer = square(c.hidden_size)
+        + square(c.num_attention_heads * c.head_dim)
+        + c.num_local_experts as u64 * (square(c.hidden_size) + square(c.intermediate_size));
+    let mut groups: Vec<Range<usize>> = Vec::new();
+    let mut bytes = 0u64;
+    for l in 0..c.num_hidden_layers {
+        match groups.last_mut() {
+            Some(g) if bytes + per_layer <= budget => {
+                g.end = l + 1;
+                bytes += per_layer;
+            }
+            _ => {
+                groups.push(l..l + 1);
+                bytes = per_layer;
+            }
         }
     }
-
-    progress(&format!("writing {}", dst.display()));
-    let tensors: Vec<(String, &Int8Rows, [usize; 2])> = jobs
-        .iter()
-        .zip(&results)
-        .map(|(job, (rows, _))| {
-            let s = job.weight.shape();
-            (job.prefix.clone(), rows, [s[0], s[1]])
-        })
-        .collect();
-    write_checkpoint(src, dst, &tensors, opts, &report)?;
-    Ok(report)
+    if groups.is_empty() {
+        groups.push(0..0);
+    }
+    groups
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {
@@ -184,10 +232,13 @@ fn quantize_one(job: &Job<'_>, opts: GptqOptions) -> (Int8Rows, Option<String>) 
     }
 }
 
-/// Every matrix `--quantization int8` quantizes (routers stay as stored), with its Hessian.
-fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians) -> Vec<Job<'a>> {
+/// The matrices `--quantization int8` quantizes (routers stay as stored) in the layers
+/// `hessians` recorded, and lm_head with `lm_head`, each with its Hessian.
+fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians, lm_head: bool) -> Vec<Job<'a>> {
     let mut jobs = Vec::new();
-    for (l, (layer, hs)) in model.layers.iter().zip(&hessians.layers).enumerate() {
+    let first = hessians.first_layer();
+    let layers = model.layers.iter().enumerate().skip(first);
+    for ((l, layer), hs) in layers.zip(&hessians.layers) {
         let [q, k, v, o] = layer.self_attn.weights();
         for (name, weight, hessian) in [
             ("q_proj", q, &hs.attention_in),
@@ -218,11 +269,13 @@ fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians) -> Vec<Job<'a>> {
             }
         }
     }
-    jobs.push(Job {
-        prefix: "lm_head".into(),
-        weight: &model.lm_head,
-        hessian: &hessians.lm_head,
-    });
+    if lm_head {
+        jobs.push(Job {
+            prefix: "lm_head".into(),
+            weight: &model.lm_head,
+            hessian: &hessians.lm_head,
+        });
+    }
     jobs
 }
 
@@ -332,44 +385,62 @@ fn calibrate(model: &MixtralModel, sequences: &[Vec<u32>], hessians: &mut Hessia
     Ok(())
 }
 
-/// Writes `dst`: the source's files, the int8 tensors and an index naming every tensor's file.
-fn write_checkpoint(
-    src: &Path,
-    dst: &Path,
-    tensors: &[(String, &Int8Rows, [usize; 2])],
-    opts: &QuantizeOptions,
-    report: &QuantizeReport,
-) -> Result<()> {
+/// Creates `dst` with the source's files but its config and index (large files hard-linked
+/// where the file system allows) and returns the source's tensor → file map.
+fn link_source_files(src: &Path, dst: &Path) -> Result<BTreeMap<String, Value>> {
     std::fs::create_dir_all(dst).map_err(|e| ModelError::io(dst, e))?;
-    let source = crate::checkpoint::Checkpoint::open(src)?;
+    let is_int8 = |file: &str| file.starts_with(INT8_PREFIX);
     let mut weight_map = BTreeMap::new();
-    for (name, file) in source.tensor_files().filter(|(_, f)| *f != INT8_FILE) {
+    let source = crate::checkpoint::Checkpoint::open(src)?;
+    for (name, file) in source.tensor_files().filter(|(_, f)| !is_int8(f)) {
         weight_map.insert(name.to_string(), Value::String(file.to_string()));
     }
-    let entries = std::fs::read_dir(src).map_err(|e| ModelError::io(src, e))?;
-    for entry in entries {
+    // Never write through a hard link into another checkpoint: earlier int8 files go first.
+    for entry in std::fs::read_dir(dst).map_err(|e| ModelError::io(dst, e))? {
+        let path = entry.map_err(|e| ModelError::io(dst, e))?.path();
+        if path
+            .file_name()
+            .and_then(|f| f.to_str())
+            .is_some_and(is_int8)
+        {
+            std::fs::remove_file(&path).map_err(|e| ModelError::io(&path, e))?;
+        }
+    }
+    for entry in std::fs::read_dir(src).map_err(|e| ModelError::io(src, e))? {
         let entry = entry.map_err(|e| ModelError::io(src, e))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        let from = entry.path();
-        let to = dst.join(&*name);
-        let replaced = ["config.json", "model.safetensors.index.json", INT8_FILE];
-        if !from.is_file() || replaced.contains(&&*name) {
+        let (from, to) = (entry.path(), dst.join(&*name));
+        let replaced = ["config.json", "model.safetensors.index.json"];
+        if !from.is_file() || replaced.contains(&&*name) || is_int8(&name) {
             continue;
         }
         if to.exists() {
             std::fs::remove_file(&to).map_err(|e| ModelError::io(&to, e))?;
         }
-        // The shards are large and unchanged: a hard link where the file system allows.
         if std::fs::hard_link(&from, &to).is_err() {
             std::fs::copy(&from, &to).map_err(|e| ModelError::io(&to, e))?;
         }
     }
+    Ok(weight_map)
+}
 
+/// Writes `{prefix}.qweight`, `.scales` and `.offsets` of every matrix to `path` and names the
+/// file in `weight_map`.
+fn write_int8_tensors(
+    path: &Path,
+    tensors: &[(&str, &Int8Rows, [usize; 2])],
+    weight_map: &mut BTreeMap<String, Value>,
+) -> Result<()> {
+    let file = path
+        .file_name()
+        .and_then(|f| f.to_str())
+        .unwrap_or_default();
+    let as_bytes = |v: &[f32]| bytemuck::cast_slice::<f32, u8>(v).to_vec();
     let bytes: Vec<(String, Vec<u8>, Vec<usize>, Dtype)> = tensors
         .iter()
         .flat_map(|(prefix, rows, [n, k])| {
-            let groups = k.div_ceil(GROUP);
+            let groups = vec![*n, k.div_ceil(GROUP)];
             [
                 (
                     format!("{prefix}.qweight"),
@@ -379,51 +450,52 @@ fn write_checkpoint(
                 ),
                 (
                     format!("{prefix}.scales"),
-                    bytemuck::cast_slice::<f32, u8>(&rows.scales).to_vec(),
-                    vec![*n, groups],
+                    as_bytes(&rows.scales),
+                    groups.clone(),
                     Dtype::F32,
                 ),
                 (
                     format!("{prefix}.offsets"),
-                    bytemuck::cast_slice::<f32, u8>(&rows.offsets).to_vec(),
-                    vec![*n, groups],
+                    as_bytes(&rows.offsets),
+                    groups,
                     Dtype::F32,
                 ),
             ]
         })
         .collect();
-    let views = bytes
-        .iter()
-        .map(|(name, data, shape, dtype)| {
-            let view = TensorView::new(*dtype, shape.clone(), data).map_err(|e| {
-                ModelError::Safetensors {
-                    path: dst.join(INT8_FILE),
-                    message: e.to_string(),
-                }
-            })?;
-            weight_map.insert(name.clone(), Value::String(INT8_FILE.into()));
-            Ok((name.clone(), view))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let path = dst.join(INT8_FILE);
-    if path.exists() {
-        // Never write through a hard link into another checkpoint.
-        std::fs::remove_file(&path).map_err(|e| ModelError::io(&path, e))?;
-    }
-    safetensors::serialize_to_file(views, None, &path).map_err(|e| ModelError::Safetensors {
-        path: path.clone(),
+    let bad = |e: safetensors::SafeTensorError| ModelError::Safetensors {
+        path: path.to_path_buf(),
         message: e.to_string(),
-    })?;
+    };
+    let mut views = Vec::with_capacity(bytes.len());
+    for (name, data, shape, dtype) in &bytes {
+        views.push((
+            name.clone(),
+            TensorView::new(*dtype, shape.clone(), data).map_err(bad)?,
+        ));
+        weight_map.insert(name.clone(), Value::String(file.into()));
+    }
+    safetensors::serialize_to_file(views, None, path).map_err(bad)?;
     // Readable like the other files (the safetensors crate creates it owner-only).
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         let readable = std::fs::Permissions::from_mode(0o644);
-        std::fs::set_permissions(&path, readable).map_err(|e| ModelError::io(&path, e))?;
+        std::fs::set_permissions(path, readable).map_err(|e| ModelError::io(path, e))?;
     }
+    Ok(())
+}
+
+/// Writes the index naming every tensor's file and config.json with `quantization_config`.
+fn write_index_and_config(
+    src: &Path,
+    dst: &Path,
+    weight_map: BTreeMap<String, Value>,
+    opts: &QuantizeOptions,
+    report: &QuantizeReport,
+) -> Result<()> {
     let index = json!({ "metadata": {}, "weight_map": weight_map });
     write_json(&dst.join("model.safetensors.index.json"), &index)?;
-
     let config_path = src.join("config.json");
     let text =
         std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;

@@ -28,6 +28,10 @@ pub struct QuantizeArgs {
     /// GPTQ's damping: this fraction of the mean Hessian diagonal is added to it.
     #[arg(long, default_value_t = 0.01)]
     damp: f32,
+    /// Most memory for the calibration Hessians (4·k² bytes per matrix input): the layers are
+    /// calibrated and quantized in groups that fit, one pass over the calibration text each.
+    #[arg(long, default_value = "8GiB", value_parser = super::engine_args::parse_size)]
+    max_hessian_memory: u64,
     /// Threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -44,6 +48,7 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
             damp: args.damp,
             ..GptqOptions::default()
         },
+        max_hessian_bytes: args.max_hessian_memory,
     };
     eprintln!(
         "quantizing {} to int8 with GPTQ ({threads} threads)",
@@ -55,11 +60,12 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         eprintln!("rounded to nearest: {matrix}: {why}");
     }
     eprintln!(
-        "wrote {}: {} matrices, {} calibration tokens; sampling {:.1} s, calibration {:.1} s, \
-         GPTQ {:.1} s ({} rounded to nearest)",
+        "wrote {}: {} matrices, {} calibration tokens, {} calibration pass(es); sampling {:.1} s, \
+         calibration {:.1} s, GPTQ {:.1} s ({} rounded to nearest)",
         args.out.display(),
         report.matrices,
         report.calibration_tokens,
+        report.passes,
         report.sample_seconds,
         report.calibrate_seconds,
         report.gptq_seconds,
