@@ -137,8 +137,8 @@ impl Checkpoint {
         }))
     }
 
-    /// The bytes of tensor `name`, checked to have `dtype` and `shape`.
-    fn raw(&self, name: &str, dtype: Dtype, shape: &[usize]) -> Result<&[u8]> {
+    /// Tensor `name`'s entry and file, checked to have `shape`.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<(&TensorEntry, &PathBuf)> {
         let entry = self
             .tensors
             .get(name)
@@ -155,6 +155,12 @@ impl Checkpoint {
                 got: entry.shape.clone(),
             });
         }
+        Ok((entry, path))
+    }
+
+    /// The bytes of tensor `name`, checked to have `dtype` and `shape`.
+    fn raw(&self, name: &str, dtype: Dtype, shape: &[usize]) -> Result<&[u8]> {
+        let (entry, path) = self.entry(name, shape)?;
         if entry.dtype != dtype {
             return Err(ModelError::UnsupportedDType {
                 path: path.clone(),
@@ -180,22 +186,7 @@ impl Checkpoint {
 
     /// The tensor `name`, checked to have `expected_shape` and a float dtype; zero-copy.
     pub fn weight(&self, name: &str, expected_shape: &[usize]) -> Result<Weight> {
-        let entry = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                path: self.dir.clone(),
-                name: name.to_string(),
-            })?;
-        let path = &self.files[entry.file].0;
-        if entry.shape != expected_shape {
-            return Err(ModelError::TensorShape {
-                path: path.clone(),
-                name: name.to_string(),
-                expected: expected_shape.to_vec(),
-                got: entry.shape.clone(),
-            });
-        }
+        let (entry, path) = self.entry(name, expected_shape)?;
         let dtype = match entry.dtype {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,

@@ -239,3 +239,15 @@ pub fn check_trace(
     let d = max_rel_diff(logits, &expected["logits"].1);
     assert!(d < tolerance, "{case}: final logits differ by {d}");
 }
+
+/// Chooses `--quantization int8` for this test process; false (and says why) where the CPU
+/// kernels cannot run it (`MOESERVE_ISA=scalar`).
+pub fn run_int8() -> bool {
+    use moeserve_backend::cpu::{self, WeightQuantization};
+    if !cpu::isa().packs_weights() {
+        eprintln!("int8 needs the AVX-512 or AVX2 kernels; MOESERVE_ISA=scalar is set");
+        return false;
+    }
+    cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
+    true
+}

@@ -8,8 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{SoloSequence, argmax, fixtures_dir, log_softmax, read_reference};
-use moeserve_backend::cpu::{self, WeightQuantization};
+use common::{SoloSequence, argmax, fixtures_dir, log_softmax, read_reference, run_int8};
 use moeserve_model::models::MixtralModel;
 use moeserve_model::quantize::{QuantizeOptions, quantize_checkpoint};
 
@@ -41,15 +40,6 @@ fn demo_model_dir() -> PathBuf {
         || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/smolmoe-8x135m"),
         PathBuf::from,
     )
-}
-
-fn run_int8() -> bool {
-    if !cpu::isa().packs_weights() {
-        eprintln!("int8 needs the AVX-512 or AVX2 kernels; MOESERVE_ISA=scalar is set");
-        return false;
-    }
-    cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
-    true
 }
 
 fn load_demo(dir: &Path) -> MixtralModel {

@@ -6,10 +6,9 @@ mod common;
 
 use std::path::Path;
 
-use common::{fixtures_dir, prefill};
+use common::{fixtures_dir, prefill, run_int8};
 use moeserve_backend::WeightData;
 use moeserve_backend::cpu::quant::quantize_rows_int8;
-use moeserve_backend::cpu::{self, WeightQuantization};
 use moeserve_model::checkpoint::Checkpoint;
 use moeserve_model::models::MixtralModel;
 use moeserve_model::models::mixtral::ForwardOptions;
@@ -31,18 +30,9 @@ fn quantize(src: &Path, dst: &Path) -> QuantizeReport {
     quantize_checkpoint(src, dst, &small_run(), &mut |_| {}).unwrap()
 }
 
-fn int8() -> bool {
-    if !cpu::isa().packs_weights() {
-        eprintln!("int8 needs the AVX-512 or AVX2 kernels; MOESERVE_ISA=scalar is set");
-        return false;
-    }
-    cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
-    true
-}
-
 #[test]
 fn quantized_checkpoint_loads_its_gptq_integers() {
-    if !int8() {
+    if !run_int8() {
         return;
     }
     let src = fixtures_dir().join("mixtral-swa");
@@ -159,7 +149,7 @@ fn output_directory_cannot_be_the_model_directory() {
 
 #[test]
 fn broken_int8_tensor_is_named() {
-    if !int8() {
+    if !run_int8() {
         return;
     }
     let src = fixtures_dir().join("mixtral-swa");
