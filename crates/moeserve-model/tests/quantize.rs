@@ -120,6 +120,7 @@ fn int8_tensors(dir: &Path) -> Vec<StoredInt8> {
 
 #[test]
 fn a_small_hessian_budget_quantizes_layer_by_layer_to_the_same_integers() {
+    run_int8();
     let src = fixtures_dir().join("mixtral-tied");
     let (whole, by_layer) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let one_pass = quantize(&src, whole.path());
@@ -142,6 +143,8 @@ fn a_small_hessian_budget_quantizes_layer_by_layer_to_the_same_integers() {
 
 #[test]
 fn output_directory_cannot_be_the_model_directory() {
+    // Every test of this process picks int8 first: the choice is made once, on first use.
+    run_int8();
     let src = fixtures_dir().join("mixtral-swa");
     let err = quantize_checkpoint(&src, &src, &small_run(), &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("output directory"), "{err}");
