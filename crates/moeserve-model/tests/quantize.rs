@@ -151,6 +151,17 @@ fn output_directory_cannot_be_the_model_directory() {
 }
 
 #[test]
+fn an_unwritable_output_directory_is_named() {
+    run_int8();
+    let src = fixtures_dir().join("mixtral-swa");
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("file"), b"").unwrap();
+    let dst = tmp.path().join("file").join("out");
+    let err = quantize_checkpoint(&src, &dst, &small_run(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains(dst.to_str().unwrap()), "{err}");
+}
+
+#[test]
 fn broken_int8_tensor_is_named() {
     if !run_int8() {
         return;

@@ -121,6 +121,8 @@ pub fn quantize_checkpoint(
     let generation = GenerationConfig::from_dir(src)?;
     let bos = generation.bos_token_id.unwrap_or(0);
     let mut report = QuantizeReport::default();
+    // The output directory first: an unwritable one fails before minutes of calibration.
+    let mut weight_map = link_source_files(src, dst)?;
 
     let clock = std::time::Instant::now();
     progress(&format!(
@@ -131,7 +133,6 @@ pub fn quantize_checkpoint(
     report.sample_seconds = clock.elapsed().as_secs_f64();
     report.calibration_tokens = sequences.iter().map(Vec::len).sum();
 
-    let mut weight_map = link_source_files(src, dst)?;
     let groups = layer_groups(&model, opts.max_hessian_bytes);
     report.passes = groups.len();
     let c = model.config();
