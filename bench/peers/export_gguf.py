@@ -88,7 +88,9 @@ def main():
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges(tok["model"]["merges"] or ["a b"])
+    # tokenizers writes merges as "a b" strings or, since 0.20, as ["a", "b"] pairs.
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_token_merges(merges or ["a b"])
     w.add_bos_token_id(cfg.get("bos_token_id") or 1)
     w.add_eos_token_id(cfg.get("eos_token_id") or 2)
 
