@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use moeserve_backend::cpu;
 
-use super::gptq::f32_matrix;
+use super::gptq::{f32_matrix, transposed};
 use crate::moe::SparseMoe;
 use crate::moe::router::route_top_k;
 
@@ -29,12 +29,7 @@ impl Hessian {
         if rows == 0 {
             return;
         }
-        let mut xt = vec![0.0f32; k * rows];
-        for (t, row) in x.chunks_exact(k).enumerate() {
-            for (p, v) in row.iter().enumerate() {
-                xt[p * rows + t] = *v;
-            }
-        }
+        let xt = transposed(x, rows, k);
         let mut out = vec![0.0f32; k * k];
         cpu::matmul_wt(&xt, k, &f32_matrix(vec![k, rows], &xt), &mut out);
         if self.sum.is_empty() {
@@ -125,13 +120,13 @@ impl Hessians {
         let h = self.hidden;
         let num_experts = block.experts.len();
         let routing = route_top_k(logits, num_experts, block.top_k);
-        for (e, expert) in block.experts.iter().enumerate() {
-            let mut rows = Vec::new();
-            for (t, chosen) in routing.expert_ids.chunks_exact(block.top_k).enumerate() {
-                if chosen.contains(&(e as u32)) {
-                    rows.extend_from_slice(&x[t * h..(t + 1) * h]);
-                }
-            }
+        // Each expert's rows, gathered in one pass over the (token, expert) pairs.
+        let mut routed: Vec<Vec<f32>> = vec![Vec::new(); num_experts];
+        for (i, e) in routing.expert_ids.iter().enumerate() {
+            let t = i / block.top_k;
+            routed[*e as usize].extend_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        for ((e, expert), rows) in block.experts.iter().enumerate().zip(routed) {
             let m = rows.len() / h;
             if m == 0 {
                 continue;

@@ -133,17 +133,23 @@ fn lazy_update(
             *v = u[(i1 + bb) * k + i2 + j];
         }
     }
-    let mut e = vec![0.0f32; n * b];
-    for (bb, er) in err.chunks_exact(n).enumerate() {
-        for (r, v) in er.iter().enumerate() {
-            e[r * b + bb] = *v;
-        }
-    }
+    let e = transposed(err, b, n);
     let mut out = vec![0.0f32; m * n];
     cpu::matmul_wt(&x, m, &f32_matrix(vec![n, b], &e), &mut out);
     for (w, d) in wt.iter_mut().zip(&out) {
         *w -= d;
     }
+}
+
+/// `x: [rows, cols]` (row-major) transposed to `[cols, rows]`.
+pub(crate) fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows * cols];
+    for (r, row) in x.chunks_exact(cols).enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            out[c * rows + r] = *v;
+        }
+    }
+    out
 }
 
 /// An f32 operand for `cpu::matmul_wt` that `--quantization` leaves alone.
