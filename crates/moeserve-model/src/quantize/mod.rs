@@ -42,6 +42,7 @@ use crate::generation_config::GenerationConfig;
 use crate::kv_cache::PagedKvCache;
 use crate::models::MixtralModel;
 use crate::models::mixtral::{ForwardOptions, LogitsFor};
+use crate::models::workspace::ForwardWorkspace;
 use crate::{ModelError, Result};
 
 /// `quantization_config.quant_method` of a checkpoint this module wrote.
@@ -300,6 +301,7 @@ fn sample_sequences(
     let mut sequences = vec![vec![bos]; count];
     let vocab = model.config().vocab_size;
     let mut probs = vec![0.0f32; vocab];
+    let mut ws = ForwardWorkspace::default();
     for pos in 1..len {
         let step_ids: Vec<u32> = sequences.iter().map(|s| s[pos - 1]).collect();
         let slices: Vec<SequenceSlice<'_>> = tables
@@ -320,7 +322,7 @@ fn sample_sequences(
             logits: LogitsFor::LastTokens,
             ..Default::default()
         };
-        let logits = model.forward(&batch, &mut kv, opts)?;
+        let logits = model.forward_in(&batch, &mut kv, opts, &mut ws)?;
         for (seq, row) in sequences.iter_mut().zip(logits.chunks_exact(vocab)) {
             probs.copy_from_slice(row);
             for &e in eos {
@@ -437,44 +439,34 @@ fn write_int8_tensors(
         .file_name()
         .and_then(|f| f.to_str())
         .unwrap_or_default();
-    let as_bytes = |v: &[f32]| bytemuck::cast_slice::<f32, u8>(v).to_vec();
-    let bytes: Vec<(String, Vec<u8>, Vec<usize>, Dtype)> = tensors
-        .iter()
-        .flat_map(|(prefix, rows, [n, k])| {
-            let groups = vec![*n, k.div_ceil(GROUP)];
-            [
-                (
-                    format!("{prefix}.qweight"),
-                    bytemuck::cast_slice::<i8, u8>(&rows.q).to_vec(),
-                    vec![*n, *k],
-                    Dtype::I8,
-                ),
-                (
-                    format!("{prefix}.scales"),
-                    as_bytes(&rows.scales),
-                    groups.clone(),
-                    Dtype::F32,
-                ),
-                (
-                    format!("{prefix}.offsets"),
-                    as_bytes(&rows.offsets),
-                    groups,
-                    Dtype::F32,
-                ),
-            ]
-        })
-        .collect();
     let bad = |e: safetensors::SafeTensorError| ModelError::Safetensors {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    let mut views = Vec::with_capacity(bytes.len());
-    for (name, data, shape, dtype) in &bytes {
-        views.push((
-            name.clone(),
-            TensorView::new(*dtype, shape.clone(), data).map_err(bad)?,
-        ));
-        weight_map.insert(name.clone(), Value::String(file.into()));
+    // Views of the rows themselves: no second copy of the model's int8 form.
+    let mut views = Vec::with_capacity(3 * tensors.len());
+    for (prefix, rows, [n, k]) in tensors {
+        let groups = vec![*n, k.div_ceil(GROUP)];
+        let q: &[u8] = bytemuck::cast_slice(&rows.q);
+        for (suffix, dtype, shape, data) in [
+            ("qweight", Dtype::I8, vec![*n, *k], q),
+            (
+                "scales",
+                Dtype::F32,
+                groups.clone(),
+                bytemuck::cast_slice(&rows.scales),
+            ),
+            (
+                "offsets",
+                Dtype::F32,
+                groups,
+                bytemuck::cast_slice(&rows.offsets),
+            ),
+        ] {
+            let name = format!("{prefix}.{suffix}");
+            weight_map.insert(name.clone(), Value::String(file.into()));
+            views.push((name, TensorView::new(dtype, shape, data).map_err(bad)?));
+        }
     }
     safetensors::serialize_to_file(views, None, path).map_err(bad)?;
     // Readable like the other files (the safetensors crate creates it owner-only).
