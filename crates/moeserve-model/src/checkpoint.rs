@@ -125,15 +125,11 @@ impl Checkpoint {
         let q = self.raw(&qweight, Dtype::I8, &[n, k])?;
         let scales = self.raw(&format!("{prefix}.scales"), Dtype::F32, &[n, groups])?;
         let offsets = self.raw(&format!("{prefix}.offsets"), Dtype::F32, &[n, groups])?;
-        let floats = |b: &[u8]| -> Vec<f32> {
-            b.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
-        };
+        // Copies that need no alignment of the mapped bytes.
         Ok(Some(Int8Rows {
-            q: q.iter().map(|b| *b as i8).collect(),
-            scales: floats(scales),
-            offsets: floats(offsets),
+            q: bytemuck::pod_collect_to_vec(q),
+            scales: bytemuck::pod_collect_to_vec(scales),
+            offsets: bytemuck::pod_collect_to_vec(offsets),
         }))
     }
 
@@ -156,6 +152,15 @@ impl Checkpoint {
             });
         }
         Ok((entry, path))
+    }
+
+    /// [`Checkpoint::int8_rows`] when the process runs int8: a matrix `moeserve quantize` stored
+    /// in int8 too (`--quantization none` runs the stored values and needs no copy of them).
+    pub fn int8_for_kernels(&self, prefix: &str, n: usize, k: usize) -> Result<Option<Int8Rows>> {
+        if weight_quantization() != WeightQuantization::Int8 {
+            return Ok(None);
+        }
+        self.int8_rows(prefix, n, k)
     }
 
     /// The bytes of tensor `name`, checked to have `dtype` and `shape`.
@@ -208,12 +213,8 @@ impl Checkpoint {
         if self.as_stored {
             return Ok(weight.exact());
         }
-        // A matrix `moeserve quantize` stored in int8 too (read only when the process runs
-        // int8: `--quantization none` runs the stored values and needs no copy of them).
         let int8 = match (name.strip_suffix(".weight"), expected_shape) {
-            (Some(prefix), [n, k]) if weight_quantization() == WeightQuantization::Int8 => {
-                self.int8_rows(prefix, *n, *k)?
-            }
+            (Some(prefix), [n, k]) => self.int8_for_kernels(prefix, *n, *k)?,
             _ => None,
         };
         match int8 {

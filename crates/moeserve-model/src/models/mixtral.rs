@@ -101,12 +101,7 @@ impl MixtralModel {
         let embed_tokens = ckpt.weight("model.embed_tokens.weight", &[v, h])?;
         let lm_head = if config.tie_word_embeddings {
             // A tied head may still have an int8 form of its own (`moeserve quantize`).
-            let int8 = cpu::weight_quantization() == cpu::WeightQuantization::Int8;
-            match int8
-                .then(|| ckpt.int8_rows("lm_head", v, h))
-                .transpose()?
-                .flatten()
-            {
+            match ckpt.int8_for_kernels("lm_head", v, h)? {
                 Some(rows) => embed_tokens.with_int8(rows)?,
                 None => embed_tokens.clone(),
             }
