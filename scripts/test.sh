@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Runs every test: prepares the demo model if it is missing (the demo-model parity tests need
-# it), builds the `moeserve` binary (the end-to-end tests in tests/e2e start it), runs the whole
-# cargo workspace, then the official `openai` Python client against the real server
+# Runs every test: installs the test tools that are missing (scripts/install-test-tools.sh:
+# Chromium, ChromeDriver, Prometheus), prepares the demo model if it is missing (the demo-model
+# parity tests need it), builds the `moeserve` binary (the end-to-end tests in tests/e2e start
+# it), runs the whole cargo workspace, then the official `openai` Python client against the real server
 # (tests/e2e/test_openai_client.py) from a venv it keeps under target/e2e-venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/install-test-tools.sh
 models/smolmoe-8x135m.sh
 cargo build --release --bin moeserve
 MOESERVE_DEMO_MODEL="$PWD/models/smolmoe-8x135m" cargo test --workspace --release "$@"
