@@ -5,7 +5,7 @@ use std::path::Path;
 use moeserve_backend::device::Device;
 use moeserve_model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use moeserve_model::generation_config::GenerationConfig;
-use moeserve_model::models::MixtralModel;
+use moeserve_model::models::MoeModel;
 use moeserve_model::tokenizer::Tokenizer;
 
 use crate::request::Prompt;
@@ -13,7 +13,7 @@ use crate::{EngineError, Result};
 
 /// A model directory, loaded.
 pub struct ModelAssets {
-    pub model: MixtralModel,
+    pub model: MoeModel,
     /// `None` for checkpoints without tokenizer.json (prompts must then be token ids).
     pub tokenizer: Option<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
@@ -30,8 +30,8 @@ impl ModelAssets {
     /// only when the CPU runs them.
     pub fn load_for(dir: &Path, device: &Device) -> Result<Self> {
         let model = match device {
-            Device::Cpu => MixtralModel::load(dir)?,
-            Device::Cuda(_) => MixtralModel::load_unprepared(dir)?,
+            Device::Cpu => MoeModel::load(dir)?,
+            Device::Cuda(_) => MoeModel::load_unprepared(dir)?,
         };
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::from_dir(dir)?)

@@ -12,7 +12,7 @@ use moeserve_backend::device::Device;
 use moeserve_core::{BlockId, CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
-use moeserve_model::models::{CudaMixtral, ForwardOptions, ForwardWorkspace, MixtralModel};
+use moeserve_model::models::{CudaMoeModel, ForwardOptions, ForwardWorkspace, MoeModel};
 use moeserve_model::moe::MoeStepRecord;
 
 use crate::assets::ModelAssets;
@@ -44,12 +44,12 @@ enum Executor {
         workspace: Box<ForwardWorkspace>,
     },
     /// The model's weights and KV cache on a CUDA device.
-    Cuda(Box<CudaMixtral>),
+    Cuda(Box<CudaMoeModel>),
 }
 
 impl Executor {
     fn new(
-        model: &MixtralModel,
+        model: &MoeModel,
         device: &Device,
         layout: KvCacheLayout,
         moe: &MoeConfig,
@@ -75,7 +75,7 @@ impl Executor {
                         ),
                     });
                 }
-                let gpu = CudaMixtral::new(model, layout, info.ordinal)?;
+                let gpu = CudaMoeModel::new(model, layout, info.ordinal)?;
                 Ok(Executor::Cuda(Box::new(gpu)))
             }
         }

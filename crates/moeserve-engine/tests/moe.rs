@@ -136,7 +136,7 @@ fn capacity_counts_reach_request_outputs_and_the_snapshot() {
         let tokens = engine.core().stats().num_batched_tokens;
         assert_eq!(
             pairs,
-            tokens * (c.num_experts_per_tok * c.num_hidden_layers) as u64
+            tokens * (c.num_experts_per_tok * c.num_moe_layers()) as u64
         );
         match overflow {
             OverflowPolicy::Drop => assert!(dropped > 0 && rerouted == 0 && spilled == 0),
@@ -163,7 +163,7 @@ fn routing_trace_records_every_step_and_layer() {
     let (stats, c) = (engine.core().stats(), assets.model.config());
     assert_eq!(
         records.len() as u64,
-        stats.num_steps * c.num_hidden_layers as u64
+        stats.num_steps * c.num_moe_layers() as u64
     );
     let layer0_tokens: usize = records
         .iter()

@@ -1,6 +1,6 @@
 //! Synthetic Mixtral-8x7B on one GPU, for `bench/gpu_check.sh`: the engine's CUDA forward
-//! (`CudaMixtral`) with seeded random bf16 weights generated on the device
-//! (`CudaMixtral::synthetic`; a 32-layer Mixtral-8x7B is ~93 GB and fits one H200), the shape of
+//! (`CudaMoeModel`) with seeded random bf16 weights generated on the device
+//! (`CudaMoeModel::synthetic`; a 32-layer Mixtral-8x7B is ~93 GB and fits one H200), the shape of
 //! the `mixtral-8x7b-2l` preset with `--layers` layers.
 //!
 //! It measures prefill tokens/s (every sequence's prompt in one step), decode tokens/s (one
@@ -22,9 +22,9 @@ use std::time::Instant;
 use half::bf16;
 use moeserve_backend::cuda::{CudaBackend, CudaError};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::config::MixtralConfig;
+use moeserve_model::config::ModelConfig;
 use moeserve_model::kv_cache::KvCacheLayout;
-use moeserve_model::models::{CudaMixtral, ForwardOptions};
+use moeserve_model::models::{CudaMoeModel, ForwardOptions};
 use moeserve_model::moe::{MoeOptions, MoeStepRecord};
 use moeserve_model::presets::Preset;
 
@@ -94,11 +94,11 @@ fn main() -> std::process::ExitCode {
 }
 
 /// Mixtral-8x7B's shape (the `mixtral-8x7b-2l` preset's config) with `layers` layers.
-fn mixtral_8x7b(layers: usize) -> Result<MixtralConfig, Box<dyn std::error::Error>> {
+fn mixtral_8x7b(layers: usize) -> Result<ModelConfig, Box<dyn std::error::Error>> {
     let mut spec = Preset::Mixtral8x7b2l.spec();
     spec.num_hidden_layers = layers;
     let json = spec.config_json().to_string();
-    Ok(MixtralConfig::from_json_str(
+    Ok(ModelConfig::from_json_str(
         &json,
         Path::new("mixtral-8x7b (synthetic)"),
     )?)
@@ -121,7 +121,7 @@ fn greedy(logits: &[f32], vocab: usize) -> Vec<u32> {
 /// Runs one step of `ids[s]` for each sequence `s` (its own blocks from `s * max_blocks`),
 /// positions from `start`; returns the greedy tokens and the experts hit.
 fn step(
-    model: &mut CudaMixtral,
+    model: &mut CudaMoeModel,
     vocab: usize,
     ids: &[Vec<u32>],
     start: usize,
@@ -185,7 +185,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         kv_dim: c.kv_dim(),
     };
     let start = Instant::now();
-    let mut model = CudaMixtral::synthetic(c.clone(), layout, 0, 0)?;
+    let mut model = CudaMoeModel::synthetic(c.clone(), layout, 0, 0)?;
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let expert_bytes = 3 * i * h * 2;
     let attention_bytes = c.num_hidden_layers * 2 * (c.q_dim() + c.kv_dim()) * h * 2;

@@ -191,6 +191,31 @@ impl Checkpoint {
 
     /// The tensor `name`, checked to have `expected_shape` and a float dtype; zero-copy.
     pub fn weight(&self, name: &str, expected_shape: &[usize]) -> Result<Weight> {
+        let int8_prefix = name.strip_suffix(".weight");
+        self.weight_view(name, expected_shape, (0, expected_shape), int8_prefix)
+    }
+
+    /// Part `index` of tensor `name` (checked to have `shape`) cut into consecutive parts of
+    /// `part_shape`: one expert's matrix of a fused `[E, rows, cols]` expert tensor; zero-copy.
+    /// Its int8 form, where `moeserve quantize` stored one, is `{int8_prefix}.qweight`.
+    pub fn weight_part(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+        part_shape: &[usize],
+        int8_prefix: &str,
+    ) -> Result<Weight> {
+        self.weight_view(name, shape, (index, part_shape), Some(int8_prefix))
+    }
+
+    fn weight_view(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        (index, part_shape): (usize, &[usize]),
+        int8_prefix: Option<&str>,
+    ) -> Result<Weight> {
         let (entry, path) = self.entry(name, expected_shape)?;
         let dtype = match entry.dtype {
             Dtype::F32 => DType::F32,
@@ -204,16 +229,26 @@ impl Checkpoint {
                 });
             }
         };
+        let part_bytes = part_shape.iter().product::<usize>() * dtype.size_in_bytes();
+        let start = entry.start + index * part_bytes;
+        if start + part_bytes > entry.end {
+            return Err(ModelError::TensorShape {
+                path: path.clone(),
+                name: format!("{name} (part {index})"),
+                expected: part_shape.to_vec(),
+                got: entry.shape.clone(),
+            });
+        }
         let bytes = WeightBytes::Mapped {
             map: self.files[entry.file].1.clone(),
-            start: entry.start,
-            end: entry.end,
+            start,
+            end: start + part_bytes,
         };
-        let weight = Weight::new(dtype, entry.shape.clone(), bytes)?;
+        let weight = Weight::new(dtype, part_shape.to_vec(), bytes)?;
         if self.as_stored {
             return Ok(weight.exact());
         }
-        let int8 = match (name.strip_suffix(".weight"), expected_shape) {
+        let int8 = match (int8_prefix, part_shape) {
             (Some(prefix), [n, k]) => self.int8_for_kernels(prefix, *n, *k)?,
             _ => None,
         };

@@ -1,30 +1,95 @@
-//! HF `config.json` of Mixtral-class models (`MixtralForCausalLM`).
+//! HF `config.json` of the MoE families this crate serves, read into one family-agnostic
+//! [`ModelConfig`]: the shapes every family shares plus the per-layer options that tell the
+//! families apart (attention variant, which layers are sparse, the router's weighting, shared
+//! experts, tensor names). Each family's own reading lives in `crate::families`.
 //!
-//! Follows transformers' `MixtralConfig`: `rope_theta` may sit at the top level or, as in
-//! transformers ≥ 5, inside `rope_parameters`; `head_dim` defaults to `hidden_size / heads`.
+//! Shared conventions follow transformers: `rope_theta` may sit at the top level or, as in
+//! transformers ≥ 5, inside `rope_parameters`; `head_dim` defaults to `hidden_size / heads`;
+//! `dtype` or the older `torch_dtype`.
 
 use std::path::Path;
 
 use moeserve_core::DType;
 use serde_json::Value;
 
+pub use crate::families::{Architecture, SUPPORTED_ARCHITECTURES};
 use crate::{ModelError, Result};
 
-/// Architectures this crate implements.
-pub const SUPPORTED_ARCHITECTURES: &str = "MixtralForCausalLM";
+/// How an attention layer normalises its queries and keys before RoPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// No normalisation (Mixtral, Qwen2-MoE).
+    None,
+    /// RMSNorm over each head's `head_dim` values (Qwen3-MoE's `q_norm` / `k_norm`).
+    PerHead,
+    /// RMSNorm over the whole projection, before the split into heads (OLMoE).
+    Flat,
+}
 
-/// The model hyper-parameters the forward pass needs.
+/// The attention variant of a family (every layer the same).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionConfig {
+    /// Biases on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// A bias on the output projection.
+    pub o_bias: bool,
+    pub qk_norm: QkNorm,
+    /// q, k and v clamped to `[-clip, clip]` (OLMoE's `clip_qkv`, after the q/k norms).
+    pub clip_qkv: Option<f32>,
+}
+
+impl AttentionConfig {
+    /// Plain grouped-query attention: no biases, no norms, no clipping (Mixtral).
+    pub const PLAIN: AttentionConfig = AttentionConfig {
+        qkv_bias: false,
+        o_bias: false,
+        qk_norm: QkNorm::None,
+        clip_qkv: None,
+    };
+}
+
+/// A shared expert every token goes through beside its routed ones (Qwen2-MoE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpertConfig {
+    pub intermediate_size: usize,
+    /// Its output is scaled by `sigmoid(shared_expert_gate · x)`, one scalar per token.
+    pub gated: bool,
+}
+
+/// Where a family keeps its tensors, below `model.layers.L.`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorNames {
+    /// The feed-forward block: `block_sparse_moe` (Mixtral) or `mlp`.
+    pub moe_block: &'static str,
+    /// An expert's gate, up and down projections: `w1, w3, w2` or `gate_proj, up_proj, down_proj`.
+    pub expert_proj: [&'static str; 3],
+}
+
+/// The model hyper-parameters the forward pass needs, whatever the family.
 #[derive(Clone, Debug, PartialEq)]
-pub struct MixtralConfig {
+pub struct ModelConfig {
+    pub architecture: Architecture,
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// The dense MLP's width, in the layers that have one (`mlp_only_layers`, …).
     pub intermediate_size: usize,
+    /// A routed expert's width (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    pub moe_intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
+    /// Routed experts per sparse layer (`num_local_experts` / `num_experts`).
     pub num_local_experts: usize,
     pub num_experts_per_tok: usize,
+    /// Whether the top-k weights are renormalised to sum to 1 (`norm_topk_prob`; Mixtral: yes).
+    pub norm_topk_prob: bool,
+    pub shared_expert: Option<SharedExpertConfig>,
+    /// Per decoder layer: whether its feed-forward block is the sparse MoE block (else a dense
+    /// MLP of `intermediate_size`).
+    pub sparse_layers: Vec<bool>,
+    pub attention: AttentionConfig,
+    pub names: TensorNames,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
     /// Attend to at most this many most recent positions (the query's own included).
@@ -35,7 +100,7 @@ pub struct MixtralConfig {
     pub dtype: Option<DType>,
 }
 
-impl MixtralConfig {
+impl ModelConfig {
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
@@ -43,39 +108,14 @@ impl MixtralConfig {
         Self::from_json_str(&text, &path)
     }
 
-    /// Parses config JSON; `path` is only used in error messages.
+    /// Parses config JSON; `path` is only used in error messages. `architectures` (or, without
+    /// it, `model_type`) picks the family.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let json: Value = serde_json::from_str(text)
             .map_err(|e| ModelError::config(path, format!("invalid JSON: {e}")))?;
         let fields = ConfigFields { json: &json, path };
-        fields.check_architecture()?;
-        let hidden_size = fields.usize("hidden_size")?;
-        let num_attention_heads = fields.usize("num_attention_heads")?;
-        let head_dim = match fields.opt_usize("head_dim")? {
-            Some(d) => d,
-            None => hidden_size / num_attention_heads.max(1),
-        };
-        let config = MixtralConfig {
-            vocab_size: fields.usize("vocab_size")?,
-            hidden_size,
-            intermediate_size: fields.usize("intermediate_size")?,
-            num_hidden_layers: fields.usize("num_hidden_layers")?,
-            num_attention_heads,
-            num_key_value_heads: fields
-                .opt_usize("num_key_value_heads")?
-                .unwrap_or(num_attention_heads),
-            head_dim,
-            num_local_experts: fields.usize("num_local_experts")?,
-            num_experts_per_tok: fields.usize("num_experts_per_tok")?,
-            rms_norm_eps: fields.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
-            rope_theta: fields.rope_theta()?,
-            sliding_window: fields.opt_usize("sliding_window")?,
-            max_position_embeddings: fields
-                .opt_usize("max_position_embeddings")?
-                .unwrap_or(4096 * 32),
-            tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-            dtype: fields.dtype(),
-        };
+        let architecture = fields.architecture()?;
+        let config = crate::families::read_config(architecture, &fields)?;
         config.validate(path)?;
         Ok(config)
     }
@@ -85,17 +125,25 @@ impl MixtralConfig {
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
-            ("num_local_experts", self.num_local_experts),
+            ("num_experts", self.num_local_experts),
             ("num_experts_per_tok", self.num_experts_per_tok),
         ] {
             if v == 0 {
                 return bad(format!("`{name}` must be at least 1"));
             }
+        }
+        if self.sparse_layers.iter().any(|s| *s) && self.moe_intermediate_size == 0 {
+            return bad("the experts' intermediate size must be at least 1".to_string());
+        }
+        if self.sparse_layers.iter().any(|s| !*s) && self.intermediate_size == 0 {
+            return bad("`intermediate_size` must be at least 1 for dense layers".to_string());
+        }
+        if self.shared_expert.is_some_and(|s| s.intermediate_size == 0) {
+            return bad("`shared_expert_intermediate_size` must be at least 1".to_string());
         }
         if !self
             .num_attention_heads
@@ -114,12 +162,17 @@ impl MixtralConfig {
         }
         if self.num_experts_per_tok > self.num_local_experts {
             return bad(format!(
-                "`num_experts_per_tok` ({}) exceeds `num_local_experts` ({})",
+                "`num_experts_per_tok` ({}) exceeds the number of experts ({})",
                 self.num_experts_per_tok, self.num_local_experts
             ));
         }
         if self.sliding_window == Some(0) {
             return bad("`sliding_window` must be at least 1 or null".to_string());
+        }
+        if let Some(clip) = self.attention.clip_qkv
+            && !(clip.is_finite() && clip > 0.0)
+        {
+            return bad(format!("`clip_qkv` must be a number above 0, got {clip}"));
         }
         Ok(())
     }
@@ -133,43 +186,93 @@ impl MixtralConfig {
     pub fn q_dim(&self) -> usize {
         self.num_attention_heads * self.head_dim
     }
+
+    /// The decoder layers whose feed-forward block is the sparse MoE block, in order: the
+    /// MoE layer `m` of placement, load tracking and metrics is decoder layer `moe_layers()[m]`.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        (0..self.num_hidden_layers)
+            .filter(|l| self.sparse_layers[*l])
+            .collect()
+    }
+
+    /// Number of sparse MoE layers.
+    pub fn num_moe_layers(&self) -> usize {
+        self.sparse_layers.iter().filter(|s| **s).count()
+    }
+
+    /// Whether this is the plain Mixtral shape: no attention extras, every layer sparse, no
+    /// shared expert, renormalised top-k (what the CUDA forward implements so far).
+    pub fn is_mixtral_shaped(&self) -> bool {
+        self.attention == AttentionConfig::PLAIN
+            && self.sparse_layers.iter().all(|s| *s)
+            && self.shared_expert.is_none()
+            && self.norm_topk_prob
+    }
 }
 
 /// Typed access to config fields with errors that name the field.
-struct ConfigFields<'a> {
-    json: &'a Value,
-    path: &'a Path,
+pub(crate) struct ConfigFields<'a> {
+    pub(crate) json: &'a Value,
+    pub(crate) path: &'a Path,
 }
 
 impl ConfigFields<'_> {
-    fn err(&self, msg: String) -> ModelError {
+    pub(crate) fn err(&self, msg: String) -> ModelError {
         ModelError::config(self.path, msg)
     }
 
-    fn check_architecture(&self) -> Result<()> {
+    /// The family `architectures` names (the first one this crate serves), or, without
+    /// `architectures`, the one `model_type` names.
+    pub(crate) fn architecture(&self) -> Result<Architecture> {
         let archs = self.json.get("architectures").and_then(Value::as_array);
         let model_type = self.json.get("model_type").and_then(Value::as_str);
         let found: Vec<&str> = archs
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        if found.contains(&"MixtralForCausalLM")
-            || (found.is_empty() && model_type == Some("mixtral"))
-        {
-            return Ok(());
-        }
-        let found = if found.is_empty() {
-            format!("model_type {}", model_type.unwrap_or("<missing>"))
+        let known = if found.is_empty() {
+            model_type.and_then(Architecture::from_model_type)
         } else {
-            found.join(", ")
+            found.iter().find_map(|a| Architecture::from_name(a))
         };
-        Err(ModelError::UnsupportedArchitecture {
-            path: self.path.to_path_buf(),
-            found,
-            supported: SUPPORTED_ARCHITECTURES,
+        known.ok_or_else(|| {
+            let found = if found.is_empty() {
+                format!("model_type {}", model_type.unwrap_or("<missing>"))
+            } else {
+                found.join(", ")
+            };
+            ModelError::UnsupportedArchitecture {
+                path: self.path.to_path_buf(),
+                found,
+                supported: SUPPORTED_ARCHITECTURES,
+            }
         })
     }
 
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    /// `head_dim` as config.json gives it (not a declared field of every config class, but
+    /// read when present), else `hidden_size / num_attention_heads`.
+    pub(crate) fn head_dim(&self, hidden_size: usize, heads: usize) -> Result<usize> {
+        Ok(self
+            .opt_usize("head_dim")?
+            .unwrap_or(hidden_size / heads.max(1)))
+    }
+
+    /// A list of layer indices (`mlp_only_layers`); empty when absent.
+    pub(crate) fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
+        match self.json.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                        self.err(format!("`{key}` must list non-negative integers, got {v}"))
+                    })
+                })
+                .collect(),
+            Some(v) => Err(self.err(format!("`{key}` must be a list of integers, got {v}"))),
+        }
+    }
+
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.json.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
@@ -180,12 +283,12 @@ impl ConfigFields<'_> {
         }
     }
 
-    fn usize(&self, key: &str) -> Result<usize> {
+    pub(crate) fn usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?
             .ok_or_else(|| self.err(format!("missing field `{key}`")))
     }
 
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+    pub(crate) fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.json.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
@@ -195,7 +298,7 @@ impl ConfigFields<'_> {
         }
     }
 
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+    pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.json.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
@@ -205,8 +308,9 @@ impl ConfigFields<'_> {
         }
     }
 
-    /// `rope_theta`, or `rope_parameters.rope_theta` (transformers ≥ 5); default 1e6 as Mixtral.
-    fn rope_theta(&self) -> Result<f64> {
+    /// `rope_theta`, or `rope_parameters.rope_theta` (transformers ≥ 5); `default` (the family
+    /// config class's) when neither is given.
+    pub(crate) fn rope_theta(&self, default: f64) -> Result<f64> {
         if let Some(t) = self.opt_f64("rope_theta")? {
             return Ok(t);
         }
@@ -225,10 +329,10 @@ impl ConfigFields<'_> {
                     self.err("field `rope_parameters.rope_theta` must be a number".to_string())
                 });
         }
-        Ok(1e6)
+        Ok(default)
     }
 
-    fn dtype(&self) -> Option<DType> {
+    pub(crate) fn dtype(&self) -> Option<DType> {
         ["torch_dtype", "dtype"].iter().find_map(|k| {
             self.json
                 .get(*k)
@@ -247,8 +351,8 @@ mod tests {
         "num_local_experts":4,"num_experts_per_tok":2,"rms_norm_eps":1e-5,"rope_theta":10000.0,
         "sliding_window":null,"tie_word_embeddings":false,"torch_dtype":"bfloat16"}"#;
 
-    fn parse(text: &str) -> Result<MixtralConfig> {
-        MixtralConfig::from_json_str(text, Path::new("dir/config.json"))
+    fn parse(text: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(text, Path::new("dir/config.json"))
     }
 
     #[test]

@@ -320,7 +320,7 @@ mod tests {
             file.tensor("lm_head.weight").expect("untied head").shape(),
             &[512, 64]
         );
-        let config = crate::config::MixtralConfig::from_dir(&made.out).expect("config.json parses");
+        let config = crate::config::ModelConfig::from_dir(&made.out).expect("config.json parses");
         assert_eq!(
             (config.num_local_experts, config.num_experts_per_tok),
             (8, 2)

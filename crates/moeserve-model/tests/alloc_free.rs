@@ -11,7 +11,7 @@ use common::fixtures_dir;
 use moeserve_core::alloc_count::{CountingAllocator, allocations_in};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::PagedKvCache;
-use moeserve_model::models::{ForwardOptions, ForwardWorkspace, MixtralModel};
+use moeserve_model::models::{ForwardOptions, ForwardWorkspace, MoeModel};
 use moeserve_model::moe::{Capacity, MoeOptions, MoeStepRecord, OverflowPolicy};
 
 #[global_allocator]
@@ -24,7 +24,7 @@ const MAX_STEP_TOKENS: usize = 8;
 
 /// Three sequences over one cache, stepped through one workspace.
 struct Steps<'m> {
-    model: &'m MixtralModel,
+    model: &'m MoeModel,
     cache: PagedKvCache,
     tables: Vec<Vec<u32>>,
     /// Tokens each sequence has in the cache.
@@ -79,7 +79,7 @@ impl Steps<'_> {
 
 #[test]
 fn steps_in_a_warm_workspace_allocate_nothing() {
-    let model = MixtralModel::load(&fixtures_dir().join("mixtral-gqa")).unwrap();
+    let model = MoeModel::load(&fixtures_dir().join("mixtral-gqa")).unwrap();
     model.reserve_task_scratch(MAX_STEP_TOKENS, MAX_CONTEXT);
     let blocks = MAX_CONTEXT / BLOCK_SIZE;
     let spill = Capacity::Factor {
@@ -112,6 +112,6 @@ fn steps_in_a_warm_workspace_allocate_nothing() {
             n, 0,
             "{capacity:?}: heap allocations in four steps (MOESERVE_ALLOC_TRACE=1 shows them)"
         );
-        assert_eq!(steps.record.layers.len(), model.config().num_hidden_layers);
+        assert_eq!(steps.record.layers.len(), model.config().num_moe_layers());
     }
 }

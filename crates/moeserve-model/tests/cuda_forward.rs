@@ -1,4 +1,4 @@
-//! The Mixtral forward on a CUDA GPU (`models::CudaMixtral`) against the transformers fixtures
+//! The Mixtral forward on a CUDA GPU (`models::CudaMoeModel`) against the transformers fixtures
 //! of `reference.rs`: per-layer outputs, greedy tokens and logprobs in f32; the same fixtures run
 //! in bf16 (teacher-forced logprobs within bf16 tolerance); batched steps (sequences joining
 //! while others decode, over one paged cache) against each sequence run alone; a capacity
@@ -19,7 +19,7 @@ use common::*;
 use moeserve_core::DType;
 use moeserve_core::ExpertPlacement;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::models::{CudaMixtral, ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
+use moeserve_model::models::{CudaMoeModel, ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
 };
@@ -54,24 +54,24 @@ fn gpu_available() -> bool {
     }
 }
 
-fn load(case: &str) -> MixtralModel {
-    MixtralModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
+fn load(case: &str) -> MoeModel {
+    MoeModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
 }
 
 /// Sequences sharing one model and paged cache on the GPU, each with its own blocks; reused
 /// across prompts ([`GpuSequences::reset`]), as uploading and compiling per prompt is slow.
 struct GpuSequences {
-    gpu: CudaMixtral,
+    gpu: CudaMoeModel,
     blocks_per_seq: usize,
     tokens: Vec<Vec<u32>>,
 }
 
 impl GpuSequences {
-    fn new(model: &MixtralModel, dtype: DType, num_seqs: usize, max_len: usize) -> Self {
+    fn new(model: &MoeModel, dtype: DType, num_seqs: usize, max_len: usize) -> Self {
         let blocks_per_seq = max_len.div_ceil(BLOCK_SIZE);
         let layout = model.kv_layout(num_seqs * blocks_per_seq, BLOCK_SIZE);
         GpuSequences {
-            gpu: CudaMixtral::with_dtype(model, layout, 0, dtype).expect("model on the GPU"),
+            gpu: CudaMoeModel::with_dtype(model, layout, 0, dtype).expect("model on the GPU"),
             blocks_per_seq,
             tokens: vec![Vec::new(); num_seqs],
         }
@@ -131,13 +131,13 @@ fn longest(reference: &Reference) -> usize {
 }
 
 /// A GPU model (f32) whose cache holds `prompt`, and its one-step prefill under `opts`.
-fn gpu_for(model: &MixtralModel, prompt: &[u32]) -> CudaMixtral {
+fn gpu_for(model: &MoeModel, prompt: &[u32]) -> CudaMoeModel {
     let layout = model.kv_layout(prefill_table(prompt).len(), PREFILL_BLOCK_SIZE);
-    CudaMixtral::with_dtype(model, layout, 0, DType::F32).expect("model on the GPU")
+    CudaMoeModel::with_dtype(model, layout, 0, DType::F32).expect("model on the GPU")
 }
 
 /// `prompt` in one prefill step on `gpu` (blocks `0..`) under `opts`.
-fn prefill_on(gpu: &mut CudaMixtral, prompt: &[u32], opts: ForwardOptions<'_>) -> Vec<f32> {
+fn prefill_on(gpu: &mut CudaMoeModel, prompt: &[u32], opts: ForwardOptions<'_>) -> Vec<f32> {
     let table = prefill_table(prompt);
     let seqs = whole_prompt(prompt, &table);
     let batch = ForwardBatch {
@@ -413,7 +413,7 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
     let prompt = read_reference(&fixtures_dir().join(case)).prompts[2]
         .prompt_ids
         .clone();
-    let run = |gpu: &mut CudaMixtral, experts: Option<&ExpertParallel>| {
+    let run = |gpu: &mut CudaMoeModel, experts: Option<&ExpertParallel>| {
         let mut record = MoeStepRecord::default();
         let opts = ForwardOptions {
             logits: LogitsFor::AllTokens,

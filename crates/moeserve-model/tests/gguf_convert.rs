@@ -250,7 +250,7 @@ fn converted_config_describes_the_upcycled_model() {
     assert_eq!(config["torch_dtype"], "float32");
     assert!(config["sliding_window"].is_null());
     let parsed =
-        moeserve_model::config::MixtralConfig::from_dir(&converted.out).expect("crate reads it");
+        moeserve_model::config::ModelConfig::from_dir(&converted.out).expect("crate reads it");
     assert!(parsed.tie_word_embeddings);
 
     let generation: serde_json::Value = serde_json::from_str(

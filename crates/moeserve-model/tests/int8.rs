@@ -9,11 +9,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{SoloSequence, argmax, fixtures_dir, log_softmax, read_reference, run_int8};
-use moeserve_model::models::MixtralModel;
+use moeserve_model::models::MoeModel;
 use moeserve_model::quantize::{QuantizeOptions, quantize_checkpoint};
 
 /// (mean |Δlogprob|, greedy agreement, positions) of `model` on the references in `reference`.
-fn teacher_forced(model: &MixtralModel, reference: &Path) -> (f64, f64, usize) {
+fn teacher_forced(model: &MoeModel, reference: &Path) -> (f64, f64, usize) {
     let reference = read_reference(reference);
     let (mut delta, mut agree, mut positions) = (0.0f64, 0usize, 0usize);
     for want in &reference.prompts {
@@ -42,13 +42,13 @@ fn demo_model_dir() -> PathBuf {
     )
 }
 
-fn load_demo(dir: &Path) -> MixtralModel {
-    MixtralModel::load(dir)
+fn load_demo(dir: &Path) -> MoeModel {
+    MoeModel::load(dir)
         .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()))
 }
 
 /// Checks the demo model's (fixture, most mean |Δlogprob|, least greedy agreement) cases.
-fn check_demo(label: &str, model: &MixtralModel, cases: [(&str, f64, f64); 2]) {
+fn check_demo(label: &str, model: &MoeModel, cases: [(&str, f64, f64); 2]) {
     for (case, max_delta, min_agree) in cases {
         let (delta, agree, n) = teacher_forced(model, &fixtures_dir().join(case));
         eprintln!(
@@ -121,7 +121,7 @@ fn int8_weights_stay_close_to_the_references() {
     // The random fixtures have near-flat distributions, so they are only a sanity bound.
     for case in ["mixtral-swa", "mixtral-tied", "mixtral-gqa"] {
         let dir = fixtures_dir().join(case);
-        let model = MixtralModel::load(&dir).unwrap();
+        let model = MoeModel::load(&dir).unwrap();
         let (delta, agree, n) = teacher_forced(&model, &dir);
         eprintln!("{case} int8: mean |Δlogprob| {delta:.4}, greedy agreement {agree:.3} ({n})");
         assert!(delta <= 0.1, "{case}: mean |Δlogprob| {delta}");

@@ -5,7 +5,7 @@ mod common;
 use std::path::Path;
 
 use common::fixtures_dir;
-use moeserve_model::models::MixtralModel;
+use moeserve_model::models::MoeModel;
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
 
@@ -28,7 +28,7 @@ fn broken_copy(
 }
 
 fn load_error(dir: &Path) -> String {
-    match MixtralModel::load(dir) {
+    match MoeModel::load(dir) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
     }

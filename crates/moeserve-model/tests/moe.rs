@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use moeserve_core::ExpertPlacement;
-use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
+use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
 };
@@ -20,22 +20,22 @@ const CASES: [&str; 4] = [
     "mixtral-sharded",
 ];
 
-fn load(case: &str) -> MixtralModel {
-    MixtralModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
+fn load(case: &str) -> MoeModel {
+    MoeModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
 }
 
 /// A 70-token prompt, long enough for several GEMM row tiles per expert.
-fn prompt(model: &MixtralModel) -> Vec<u32> {
+fn prompt(model: &MoeModel) -> Vec<u32> {
     let vocab = model.config().vocab_size as u32;
     (0..70u32)
         .map(|i| 3 + (i * 37 + 11) % (vocab - 3))
         .collect()
 }
 
-fn expert_parallel(model: &MixtralModel, devices: usize, redundant: usize) -> ExpertParallel {
+fn expert_parallel(model: &MoeModel, devices: usize, redundant: usize) -> ExpertParallel {
     let c = model.config();
     let placement =
-        ExpertPlacement::round_robin(c.num_hidden_layers, c.num_local_experts, devices, redundant)
+        ExpertPlacement::round_robin(c.num_moe_layers(), c.num_local_experts, devices, redundant)
             .unwrap();
     let exchange = Arc::new(InProcessAllToAll::new(devices, 2).unwrap());
     ExpertParallel::new(&model.moe_layers(), placement, exchange).unwrap()
@@ -43,7 +43,7 @@ fn expert_parallel(model: &MixtralModel, devices: usize, redundant: usize) -> Ex
 
 /// All-token logits and the routing record of one prefill.
 fn run(
-    model: &MixtralModel,
+    model: &MoeModel,
     capacity: Capacity,
     experts: Option<&ExpertParallel>,
 ) -> (Vec<f32>, MoeStepRecord, ForwardTrace) {
@@ -73,7 +73,7 @@ fn dropless_and_spill_equal_the_default_path_exactly() {
         let want = prefill_all_logits(&model, &prompt(&model), None);
         let (dropless, record, _) = run(&model, Capacity::Dropless, None);
         assert_eq!(dropless, want, "{case}: dropless");
-        assert_eq!(record.layers.len(), model.config().num_hidden_layers);
+        assert_eq!(record.layers.len(), model.config().num_moe_layers());
         assert_eq!(record.total_counts().dropped, 0);
         for alpha in [0.25, 0.5, 1.0] {
             let (spilled, record, _) = run(&model, factor(alpha, OverflowPolicy::Spill), None);

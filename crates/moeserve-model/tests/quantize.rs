@@ -10,8 +10,8 @@ use common::{fixtures_dir, prefill, run_int8};
 use moeserve_backend::WeightData;
 use moeserve_backend::cpu::quant::quantize_rows_int8;
 use moeserve_model::checkpoint::Checkpoint;
-use moeserve_model::models::MixtralModel;
-use moeserve_model::models::mixtral::ForwardOptions;
+use moeserve_model::models::ForwardOptions;
+use moeserve_model::models::MoeModel;
 use moeserve_model::quantize::{
     INT8_PREFIX, QuantizeOptions, QuantizeReport, int8_file, quantize_checkpoint, stored_int8,
 };
@@ -40,7 +40,7 @@ fn quantized_checkpoint_loads_its_gptq_integers() {
     let out = tempfile::tempdir().unwrap();
     let report = quantize(&src, out.path());
 
-    let model = MixtralModel::load_as_stored(&src).unwrap();
+    let model = MoeModel::load_as_stored(&src).unwrap();
     let c = model.config();
     let per_layer = 4 + 3 * c.num_local_experts;
     assert_eq!(report.matrices, c.num_hidden_layers * per_layer + 1);
@@ -75,8 +75,8 @@ fn quantized_checkpoint_loads_its_gptq_integers() {
     let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
     let opts = || ForwardOptions::default();
     let exact = prefill(&model, &prompt, opts());
-    let rounded = prefill(&MixtralModel::load(&src).unwrap(), &prompt, opts());
-    let gptq = prefill(&MixtralModel::load(out.path()).unwrap(), &prompt, opts());
+    let rounded = prefill(&MoeModel::load(&src).unwrap(), &prompt, opts());
+    let gptq = prefill(&MoeModel::load(out.path()).unwrap(), &prompt, opts());
     assert_ne!(gptq, rounded);
     for got in [&rounded, &gptq] {
         let diff = common::max_rel_diff(got, &exact);
@@ -129,7 +129,7 @@ fn a_small_hessian_budget_quantizes_layer_by_layer_to_the_same_integers() {
         ..small_run()
     };
     let layered = quantize_checkpoint(&src, by_layer.path(), &opts, &mut |_| {}).unwrap();
-    let layers = MixtralModel::load_as_stored(&src)
+    let layers = MoeModel::load_as_stored(&src)
         .unwrap()
         .config()
         .num_hidden_layers;
@@ -190,7 +190,7 @@ fn broken_int8_tensor_is_named() {
         .collect();
     std::fs::remove_file(&path).unwrap();
     safetensors::serialize_to_file(views, None, &path).unwrap();
-    let err = match MixtralModel::load(out.path()) {
+    let err = match MoeModel::load(out.path()) {
         Ok(_) => panic!("a short qweight must not load"),
         Err(e) => e.to_string(),
     };

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use moeserve_model::models::{ForwardTrace, MixtralModel};
+use moeserve_model::models::{ForwardTrace, MoeModel};
 
 /// Largest |Δlogprob| allowed between moeserve and transformers (both f32 on the same weights;
 /// the difference is summation order only).
@@ -23,7 +23,7 @@ const MIXTRAL_CASES: [&str; 4] = [
 /// Compares layer by layer so a failure names the first bad layer.
 fn check_layers(case: &str) {
     let dir = fixtures_dir().join(case);
-    let model = MixtralModel::load(&dir).unwrap_or_else(|e| panic!("{case}: {e}"));
+    let model = MoeModel::load(&dir).unwrap_or_else(|e| panic!("{case}: {e}"));
     let reference = read_reference(&dir);
     let expected = read_expected(&dir);
     let prompt = &reference.prompts[2].prompt_ids;
@@ -33,7 +33,7 @@ fn check_layers(case: &str) {
 }
 
 /// Identical greedy tokens; chosen and top-5 logprobs within tolerance.
-pub fn check_greedy(case: &str, dir: &std::path::Path, model: &MixtralModel) -> f32 {
+pub fn check_greedy(case: &str, dir: &std::path::Path, model: &MoeModel) -> f32 {
     let reference = read_reference(dir);
     let mut worst = 0.0f32;
     for (p, want) in reference.prompts.iter().enumerate() {
@@ -76,7 +76,7 @@ fn layer_outputs_match_transformers() {
 fn greedy_tokens_and_logprobs_match_transformers() {
     for case in MIXTRAL_CASES {
         let dir = fixtures_dir().join(case);
-        let model = MixtralModel::load(&dir).unwrap();
+        let model = MoeModel::load(&dir).unwrap();
         let worst = check_greedy(case, &dir, &model);
         eprintln!("{case}: max |Δlogprob| = {worst:e}");
     }
@@ -88,7 +88,7 @@ fn greedy_tokens_and_logprobs_match_transformers() {
 fn incremental_decode_equals_full_recompute() {
     for case in MIXTRAL_CASES {
         let dir = fixtures_dir().join(case);
-        let model = MixtralModel::load(&dir).unwrap();
+        let model = MoeModel::load(&dir).unwrap();
         let prompt = &read_reference(&dir).prompts[2].prompt_ids;
         for block_size in [1, 8, 16] {
             let mut incremental = SoloSequence::new(&model, prompt.len() + 8, block_size);
@@ -129,7 +129,7 @@ fn upcycled_gguf_matches_dense_transformers() {
         dtype: DType::F32,
     })
     .unwrap();
-    let model = MixtralModel::load(out.path()).unwrap();
+    let model = MoeModel::load(out.path()).unwrap();
     let prompt = &read_reference(&dir).prompts[0].prompt_ids;
     let logits = prefill_all_logits(&model, prompt, None);
     let d = max_rel_diff(&logits, &read_expected(&dir)["logits"].1);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use moeserve_core::DType;
 use moeserve_engine::engine_core::EngineConfig;
-use moeserve_model::config::MixtralConfig;
+use moeserve_model::config::ModelConfig;
 use serde::Deserialize;
 
 use crate::auth::ApiKey;
@@ -35,7 +35,7 @@ impl DtypeChoice {
     }
 
     /// Refuses a dtype other than the checkpoint's: weights are not converted (yet).
-    pub fn check(self, model: &MixtralConfig, config_path: &Path) -> Result<(), String> {
+    pub fn check(self, model: &ModelConfig, config_path: &Path) -> Result<(), String> {
         let Some(wanted) = self.dtype() else {
             return Ok(());
         };
@@ -248,7 +248,7 @@ mod tests {
     #[test]
     fn a_dtype_other_than_the_checkpoints_is_refused() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/mixtral-swa");
-        let model = MixtralConfig::from_dir(&dir).unwrap();
+        let model = ModelConfig::from_dir(&dir).unwrap();
         let path = dir.join("config.json");
         assert!(DtypeChoice::Auto.check(&model, &path).is_ok());
         assert!(DtypeChoice::Bfloat16.check(&model, &path).is_ok());

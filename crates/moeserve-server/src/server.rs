@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::handle::Engine;
-use moeserve_model::config::MixtralConfig;
+use moeserve_model::config::ModelConfig;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 
@@ -31,7 +31,7 @@ fn log(message: impl std::fmt::Display) {
 
 /// Runs the server until a signal, or until the model fails to load (that error is returned).
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    let model_config = MixtralConfig::from_dir(&config.model)
+    let model_config = ModelConfig::from_dir(&config.model)
         .with_context(|| format!("cannot serve {}", config.model.display()))?;
     config
         .dtype

@@ -32,6 +32,39 @@ fn norm_row<T: Copy + Into<f32>>(xr: &[f32], gain: &[T], eps: f32, or: &mut [f32
     }
 }
 
+/// [`rms_norm`] of every row of `x: [rows, w.len()]` in place (q/k norms: per head or over the
+/// whole projection, by the width of `w`).
+pub fn rms_norm_in_place(x: &mut [f32], w: &Weight, eps: f32) {
+    fn rows<T: Copy + Into<f32>>(x: &mut [f32], gain: &[T], eps: f32) {
+        for row in x.chunks_exact_mut(gain.len()) {
+            let var = row.iter().map(|v| v * v).sum::<f32>() / gain.len() as f32;
+            let inv = 1.0 / (var + eps).sqrt();
+            row.iter_mut()
+                .zip(gain)
+                .for_each(|(v, g)| *v = (*g).into() * (*v * inv));
+        }
+    }
+    match w.data() {
+        WeightData::F32(g) => rows(x, g, eps),
+        WeightData::F16(g) => rows(x, g, eps),
+        WeightData::BF16(g) => rows(x, g, eps),
+    }
+}
+
+/// `x[r] += b` for every row `r` of `x: [rows, b.len()]` (a linear layer's bias).
+pub fn add_bias(x: &mut [f32], b: &Weight) {
+    fn rows<T: Copy + Into<f32>>(x: &mut [f32], b: &[T]) {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += (*b).into());
+        }
+    }
+    match b.data() {
+        WeightData::F32(g) => rows(x, g),
+        WeightData::F16(g) => rows(x, g),
+        WeightData::BF16(g) => rows(x, g),
+    }
+}
+
 /// The residual connection and the next RMSNorm in one pass over each row: `x += delta`, then
 /// `out = rms_norm(x)` while the row is in cache. Equal bit for bit to [`add_assign`] followed
 /// by [`rms_norm`].

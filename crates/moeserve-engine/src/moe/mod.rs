@@ -17,7 +17,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use moeserve_core::{DeviceId, ExpertMetrics, ExpertPlacement, MoeConfig, PlacementError};
-use moeserve_model::models::MixtralModel;
+use moeserve_model::models::MoeModel;
 use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, RoutingCounts,
 };
@@ -52,12 +52,12 @@ pub struct MoeRuntime {
 impl MoeRuntime {
     /// Checks `config` against `model`, loads or deals the placement, builds the device
     /// arenas and opens the routing trace.
-    pub fn new(model: &MixtralModel, config: &MoeConfig) -> Result<Self> {
+    pub fn new(model: &MoeModel, config: &MoeConfig) -> Result<Self> {
         config
             .validate()
             .map_err(crate::engine_core::config_error)?;
         let c = model.config();
-        let (num_layers, num_experts) = (c.num_hidden_layers, c.num_local_experts);
+        let (num_layers, num_experts) = (c.num_moe_layers(), c.num_local_experts);
         let shape = SlotShape {
             num_devices: config.expert_parallel_size,
             num_physical: num_experts + config.num_redundant_experts,

@@ -216,7 +216,7 @@ mod tests {
     use std::path::Path;
 
     use moeserve_model::ModelError;
-    use moeserve_model::models::MixtralModel;
+    use moeserve_model::models::MoeModel;
     use moeserve_model::moe::InProcessAllToAll;
 
     use super::*;
@@ -258,7 +258,7 @@ mod tests {
     #[test]
     fn a_finished_build_is_swapped_in_and_its_window_measured() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/mixtral-swa");
-        let model = MixtralModel::load(&dir).unwrap();
+        let model = MoeModel::load(&dir).unwrap();
         let placement = ExpertPlacement::round_robin(2, 8, 2, 0).unwrap();
         let exchange = Arc::new(InProcessAllToAll::new(2, 2).unwrap());
         let experts =

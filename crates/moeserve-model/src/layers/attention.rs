@@ -1,4 +1,6 @@
-//! Grouped-query self-attention with rotary embeddings over a paged KV cache.
+//! Grouped-query self-attention with rotary embeddings over a paged KV cache, with each family's
+//! options ([`AttentionConfig`]): projection biases, q/k RMSNorm per head (Qwen3-MoE) or over the
+//! whole projection (OLMoE), q/k/v clamped (OLMoE's `clip_qkv`).
 //!
 //! Follows HF `MixtralAttention` (eager): q/k/v projections, `apply_rotary_pos_emb` with
 //! `rotate_half`, `softmax(q·kᵀ · head_dim^-0.5)` in f32 under a causal (optionally sliding-window)
@@ -12,7 +14,7 @@ use rayon::prelude::*;
 use crate::Result;
 use crate::batch::{ForwardBatch, TokenPlace};
 use crate::checkpoint::Checkpoint;
-use crate::config::MixtralConfig;
+use crate::config::{AttentionConfig, ModelConfig, QkNorm};
 use crate::kv_cache::{PagedKvCache, slot_of};
 use crate::models::workspace::zeroed;
 
@@ -22,6 +24,13 @@ pub struct Attention {
     k_proj: Weight,
     v_proj: Weight,
     o_proj: Weight,
+    /// `[q, k, v]` biases (Qwen2-MoE; Qwen3-MoE and OLMoE with `attention_bias`).
+    qkv_bias: Option<[Weight; 3]>,
+    o_bias: Option<Weight>,
+    /// `q_norm`, `k_norm`: `[head_dim]` each (per head) or the projections' widths (flat).
+    qk_norm: Option<(QkNorm, Weight, Weight)>,
+    clip_qkv: Option<f32>,
+    rms_norm_eps: f32,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -30,14 +39,47 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Loads `{prefix}.{q,k,v,o}_proj.weight`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &MixtralConfig) -> Result<Self> {
+    /// Loads `{prefix}.{q,k,v,o}_proj.weight` and what `config.attention` adds: the
+    /// projections' `.bias`, `{prefix}.{q,k}_norm.weight`.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result<Self> {
         let (h, q, kv) = (config.hidden_size, config.q_dim(), config.kv_dim());
+        let AttentionConfig {
+            qkv_bias,
+            o_bias,
+            qk_norm,
+            clip_qkv,
+        } = config.attention;
+        let vector = |name: &str, len: usize| ckpt.weight(&format!("{prefix}.{name}"), &[len]);
+        let qkv_bias = match qkv_bias {
+            true => Some([
+                vector("q_proj.bias", q)?,
+                vector("k_proj.bias", kv)?,
+                vector("v_proj.bias", kv)?,
+            ]),
+            false => None,
+        };
+        let qk_norm = match qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead => {
+                let d = config.head_dim;
+                let (qn, kn) = (vector("q_norm.weight", d)?, vector("k_norm.weight", d)?);
+                Some((QkNorm::PerHead, qn, kn))
+            }
+            QkNorm::Flat => {
+                let (qn, kn) = (vector("q_norm.weight", q)?, vector("k_norm.weight", kv)?);
+                Some((QkNorm::Flat, qn, kn))
+            }
+        };
         Ok(Attention {
             q_proj: ckpt.weight(&format!("{prefix}.q_proj.weight"), &[q, h])?,
             k_proj: ckpt.weight(&format!("{prefix}.k_proj.weight"), &[kv, h])?,
             v_proj: ckpt.weight(&format!("{prefix}.v_proj.weight"), &[kv, h])?,
             o_proj: ckpt.weight(&format!("{prefix}.o_proj.weight"), &[h, q])?,
+            qkv_bias,
+            o_bias: o_bias.then(|| vector("o_proj.bias", h)).transpose()?,
+            qk_norm,
+            clip_qkv,
+            rms_norm_eps: config.rms_norm_eps,
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
@@ -48,6 +90,16 @@ impl Attention {
 
     pub fn weights(&self) -> [&Weight; 4] {
         [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+    }
+
+    /// The vectors beside the matrices: biases and q/k norm weights.
+    pub fn vectors(&self) -> Vec<&Weight> {
+        let mut all: Vec<&Weight> = self.qkv_bias.iter().flatten().collect();
+        all.extend(&self.o_bias);
+        if let Some((_, q, k)) = &self.qk_norm {
+            all.extend([q, k]);
+        }
+        all
     }
 
     /// Attention of every step token of `batch`; writes this step's keys and values to `kv` at
@@ -82,6 +134,22 @@ impl Attention {
         cpu::matmul_wt_in(step.x, t, &self.q_proj, q, tiled);
         cpu::matmul_wt_in(step.x, t, &self.k_proj, k, tiled);
         cpu::matmul_wt_in(step.x, t, &self.v_proj, v, tiled);
+        if let Some([qb, kb, vb]) = &self.qkv_bias {
+            cpu::add_bias(q, qb);
+            cpu::add_bias(k, kb);
+            cpu::add_bias(v, vb);
+        }
+        if let Some((_, q_norm, k_norm)) = &self.qk_norm {
+            // Rows of `head_dim` (per head) or of the whole projection (flat): the norm's
+            // width says which.
+            cpu::rms_norm_in_place(q, q_norm, self.rms_norm_eps);
+            cpu::rms_norm_in_place(k, k_norm, self.rms_norm_eps);
+        }
+        if let Some(clip) = self.clip_qkv {
+            for x in [&mut *q, &mut *k, &mut *v] {
+                x.iter_mut().for_each(|x| *x = x.clamp(-clip, clip));
+            }
+        }
         let block_size = kv.layout().block_size;
         for (i, place) in step.places.iter().enumerate() {
             angles.set(place.position, &self.inv_freq);
@@ -114,6 +182,9 @@ impl Attention {
                 });
             });
         cpu::matmul_wt_in(attn, t, &self.o_proj, out, tiled);
+        if let Some(ob) = &self.o_bias {
+            cpu::add_bias(out, ob);
+        }
     }
 
     /// The query heads of KV head `kvh` of one token against its visible keys; `scratch` holds

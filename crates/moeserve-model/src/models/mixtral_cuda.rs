@@ -1,4 +1,4 @@
-//! [`MixtralModel`]'s forward on one CUDA device (feature `cuda`): the layer order of
+//! [`MoeModel`]'s forward on one CUDA device (feature `cuda`): the layer order of
 //! `mixtral.rs` on the kernels of `cuda/` and cuBLAS (`moeserve_backend::cuda`):
 //! embedding → per layer (RMSNorm + residual → q/k/v GEMMs → RoPE → KV write → paged attention
 //! → o GEMM → RMSNorm + residual → router GEMM → top-k → permute → grouped `w1 | w3` GEMM →
@@ -32,9 +32,9 @@ use moeserve_backend::device::CudaDeviceInfo;
 use moeserve_backend::{BackendError, cpu};
 use moeserve_core::{DType, ExpertId};
 
-use super::mixtral::{ForwardOptions, MixtralModel};
+use super::decoder::{ForwardOptions, MoeModel};
 use crate::batch::{BatchLimits, ForwardBatch};
-use crate::config::MixtralConfig;
+use crate::config::ModelConfig;
 use crate::kv_cache::KvCacheLayout;
 use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RouterConfig, route};
@@ -44,7 +44,7 @@ use host_step::{HostRouting, StepInputs, dropless_routing, step_inputs};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource, host_values, stacked_w13};
 
 /// A Mixtral model and its KV cache on one CUDA device.
-pub struct CudaMixtral {
+pub struct CudaMoeModel {
     info: CudaDeviceInfo,
     dtype: DType,
     model: Typed,
@@ -57,21 +57,37 @@ enum Typed {
     BF16(DeviceModel<bf16>),
 }
 
-impl CudaMixtral {
+/// The CUDA forward implements the Mixtral shape only so far (no attention options, dense
+/// layers or shared experts): anything else is refused here, by name, not computed wrongly.
+fn check_mixtral_shaped(c: &ModelConfig) -> Result<()> {
+    if c.is_mixtral_shaped() {
+        return Ok(());
+    }
+    Err(ModelError::InvalidInput {
+        message: format!(
+            "the CUDA backend runs Mixtral-shaped models only so far; {} needs its attention \
+             options, dense layers or shared experts (run it with --device cpu)",
+            c.architecture
+        ),
+    })
+}
+
+impl CudaMoeModel {
     /// Opens device `ordinal`, compiles the kernels, uploads `model`'s weights and allocates a
     /// KV cache of `layout` on it.
-    pub fn new(model: &MixtralModel, layout: KvCacheLayout, ordinal: usize) -> Result<Self> {
+    pub fn new(model: &MoeModel, layout: KvCacheLayout, ordinal: usize) -> Result<Self> {
         Self::with_dtype(model, layout, ordinal, model.embed_tokens.dtype())
     }
 
-    /// As [`CudaMixtral::new`], with weights, activations and KV cache in `dtype` whatever the
+    /// As [`CudaMoeModel::new`], with weights, activations and KV cache in `dtype` whatever the
     /// checkpoint's (the GPU test runs the f32 fixtures in bf16 this way).
     pub fn with_dtype(
-        model: &MixtralModel,
+        model: &MoeModel,
         layout: KvCacheLayout,
         ordinal: usize,
         dtype: DType,
     ) -> Result<Self> {
+        check_mixtral_shaped(model.config())?;
         let gpu = CudaBackend::new(ordinal).map_err(backend)?;
         gpu.load_all_kernels().map_err(backend)?;
         let info = gpu.info().clone();
@@ -81,17 +97,18 @@ impl CudaMixtral {
             DType::F16 => Typed::F16(DeviceModel::build(gpu, c, layout, &mut host)?),
             DType::BF16 => Typed::BF16(DeviceModel::build(gpu, c, layout, &mut host)?),
         };
-        Ok(CudaMixtral { info, dtype, model })
+        Ok(CudaMoeModel { info, dtype, model })
     }
 
     /// A model of `config` with seeded random bf16 weights generated on the device (for the GPU
     /// benchmark: no checkpoint and no host copy, so a full Mixtral-8x7B fits one H200).
     pub fn synthetic(
-        config: MixtralConfig,
+        config: ModelConfig,
         layout: KvCacheLayout,
         ordinal: usize,
         seed: u64,
     ) -> Result<Self> {
+        check_mixtral_shaped(&config)?;
         let gpu = CudaBackend::new(ordinal).map_err(backend)?;
         gpu.load_all_kernels().map_err(backend)?;
         let info = gpu.info().clone();
@@ -100,7 +117,7 @@ impl CudaMixtral {
             seed,
         };
         let model = DeviceModel::build(gpu, config, layout, &mut random)?;
-        Ok(CudaMixtral {
+        Ok(CudaMoeModel {
             info,
             dtype: DType::BF16,
             model: Typed::BF16(model),
@@ -116,7 +133,7 @@ impl CudaMixtral {
         self.dtype
     }
 
-    /// As [`MixtralModel::forward`], with the KV cache on the device: writes the step tokens'
+    /// As [`MoeModel::forward`], with the KV cache on the device: writes the step tokens'
     /// keys and values and returns f32 logits (`[num_sequences or num_tokens, vocab]`).
     pub fn forward(
         &mut self,
@@ -156,7 +173,7 @@ struct DeviceLayer<T> {
 
 struct DeviceModel<T> {
     gpu: CudaBackend,
-    config: MixtralConfig,
+    config: ModelConfig,
     layout: KvCacheLayout,
     embed: CudaSlice<T>,
     layers: Vec<DeviceLayer<T>>,
@@ -171,7 +188,7 @@ impl<T: CudaElement> DeviceModel<T> {
     /// The model of `config` with its weights from `source` and a KV cache of `layout`.
     fn build(
         gpu: CudaBackend,
-        config: MixtralConfig,
+        config: ModelConfig,
         layout: KvCacheLayout,
         source: &mut dyn WeightSource<T>,
     ) -> Result<Self> {
@@ -499,6 +516,7 @@ impl<T: CudaElement> DeviceModel<T> {
                 let config = RouterConfig {
                     top_k: k,
                     capacity: wants.capacity,
+                    renormalize: true,
                 };
                 let routed = route(&logits, e, &config);
                 let host = match self.experts.as_ref().filter(|_| wants.expert_parallel) {
@@ -652,7 +670,7 @@ enum Observed {
 /// stream) and where it routes.
 #[derive(Clone, Copy)]
 struct StepMode {
-    /// Layer outputs and router logits, for a [`super::mixtral::ForwardTrace`].
+    /// Layer outputs and router logits, for a [`super::decoder::ForwardTrace`].
     trace: bool,
     /// Each layer's routing summary, for the engine's per-expert load.
     routing: bool,

@@ -1,7 +1,10 @@
-//! Model families; one file each, plus the buffers a forward reuses (`workspace.rs`) and the CUDA forward of Mixtral (`mixtral_cuda.rs`, feature
-//! `cuda`; a stub of the same name without it, so callers have no `cfg`).
+//! The decoder every family runs (`decoder.rs`: one definition, its per-layer options from the
+//! family's [`ModelConfig`](crate::config::ModelConfig)), the buffers a forward reuses
+//! (`workspace.rs`), and the CUDA forward (`mixtral_cuda.rs`, feature `cuda`, so far for
+//! Mixtral-shaped configs only; a stub of the same name without the feature, so callers have no
+//! `cfg`).
 
-pub mod mixtral;
+pub mod decoder;
 #[cfg(feature = "cuda")]
 mod mixtral_cuda;
 #[cfg(not(feature = "cuda"))]
@@ -9,6 +12,6 @@ mod mixtral_cuda;
 mod mixtral_cuda;
 pub(crate) mod workspace;
 
-pub use mixtral::{ForwardOptions, ForwardTrace, LogitsFor, MixtralModel};
-pub use mixtral_cuda::CudaMixtral;
+pub use decoder::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
+pub use mixtral_cuda::CudaMoeModel;
 pub use workspace::ForwardWorkspace;

@@ -12,7 +12,7 @@ use moeserve_core::ConfigError;
 /// Lives in core so `MoeConfig` can name it; re-exported here with the capacity it applies to.
 pub use moeserve_core::OverflowPolicy;
 
-use super::router::{Ranking, RoutedPair, RoutedStep, RoutingCounts};
+use super::router::{Ranking, RoutedPair, RoutedStep, RouterConfig, RoutingCounts};
 
 /// The per-expert limit of one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -72,9 +72,10 @@ pub fn expert_capacity(num_tokens: usize, top_k: usize, num_experts: usize, alph
 
 /// Assigns slots in token order, and within a token in rank order: fills the pairs, token
 /// offsets, counts, loads, capacity and passes of `out` (its buffers are reused).
-pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity, out: &mut RoutedStep) {
+pub(crate) fn assign(ranking: &Ranking, config: &RouterConfig, out: &mut RoutedStep) {
     let (num_tokens, num_experts) = (ranking.num_tokens(), ranking.num_experts());
-    let (limit, policy) = match *capacity {
+    let top_k = config.top_k;
+    let (limit, policy) = match config.capacity {
         Capacity::Dropless => (None, None),
         Capacity::Factor { alpha, overflow } => (
             Some(expert_capacity(num_tokens, top_k, num_experts, alpha)),
@@ -140,9 +141,12 @@ pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity, out: 
         if kept.is_empty() {
             out.counts.dropped_tokens += 1;
         }
-        // Same summation order as `route_top_k`, so unconstrained tokens get identical weights.
-        let sum: f32 = kept.iter().map(|p| p.weight).sum();
-        kept.iter_mut().for_each(|p| p.weight /= sum);
+        if config.renormalize {
+            // Same summation order as `route_top_k`, so unconstrained tokens get identical
+            // weights.
+            let sum: f32 = kept.iter().map(|p| p.weight).sum();
+            kept.iter_mut().for_each(|p| p.weight /= sum);
+        }
         out.token_offsets.push(out.pairs.len());
     }
 }
@@ -150,12 +154,13 @@ pub(crate) fn assign(ranking: &Ranking, top_k: usize, capacity: &Capacity, out: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe::router::{RoutedStep, RouterConfig, route};
+    use crate::moe::router::{RoutedStep, route};
 
     fn config(alpha: f32, overflow: OverflowPolicy, top_k: usize) -> RouterConfig {
         RouterConfig {
             top_k,
             capacity: Capacity::Factor { alpha, overflow },
+            renormalize: true,
         }
     }
 

@@ -157,7 +157,15 @@ mod tests {
     /// Three tokens, hidden 1 (x = token index + 1); every token ranks 0 > 1 > 2.
     fn step(capacity: Capacity) -> (RoutedStep, Vec<f32>) {
         let logits = [2.0, 1.0, 0.0].repeat(3);
-        let routed = route(&logits, 3, &RouterConfig { top_k: 2, capacity });
+        let routed = route(
+            &logits,
+            3,
+            &RouterConfig {
+                top_k: 2,
+                capacity,
+                renormalize: true,
+            },
+        );
         (routed, vec![1.0, 2.0, 3.0])
     }
 

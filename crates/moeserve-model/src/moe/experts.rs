@@ -3,7 +3,9 @@
 //! each routed expert's weights are read once per step, whatever the number of its tokens.
 //!
 //! HF `MixtralBlockSparseTop2MLP`: `w2(act_fn(w1(x)) * w3(x))`, outputs weighted by the router
-//! and summed per token in expert order (`index_add_`). Routing (`router.rs`, with an optional
+//! and summed per token in expert order (`index_add_`). A shared expert (Qwen2-MoE) goes through
+//! every token beside the routed ones, scaled by `sigmoid(shared_expert_gate · x)`, and is added
+//! after them (`routed + shared`, as HF sums them); it is never capacity-limited. Routing (`router.rs`, with an optional
 //! capacity) decides the pairs; `dispatch.rs` groups them and combines the outputs; with
 //! expert parallelism (`arena.rs`) the groups run on the devices holding their slots.
 
@@ -16,7 +18,7 @@ use super::parallel::{DeviceOutput, compute_segments_into};
 use super::record::LayerRouting;
 use super::router::{Ranking, RoutedStep, RouterConfig, route_into};
 use crate::checkpoint::Checkpoint;
-use crate::config::MixtralConfig;
+use crate::config::{ModelConfig, SharedExpertConfig};
 use crate::models::workspace::zeroed;
 use crate::{ModelError, Result};
 
@@ -31,13 +33,22 @@ pub struct Expert {
     pub w3: Weight,
 }
 
+/// A shared expert and its optional scalar gate (`[1, hidden]`).
+pub struct SharedExpert {
+    pub mlp: Expert,
+    pub gate: Option<Weight>,
+}
+
 /// Router plus experts of one layer.
 pub struct SparseMoe {
     /// `[num_experts, hidden]`
     pub gate: Weight,
     pub experts: Vec<Expert>,
     pub top_k: usize,
-    /// `[num_experts]`, added to the router logits (see `MixtralModel::add_router_bias`).
+    /// Whether the top-k weights are renormalised to sum to 1 (`norm_topk_prob`).
+    pub renormalize: bool,
+    pub shared: Option<SharedExpert>,
+    /// `[num_experts]`, added to the router logits (see `MoeModel::add_router_bias`).
     pub router_bias: Option<Vec<f32>>,
 }
 
@@ -49,7 +60,17 @@ pub struct MoeWorkspace {
     routed: RoutedStep,
     dispatch: Dispatch,
     outputs: Vec<DeviceOutput>,
-    grouped: cpu::GroupedScratch,
+    pub(crate) grouped: cpu::GroupedScratch,
+    shared: SharedScratch,
+}
+
+/// The shared expert's outputs and gate logits, `[num_tokens, hidden]` and `[num_tokens]`, and
+/// the gate product's tiled activations.
+#[derive(Default)]
+struct SharedScratch {
+    out: Vec<f32>,
+    gate: Vec<f32>,
+    tiled: Vec<f32>,
 }
 
 /// One MoE layer's input for one step.
@@ -65,23 +86,18 @@ pub struct MoeLayerStep<'a> {
 }
 
 impl SparseMoe {
-    /// Loads `{prefix}.gate.weight` and `{prefix}.experts.{e}.w{1,2,3}.weight`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &MixtralConfig) -> Result<Self> {
-        let (h, i, n) = (
-            config.hidden_size,
-            config.intermediate_size,
-            config.num_local_experts,
-        );
-        let experts = (0..n)
-            .map(|e| {
-                let p = format!("{prefix}.experts.{e}");
-                Ok(Expert {
-                    w1: ckpt.weight(&format!("{p}.w1.weight"), &[i, h])?,
-                    w2: ckpt.weight(&format!("{p}.w2.weight"), &[h, i])?,
-                    w3: ckpt.weight(&format!("{p}.w3.weight"), &[i, h])?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+    /// Loads `{prefix}.gate.weight` and the experts, per expert
+    /// (`{prefix}.experts.{e}.{gate,up,down}` under the family's names) or fused
+    /// (`{prefix}.experts.gate_up_proj [E, 2I, H]`, `{prefix}.experts.down_proj [E, H, I]`, as
+    /// transformers ≥ 5 writes them), and the shared expert the config declares.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result<Self> {
+        let n = config.num_local_experts;
+        let h = config.hidden_size;
+        let experts = load_experts(ckpt, &format!("{prefix}.experts"), config)?;
+        let shared = config
+            .shared_expert
+            .map(|s| SharedExpert::load(ckpt, prefix, config, s))
+            .transpose()?;
         Ok(SparseMoe {
             // The router stays as stored under --quantization: expert choice is sensitive and
             // the matrix is tiny (llama.cpp keeps it unquantized too).
@@ -90,6 +106,8 @@ impl SparseMoe {
                 .exact(),
             experts,
             top_k: config.num_experts_per_tok,
+            renormalize: config.norm_topk_prob,
+            shared,
             router_bias: None,
         })
     }
@@ -145,6 +163,7 @@ impl SparseMoe {
         let config = RouterConfig {
             top_k: self.top_k,
             capacity: step.capacity,
+            renormalize: self.renormalize,
         };
         let routed = &mut ws.routed;
         route_into(
@@ -170,6 +189,9 @@ impl SparseMoe {
             }
         }
         dispatch.combine(routed, &ws.outputs, out);
+        if let Some(shared) = &self.shared {
+            shared.add_to(step.x, hidden, (&mut ws.shared, &mut ws.grouped), out);
+        }
         if let Some(summary) = summary {
             summary.set_routed(routed, &step.capacity);
             summary.device_seconds.clear();
@@ -184,8 +206,128 @@ impl SparseMoe {
     }
 }
 
+/// The routed experts of `{prefix}` (`…mlp.experts`), per expert or fused.
+fn load_experts(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result<Vec<Expert>> {
+    let (h, i, n) = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_local_experts,
+    );
+    let [gate, up, down] = config.names.expert_proj;
+    let gate_up = format!("{prefix}.gate_up_proj");
+    if ckpt.contains(&gate_up) {
+        // One [E, 2I, H] tensor (gate rows, then up rows, per expert) and one [E, H, I]: each
+        // expert's matrices are contiguous runs of them, viewed without a copy.
+        let down_name = format!("{prefix}.down_proj");
+        return (0..n)
+            .map(|e| {
+                let int8 = |proj: &str| format!("{prefix}.{e}.{proj}");
+                Ok(Expert {
+                    w1: ckpt.weight_part(&gate_up, &[n, 2 * i, h], 2 * e, &[i, h], &int8(gate))?,
+                    w3: ckpt.weight_part(
+                        &gate_up,
+                        &[n, 2 * i, h],
+                        2 * e + 1,
+                        &[i, h],
+                        &int8(up),
+                    )?,
+                    w2: ckpt.weight_part(&down_name, &[n, h, i], e, &[h, i], &int8(down))?,
+                })
+            })
+            .collect();
+    }
+    (0..n)
+        .map(|e| {
+            let p = format!("{prefix}.{e}");
+            Ok(Expert {
+                w1: ckpt.weight(&format!("{p}.{gate}.weight"), &[i, h])?,
+                w2: ckpt.weight(&format!("{p}.{down}.weight"), &[h, i])?,
+                w3: ckpt.weight(&format!("{p}.{up}.weight"), &[i, h])?,
+            })
+        })
+        .collect()
+}
+
+impl SharedExpert {
+    /// `{prefix}.shared_expert.{gate,up,down}_proj.weight` and `{prefix}.shared_expert_gate.weight`.
+    fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        config: &ModelConfig,
+        shared: SharedExpertConfig,
+    ) -> Result<Self> {
+        let h = config.hidden_size;
+        let mlp = Expert::load_mlp(
+            ckpt,
+            &format!("{prefix}.shared_expert"),
+            h,
+            shared.intermediate_size,
+        )?;
+        let gate = shared
+            .gated
+            .then(|| ckpt.weight(&format!("{prefix}.shared_expert_gate.weight"), &[1, h]))
+            .transpose()?
+            .map(Weight::exact);
+        Ok(SharedExpert { mlp, gate })
+    }
+
+    /// `out += sigmoid(x · gate) · mlp(x)` for every token of `x: [num_tokens, hidden]`.
+    fn add_to(
+        &self,
+        x: &[f32],
+        hidden: usize,
+        (ws, grouped): (&mut SharedScratch, &mut cpu::GroupedScratch),
+        out: &mut [f32],
+    ) {
+        let t = x.len() / hidden;
+        zeroed(&mut ws.out, t * hidden);
+        cpu::grouped_swiglu_in(x, &[self.mlp.rows(t)][..], &mut ws.out, grouped);
+        match &self.gate {
+            Some(gate) => {
+                zeroed(&mut ws.gate, t);
+                cpu::matmul_wt_in(x, t, gate, &mut ws.gate, &mut ws.tiled);
+                let rows = out
+                    .chunks_exact_mut(hidden)
+                    .zip(ws.out.chunks_exact(hidden));
+                for ((o, s), g) in rows.zip(&ws.gate) {
+                    let scale = 1.0 / (1.0 + (-g).exp());
+                    o.iter_mut().zip(s).for_each(|(o, s)| *o += scale * s);
+                }
+            }
+            None => cpu::add_assign(out, &ws.out),
+        }
+    }
+}
+
 impl Expert {
+    /// A SwiGLU MLP `{prefix}.{gate,up,down}_proj.weight` of width `intermediate` (a dense
+    /// layer's MLP, a shared expert).
+    pub fn load_mlp(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<Self> {
+        let (h, i) = (hidden, intermediate);
+        Ok(Expert {
+            w1: ckpt.weight(&format!("{prefix}.gate_proj.weight"), &[i, h])?,
+            w2: ckpt.weight(&format!("{prefix}.down_proj.weight"), &[h, i])?,
+            w3: ckpt.weight(&format!("{prefix}.up_proj.weight"), &[i, h])?,
+        })
+    }
+
     /// SwiGLU of `x: [n, hidden]` into `out: [n, hidden]`, each weight read once for all rows.
+    pub fn forward_in(
+        &self,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        scratch: &mut cpu::GroupedScratch,
+    ) {
+        cpu::grouped_swiglu_in(x, &[self.rows(n)][..], out, scratch);
+    }
+
+    /// [`Expert::forward_in`] in this thread's buffers.
     #[cfg(test)]
     pub(crate) fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
         cpu::grouped_swiglu(x, &[self.rows(n)][..], out);
@@ -276,6 +418,8 @@ pub(crate) mod tests {
                 })
                 .collect(),
             top_k,
+            renormalize: true,
+            shared: None,
             router_bias: None,
         }
     }

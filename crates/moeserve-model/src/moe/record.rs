@@ -172,7 +172,11 @@ mod tests {
         let capacity = Capacity::Factor { alpha, overflow };
         // Four tokens ranking 0 > 1 > 2 > 3; C = ceil(4·2/4·α).
         let logits = [3.0, 2.0, 1.0, 0.0].repeat(4);
-        let config = RouterConfig { top_k: 2, capacity };
+        let config = RouterConfig {
+            top_k: 2,
+            capacity,
+            renormalize: true,
+        };
         (route(&logits, 4, &config), capacity)
     }
 

@@ -58,6 +58,9 @@ pub struct RouterConfig {
     /// Experts per token (`num_experts_per_tok`).
     pub top_k: usize,
     pub capacity: Capacity,
+    /// Whether the kept pairs' weights are renormalised to sum to 1 per token (Mixtral,
+    /// `norm_topk_prob`); else they stay the softmax probabilities over all experts.
+    pub renormalize: bool,
 }
 
 impl RouterConfig {
@@ -66,6 +69,7 @@ impl RouterConfig {
         RouterConfig {
             top_k,
             capacity: Capacity::Dropless,
+            renormalize: true,
         }
     }
 
@@ -196,7 +200,7 @@ pub(crate) fn route_into(
     out.chosen_experts.clear();
     out.chosen_experts
         .extend((0..ranking.num_tokens()).flat_map(|t| ranking.order(t)[..top_k].iter().copied()));
-    capacity::assign(ranking, top_k, &config.capacity, out);
+    capacity::assign(ranking, config, out);
 }
 
 /// Softmax probabilities and the experts in descending probability of every token.
@@ -274,6 +278,7 @@ mod tests {
         RouterConfig {
             top_k,
             capacity: Capacity::Factor { alpha, overflow },
+            renormalize: true,
         }
     }
 

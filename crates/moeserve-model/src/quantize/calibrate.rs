@@ -4,15 +4,28 @@
 //! Matrices that read the same input share one Hessian: q, k and v a layer's normed hidden
 //! state; an expert's w1 and w3 the rows routed to it (its own tokens only, so a rarely chosen
 //! expert gets few); w2 the expert's SwiGLU output for those rows, recomputed here from w1 and
-//! w3; lm_head the final normed hidden state of every position.
+//! w3; a dense layer's MLP and a shared expert likewise, over every token; lm_head the final
+//! normed hidden state of every position.
 
 use std::ops::Range;
 
 use moeserve_backend::cpu;
 
 use super::gptq::{f32_matrix, transposed};
-use crate::moe::SparseMoe;
 use crate::moe::router::route_top_k;
+use crate::moe::{Expert, SparseMoe};
+
+/// An MLP's intermediate width and its down projection's input `silu(w1 x) · w3 x` for the rows
+/// of `x: [m, hidden]`.
+fn swiglu_inputs(mlp: &Expert, x: &[f32], hidden: usize) -> (usize, Vec<f32>) {
+    let m = x.len() / hidden;
+    let inter = mlp.w1.shape()[0];
+    let (mut gate, mut up) = (vec![0.0f32; m * inter], vec![0.0f32; m * inter]);
+    cpu::matmul_wt(x, m, &mlp.w1, &mut gate);
+    cpu::matmul_wt(x, m, &mlp.w3, &mut up);
+    cpu::silu_mul(&mut gate, &up);
+    (inter, gate)
+}
 
 /// `Σ x xᵀ` over the rows seen so far, `[k, k]`; allocated on first use.
 #[derive(Debug, Default)]
@@ -52,6 +65,9 @@ pub struct LayerHessians {
     pub expert_in: Vec<Hessian>,
     /// Per expert: input of w2.
     pub expert_hidden: Vec<Hessian>,
+    /// The dense MLP's or the shared expert's gate/up input and down input.
+    pub mlp_in: Hessian,
+    pub mlp_hidden: Hessian,
 }
 
 /// The Hessians of the layers in `layers` (and of lm_head when `lm_head` is set), filled by
@@ -111,6 +127,16 @@ impl Hessians {
         }
     }
 
+    /// Records a dense layer's MLP inputs (every token).
+    pub(crate) fn dense_input(&mut self, layer: usize, mlp: &Expert, x: &[f32]) {
+        let h = self.hidden;
+        if let Some(hs) = self.layer(layer) {
+            let (inp, hidden) = swiglu_inputs(mlp, x, h);
+            hs.mlp_in.add(x, h);
+            hs.mlp_hidden.add(&hidden, inp);
+        }
+    }
+
     /// Routes `x`'s rows as the block does (top-k of the router logits, no capacity limit),
     /// then records each expert's rows and its SwiGLU output for them.
     pub(crate) fn moe_input(&mut self, layer: usize, block: &SparseMoe, x: &[f32], logits: &[f32]) {
@@ -127,18 +153,16 @@ impl Hessians {
             routed[*e as usize].extend_from_slice(&x[t * h..(t + 1) * h]);
         }
         for ((e, expert), rows) in block.experts.iter().enumerate().zip(routed) {
-            let m = rows.len() / h;
-            if m == 0 {
+            if rows.is_empty() {
                 continue;
             }
-            let inter = expert.w1.shape()[0];
-            let (mut gate, mut up) = (vec![0.0f32; m * inter], vec![0.0f32; m * inter]);
-            cpu::matmul_wt(&rows, m, &expert.w1, &mut gate);
-            cpu::matmul_wt(&rows, m, &expert.w3, &mut up);
-            cpu::silu_mul(&mut gate, &up);
+            let (inter, gate) = swiglu_inputs(expert, &rows, h);
             let hs = &mut self.layers[layer - self.range.start];
             hs.expert_in[e].add(&rows, h);
             hs.expert_hidden[e].add(&gate, inter);
+        }
+        if let Some(shared) = &block.shared {
+            self.dense_input(layer, &shared.mlp, x);
         }
     }
 

@@ -40,9 +40,11 @@ pub use gptq::{Fallback, GptqOptions, gptq_int8};
 use crate::batch::{ForwardBatch, SequenceSlice};
 use crate::generation_config::GenerationConfig;
 use crate::kv_cache::PagedKvCache;
-use crate::models::MixtralModel;
-use crate::models::mixtral::{ForwardOptions, LogitsFor};
+use crate::models::MoeModel;
+use crate::models::decoder::FeedForward;
+use crate::models::decoder::{ForwardOptions, LogitsFor};
 use crate::models::workspace::ForwardWorkspace;
+use crate::moe::Expert;
 use crate::{ModelError, Result};
 
 /// `quantization_config.quant_method` of a checkpoint this module wrote.
@@ -118,7 +120,7 @@ pub fn quantize_checkpoint(
             "the output directory is the model directory",
         ));
     }
-    let model = MixtralModel::load_as_stored(src)?;
+    let model = MoeModel::load_as_stored(src)?;
     let generation = GenerationConfig::from_dir(src)?;
     let bos = generation.bos_token_id.unwrap_or(0);
     let mut report = QuantizeReport::default();
@@ -181,12 +183,17 @@ pub fn int8_file(i: usize, n: usize) -> String {
 
 /// Consecutive layers whose Hessians (with lm_head's in the last group) fit in `budget` bytes
 /// together; a layer larger than the budget is a group of its own.
-fn layer_groups(model: &MixtralModel, budget: u64) -> Vec<Range<usize>> {
+fn layer_groups(model: &MoeModel, budget: u64) -> Vec<Range<usize>> {
     let c = model.config();
     let square = |k: usize| 4 * (k * k) as u64;
     let per_layer = square(c.hidden_size)
         + square(c.num_attention_heads * c.head_dim)
-        + c.num_local_experts as u64 * (square(c.hidden_size) + square(c.intermediate_size));
+        + c.num_local_experts as u64 * (square(c.hidden_size) + square(c.moe_intermediate_size))
+        + square(c.hidden_size)
+        + square(
+            c.intermediate_size
+                .max(c.shared_expert.map_or(0, |s| s.intermediate_size)),
+        );
     let mut groups: Vec<Range<usize>> = Vec::new();
     let mut bytes = 0u64;
     for l in 0..c.num_hidden_layers {
@@ -236,7 +243,7 @@ fn quantize_one(job: &Job<'_>, opts: GptqOptions) -> (Int8Rows, Option<String>) 
 
 /// The matrices `--quantization int8` quantizes (routers stay as stored) in the layers
 /// `hessians` recorded, and lm_head with `lm_head`, each with its Hessian.
-fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians, lm_head: bool) -> Vec<Job<'a>> {
+fn jobs<'a>(model: &'a MoeModel, hessians: &'a Hessians, lm_head: bool) -> Vec<Job<'a>> {
     let mut jobs = Vec::new();
     let first = hessians.first_layer();
     let layers = model.layers.iter().enumerate().skip(first);
@@ -255,19 +262,38 @@ fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians, lm_head: bool) -> V
                 hessian,
             });
         }
-        let experts = &layer.block_sparse_moe.experts;
-        for (e, expert) in experts.iter().enumerate() {
+        let c = model.config();
+        let mut mlp = |prefix: &str, mlp: &'a Expert, names: [&str; 3], inp, hidden| {
+            let [gate, up, down] = names;
             for (name, weight, hessian) in [
-                ("w1", &expert.w1, &hs.expert_in[e]),
-                ("w2", &expert.w2, &hs.expert_hidden[e]),
-                ("w3", &expert.w3, &hs.expert_in[e]),
+                (gate, &mlp.w1, inp),
+                (down, &mlp.w2, hidden),
+                (up, &mlp.w3, inp),
             ] {
-                let prefix = format!("model.layers.{l}.block_sparse_moe.experts.{e}.{name}");
                 jobs.push(Job {
-                    prefix,
+                    prefix: format!("{prefix}.{name}"),
                     weight,
                     hessian,
                 });
+            }
+        };
+        const MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+        let block = format!("model.layers.{l}.{}", c.names.moe_block);
+        match &layer.mlp {
+            FeedForward::Sparse { moe, .. } => {
+                for (e, expert) in moe.experts.iter().enumerate() {
+                    let (inp, hidden) = (&hs.expert_in[e], &hs.expert_hidden[e]);
+                    let prefix = format!("{block}.experts.{e}");
+                    mlp(&prefix, expert, c.names.expert_proj, inp, hidden);
+                }
+                if let Some(shared) = &moe.shared {
+                    let prefix = format!("{block}.shared_expert");
+                    mlp(&prefix, &shared.mlp, MLP, &hs.mlp_in, &hs.mlp_hidden);
+                }
+            }
+            FeedForward::Dense(dense) => {
+                let prefix = format!("model.layers.{l}.mlp");
+                mlp(&prefix, dense, MLP, &hs.mlp_in, &hs.mlp_hidden);
             }
         }
     }
@@ -285,7 +311,7 @@ fn jobs<'a>(model: &'a MixtralModel, hessians: &'a Hessians, lm_head: bool) -> V
 /// model's distribution at temperature 1 with end-of-sequence tokens masked (as transformers'
 /// `min_new_tokens`), all sequences decoded together.
 fn sample_sequences(
-    model: &MixtralModel,
+    model: &MoeModel,
     opts: &QuantizeOptions,
     bos: u32,
     eos: &[u32],
@@ -352,7 +378,7 @@ fn draw(probs: &[f32], rng: &mut ChaCha8Rng) -> u32 {
 
 /// Runs the sequences through the model a few at a time (whole-sequence prefills), recording
 /// every matrix's inputs.
-fn calibrate(model: &MixtralModel, sequences: &[Vec<u32>], hessians: &mut Hessians) -> Result<()> {
+fn calibrate(model: &MoeModel, sequences: &[Vec<u32>], hessians: &mut Hessians) -> Result<()> {
     const BLOCK: usize = 16;
     const TOKENS_PER_PASS: usize = 1024;
     let len = sequences.iter().map(Vec::len).max().unwrap_or(0);

@@ -15,7 +15,7 @@ use clap::Args;
 use moeserve_bench::planner::{KvMemory, PlanRequest, plan};
 use moeserve_bench::report::BenchResult;
 use moeserve_bench::stats::Statistic;
-use moeserve_model::config::MixtralConfig;
+use moeserve_model::config::ModelConfig;
 use moeserve_model::kv_cache::KvCacheLayout;
 
 use super::engine_args::parse_size;
@@ -113,7 +113,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 /// Keys and values of every layer, as the engine lays them out.
 fn kv_bytes_per_token(dir: &std::path::Path) -> anyhow::Result<u64> {
     let config =
-        MixtralConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+        ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
     let layout = KvCacheLayout {
         num_layers: config.num_hidden_layers,
         num_blocks: 0,

@@ -26,7 +26,7 @@ use moeserve_engine::moe::MoeRequestCounts;
 use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::placement::{RoutingTraceReader, RoutingTraceRecord};
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
-use moeserve_model::config::MixtralConfig;
+use moeserve_model::config::ModelConfig;
 use serde::Serialize;
 
 use self::quality::Quality;
@@ -130,7 +130,7 @@ fn capacity_factor(args: CapacityFactorArgs) -> anyhow::Result<()> {
             "--alphas: {alpha} is not a positive number"
         );
     }
-    let config = MixtralConfig::from_dir(&args.model)
+    let config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("reading {}", args.model.display()))?;
     let (source, rows) = match (&args.trace, &args.prompts) {
         (Some(trace), _) => {

@@ -1,4 +1,4 @@
-//! Expert parallelism of [`super::CudaMixtral`] over GPUs `0..N` of one process
+//! Expert parallelism of [`super::CudaMoeModel`] over GPUs `0..N` of one process
 //! (`--expert-parallel-size N`): GPU 0 runs everything but the experts (attention, router, the
 //! KV cache, lm_head) and its share of the experts; every GPU holds the experts the engine's
 //! placement puts on it (one copy per expert however many of its slots replicate it).

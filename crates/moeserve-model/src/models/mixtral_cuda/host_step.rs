@@ -204,6 +204,7 @@ mod tests {
                     alpha: 1.0,
                     overflow,
                 },
+                renormalize: true,
             };
             let routed = route(&logits, 6, &config);
             let h = HostRouting::new(&routed, 6);

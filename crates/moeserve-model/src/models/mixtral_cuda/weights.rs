@@ -7,8 +7,8 @@ use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_backend::{Weight, WeightData};
 use rayon::prelude::*;
 
-use super::super::mixtral::MixtralModel;
-use crate::config::MixtralConfig;
+use super::super::decoder::MoeModel;
+use crate::config::ModelConfig;
 use crate::moe::Expert;
 
 /// One tensor of the device model, by its role (layer and expert indices where it has them).
@@ -52,12 +52,18 @@ pub(super) fn stacked_w13<T: CudaElement>(expert: &Expert) -> Vec<T> {
 }
 
 /// The weights of a loaded model, uploaded.
-pub(super) struct HostWeights<'a>(pub &'a MixtralModel);
+pub(super) struct HostWeights<'a>(pub &'a MoeModel);
 
 impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
     fn tensor(&mut self, gpu: &CudaBackend, t: Tensor) -> Result<CudaSlice<T>, CudaError> {
         let m = self.0;
         let layer = |l: usize| &m.layers[l];
+        // `CudaMoeModel` takes Mixtral-shaped models only: every layer is sparse.
+        let moe = |l: usize| {
+            layer(l)
+                .moe()
+                .expect("a Mixtral-shaped model's layers are sparse")
+        };
         let w = match t {
             Tensor::Embed => &m.embed_tokens,
             Tensor::Norm => &m.norm,
@@ -68,24 +74,24 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
             Tensor::K(l) => layer(l).self_attn.weights()[1],
             Tensor::V(l) => layer(l).self_attn.weights()[2],
             Tensor::O(l) => layer(l).self_attn.weights()[3],
-            Tensor::Gate(l) => &layer(l).block_sparse_moe.gate,
-            Tensor::W2(l, e) => &layer(l).block_sparse_moe.experts[e].w2,
+            Tensor::Gate(l) => &moe(l).gate,
+            Tensor::W2(l, e) => &moe(l).experts[e].w2,
             Tensor::W13(l, e) => {
-                return gpu.upload(&stacked_w13::<T>(&layer(l).block_sparse_moe.experts[e]));
+                return gpu.upload(&stacked_w13::<T>(&moe(l).experts[e]));
             }
         };
         gpu.upload(&host_values::<T>(w))
     }
 
     fn router_bias(&self, layer: usize) -> Option<Vec<f32>> {
-        self.0.layers[layer].block_sparse_moe.router_bias.clone()
+        self.0.layers[layer].moe()?.router_bias.clone()
     }
 }
 
 /// Seeded uniform weights made on the device: `U(-a, a)` with `a = sqrt(3 / fan_in)` keeps
 /// activations of order 1 through the layers; norms are ones.
 pub(super) struct RandomWeights {
-    pub config: MixtralConfig,
+    pub config: ModelConfig,
     pub seed: u64,
 }
 

@@ -154,7 +154,11 @@ mod tests {
                     alpha,
                     overflow: OverflowPolicy::Drop,
                 };
-                let config = RouterConfig { top_k, capacity };
+                let config = RouterConfig {
+                    top_k,
+                    capacity,
+                    renormalize: true,
+                };
                 let engine = route(&logits, num_experts, &config).counts;
                 let replayed = replay(&trace, num_experts, alpha, OverflowPolicy::Drop);
                 assert_eq!(replayed.pairs, engine.pairs);

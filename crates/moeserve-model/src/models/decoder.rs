@@ -1,5 +1,8 @@
-//! `MixtralForCausalLM`: embedding → N × (RMSNorm → attention → residual → RMSNorm → sparse
-//! MoE → residual) → RMSNorm → lm_head. Follows HF `modeling_mixtral.py`; every activation is
+//! The decoder every family runs: embedding → N × (RMSNorm → attention → residual → RMSNorm →
+//! feed-forward → residual) → RMSNorm → lm_head, where a layer's attention variant and its
+//! feed-forward block (the sparse MoE block, with or without a shared expert, or a dense MLP)
+//! come from the family's [`ModelConfig`]. Follows HF `modeling_mixtral.py`,
+//! `modeling_qwen3_moe.py`, `modeling_qwen2_moe.py` and `modeling_olmoe.py`; every activation is
 //! f32, weights stay in their stored dtype and are widened inside the kernels.
 
 use std::path::Path;
@@ -8,12 +11,12 @@ use moeserve_backend::{Weight, cpu};
 
 use crate::batch::{BatchLimits, ForwardBatch};
 use crate::checkpoint::Checkpoint;
-use crate::config::MixtralConfig;
+use crate::config::ModelConfig;
 use crate::kv_cache::{KvCacheLayout, PagedKvCache};
 use crate::layers::attention::{Attention, AttentionStep};
 use crate::models::workspace::{ForwardWorkspace, zeroed};
 use crate::moe::experts::check_router_bias;
-use crate::moe::{MoeLayerStep, MoeOptions, SparseMoe};
+use crate::moe::{Expert, MoeLayerStep, MoeOptions, SparseMoe};
 use crate::quantize::Hessians;
 use crate::{ModelError, Result};
 
@@ -21,17 +24,54 @@ pub(crate) struct DecoderLayer {
     pub(crate) input_layernorm: Weight,
     pub(crate) self_attn: Attention,
     pub(crate) post_attention_layernorm: Weight,
-    pub(crate) block_sparse_moe: SparseMoe,
+    pub(crate) mlp: FeedForward,
 }
 
-/// A loaded Mixtral model; immutable, shared by all steps.
-pub struct MixtralModel {
-    config: MixtralConfig,
+/// A decoder layer's feed-forward block.
+pub(crate) enum FeedForward {
+    /// The sparse MoE block; `moe_layer` is its index among the model's sparse layers (what
+    /// expert placement, load tracking and the routing record count).
+    Sparse { moe: SparseMoe, moe_layer: usize },
+    /// A dense SwiGLU MLP (`mlp_only_layers`, `decoder_sparse_step`).
+    Dense(Expert),
+}
+
+impl DecoderLayer {
+    pub(crate) fn moe(&self) -> Option<&SparseMoe> {
+        match &self.mlp {
+            FeedForward::Sparse { moe, .. } => Some(moe),
+            FeedForward::Dense(_) => None,
+        }
+    }
+}
+
+/// A loaded model of any family; immutable, shared by all steps.
+pub struct MoeModel {
+    config: ModelConfig,
     pub(crate) embed_tokens: Weight,
     pub(crate) layers: Vec<DecoderLayer>,
     pub(crate) norm: Weight,
     /// `embed_tokens` again when the embeddings are tied.
     pub(crate) lm_head: Weight,
+}
+
+impl DecoderLayer {
+    /// The feed-forward matrices every token of this layer goes through: the router and the
+    /// shared expert of a sparse block, or the dense MLP.
+    fn always_read(&self) -> Vec<&Weight> {
+        match &self.mlp {
+            FeedForward::Sparse { moe, .. } => {
+                let mut all = vec![&moe.gate];
+                if let Some(shared) = &moe.shared {
+                    let e = &shared.mlp;
+                    all.extend([&e.w1, &e.w2, &e.w3]);
+                    all.extend(&shared.gate);
+                }
+                all
+            }
+            FeedForward::Dense(e) => vec![&e.w1, &e.w2, &e.w3],
+        }
+    }
 }
 
 /// Which positions get logits.
@@ -70,33 +110,34 @@ impl Default for ForwardOptions<'_> {
     }
 }
 
-impl MixtralModel {
-    /// Loads `dir/config.json` and the safetensors weights of `dir`, and puts the matrices into
-    /// the CPU kernels' layout ([`MixtralModel::prepare_kernels`]).
+impl MoeModel {
+    /// Loads `dir/config.json` (its `architectures` picks the family) and the safetensors
+    /// weights of `dir`, and puts the matrices into the CPU kernels' layout
+    /// ([`MoeModel::prepare_kernels`]).
     pub fn load(dir: &Path) -> Result<Self> {
         let model = Self::load_unprepared(dir)?;
         model.prepare_kernels();
         Ok(model)
     }
 
-    /// As [`MixtralModel::load`] without the CPU kernels' layout: for a model that runs on a
-    /// GPU (`CudaMixtral` uploads the stored weights; packing them would only double host memory).
+    /// As [`MoeModel::load`] without the CPU kernels' layout: for a model that runs on a
+    /// GPU (`CudaMoeModel` uploads the stored weights; packing them would only double host memory).
     pub fn load_unprepared(dir: &Path) -> Result<Self> {
-        let config = MixtralConfig::from_dir(dir)?;
+        let config = ModelConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
         Self::from_checkpoint(config, &ckpt)
     }
 
-    /// As [`MixtralModel::load`], every weight as stored whatever `--quantization` says and
+    /// As [`MoeModel::load`], every weight as stored whatever `--quantization` says and
     /// without the checkpoint's int8 tensors: what `moeserve quantize` calibrates.
     pub fn load_as_stored(dir: &Path) -> Result<Self> {
-        let config = MixtralConfig::from_dir(dir)?;
+        let config = ModelConfig::from_dir(dir)?;
         let model = Self::from_checkpoint(config, &Checkpoint::open(dir)?.as_stored())?;
         model.prepare_kernels();
         Ok(model)
     }
 
-    pub fn from_checkpoint(config: MixtralConfig, ckpt: &Checkpoint) -> Result<Self> {
+    pub fn from_checkpoint(config: ModelConfig, ckpt: &Checkpoint) -> Result<Self> {
         let (h, v) = (config.hidden_size, config.vocab_size);
         let embed_tokens = ckpt.weight("model.embed_tokens.weight", &[v, h])?;
         let lm_head = if config.tie_word_embeddings {
@@ -108,24 +149,37 @@ impl MixtralModel {
         } else {
             ckpt.weight("lm_head.weight", &[v, h])?
         };
+        let mut moe_layers = 0;
         let layers = (0..config.num_hidden_layers)
             .map(|l| {
                 let p = format!("model.layers.{l}");
+                let block = format!("{p}.{}", config.names.moe_block);
+                let mlp = if config.sparse_layers[l] {
+                    let moe = SparseMoe::load(ckpt, &block, &config)?;
+                    moe_layers += 1;
+                    FeedForward::Sparse {
+                        moe,
+                        moe_layer: moe_layers - 1,
+                    }
+                } else {
+                    FeedForward::Dense(Expert::load_mlp(
+                        ckpt,
+                        &format!("{p}.mlp"),
+                        h,
+                        config.intermediate_size,
+                    )?)
+                };
                 Ok(DecoderLayer {
                     input_layernorm: ckpt.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
                     self_attn: Attention::load(ckpt, &format!("{p}.self_attn"), &config)?,
                     post_attention_layernorm: ckpt
                         .weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                    block_sparse_moe: SparseMoe::load(
-                        ckpt,
-                        &format!("{p}.block_sparse_moe"),
-                        &config,
-                    )?,
+                    mlp,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = ckpt.weight("model.norm.weight", &[h])?;
-        Ok(MixtralModel {
+        Ok(MoeModel {
             config,
             embed_tokens,
             layers,
@@ -134,7 +188,7 @@ impl MixtralModel {
         })
     }
 
-    pub fn config(&self) -> &MixtralConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -143,17 +197,26 @@ impl MixtralModel {
         self.embed_tokens.dtype()
     }
 
-    /// The MoE block of every layer, in layer order.
+    /// The MoE block of every sparse layer, in layer order (dense layers have none): MoE layer
+    /// `m` of placement, load tracking and routing records is `moe_layers()[m]`.
     pub fn moe_layers(&self) -> Vec<&SparseMoe> {
-        self.layers.iter().map(|l| &l.block_sparse_moe).collect()
+        self.layers.iter().filter_map(DecoderLayer::moe).collect()
     }
 
-    /// Adds `bias[e]` to expert `e`'s router logit in every layer, steering tokens towards
-    /// some experts (skewed-load tests of expert placement use it); replaces an earlier bias.
+    /// Number of sparse MoE layers.
+    pub fn num_moe_layers(&self) -> usize {
+        self.config.num_moe_layers()
+    }
+
+    /// Adds `bias[e]` to expert `e`'s router logit in every sparse layer, steering tokens
+    /// towards some experts (skewed-load tests of expert placement use it); replaces an
+    /// earlier bias.
     pub fn add_router_bias(&mut self, bias: &[f32]) -> Result<()> {
         check_router_bias(bias, self.config.num_local_experts)?;
         for layer in &mut self.layers {
-            layer.block_sparse_moe.router_bias = Some(bias.to_vec());
+            if let FeedForward::Sparse { moe, .. } = &mut layer.mlp {
+                moe.router_bias = Some(bias.to_vec());
+            }
         }
         Ok(())
     }
@@ -173,11 +236,28 @@ impl MixtralModel {
         let mut all = vec![&self.lm_head];
         for layer in &self.layers {
             all.extend(layer.self_attn.weights());
-            let moe = &layer.block_sparse_moe;
-            all.push(&moe.gate);
-            all.extend(moe.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]));
+            match &layer.mlp {
+                FeedForward::Sparse { moe, .. } => {
+                    all.push(&moe.gate);
+                    all.extend(moe.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]));
+                    if let Some(shared) = &moe.shared {
+                        let e = &shared.mlp;
+                        all.extend([&e.w1, &e.w2, &e.w3]);
+                        all.extend(&shared.gate);
+                    }
+                }
+                FeedForward::Dense(e) => all.extend([&e.w1, &e.w2, &e.w3]),
+            }
         }
         all
+    }
+
+    /// Matrices that stay as stored under `--quantization` (routers and shared-expert gates).
+    fn exact_matrices(&self) -> usize {
+        self.moe_layers()
+            .iter()
+            .map(|m| 1 + m.shared.as_ref().map_or(0, |s| s.gate.iter().count()))
+            .sum()
     }
 
     /// What `--quantization` makes of the matrices, for logs: `none`, `int8 (rounded at load)`
@@ -189,8 +269,7 @@ impl MixtralModel {
         }
         let matrices = self.matrices();
         let stored = matrices.iter().filter(|w| w.has_stored_int8()).count();
-        // Routers (one per layer) stay as stored.
-        let quantized = matrices.len() - self.layers.len();
+        let quantized = matrices.len() - self.exact_matrices();
         match stored {
             0 => "int8 (rounded at load)".into(),
             _ => format!(
@@ -199,23 +278,28 @@ impl MixtralModel {
         }
     }
 
-    /// Bytes (as the kernels store them) of the matrices every step reads whatever the routing: attention projections,
-    /// routers and lm_head (the embedding rows a step gathers are negligible).
+    /// Bytes (as the kernels store them) of the matrices every step reads whatever the
+    /// routing: attention projections, routers, shared experts, dense MLPs and lm_head (the
+    /// embedding rows a step gathers are negligible).
     pub fn dense_matrix_bytes(&self) -> usize {
         let per_layer: usize = self
             .layers
             .iter()
             .map(|l| {
                 let attn: usize = l.self_attn.weights().iter().map(|w| w.kernel_bytes()).sum();
-                attn + l.block_sparse_moe.gate.kernel_bytes()
+                attn + l
+                    .always_read()
+                    .iter()
+                    .map(|w| w.kernel_bytes())
+                    .sum::<usize>()
             })
             .sum();
         per_layer + self.lm_head.kernel_bytes()
     }
 
-    /// Bytes of expert `expert` of layer `layer` (its three matrices).
-    pub fn expert_bytes(&self, layer: usize, expert: usize) -> usize {
-        let e = &self.layers[layer].block_sparse_moe.experts[expert];
+    /// Bytes of expert `expert` of MoE layer `moe_layer` (its three matrices).
+    pub fn expert_bytes(&self, moe_layer: usize, expert: usize) -> usize {
+        let e = &self.moe_layers()[moe_layer].experts[expert];
         [&e.w1, &e.w2, &e.w3].iter().map(|w| w.kernel_bytes()).sum()
     }
 
@@ -225,13 +309,16 @@ impl MixtralModel {
         self.layers
             .iter()
             .map(|l| {
-                let moe = &l.block_sparse_moe;
                 let attn: usize = l.self_attn.weights().iter().map(|w| w.numel()).sum();
-                let expert: usize = moe
-                    .experts
-                    .first()
-                    .map_or(0, |e| [&e.w1, &e.w2, &e.w3].iter().map(|w| w.numel()).sum());
-                attn + moe.gate.numel() + moe.top_k * expert
+                let always: usize = l.always_read().iter().map(|w| w.numel()).sum();
+                let routed = l.moe().map_or(0, |moe| {
+                    let expert: usize = moe
+                        .experts
+                        .first()
+                        .map_or(0, |e| [&e.w1, &e.w2, &e.w3].iter().map(|w| w.numel()).sum());
+                    moe.top_k * expert
+                });
+                attn + always + routed
             })
             .sum()
     }
@@ -255,6 +342,12 @@ impl MixtralModel {
         for layer in &self.layers {
             total += layer.input_layernorm.size_in_bytes()
                 + layer.post_attention_layernorm.size_in_bytes();
+            total += layer
+                .self_attn
+                .vectors()
+                .iter()
+                .map(|w| w.size_in_bytes())
+                .sum::<usize>();
         }
         total
     }
@@ -295,7 +388,7 @@ impl MixtralModel {
         Ok(std::mem::take(&mut ws.logits))
     }
 
-    /// [`MixtralModel::forward`] in the buffers of `ws`, which holds the logits it returns.
+    /// [`MoeModel::forward`] in the buffers of `ws`, which holds the logits it returns.
     /// Steps run in one workspace allocate nothing once it has seen a step as large (without
     /// expert parallelism or a trace).
     pub fn forward_in<'w>(
@@ -398,13 +491,22 @@ impl MixtralModel {
             }
             let w = &layer.post_attention_layernorm;
             cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
-            let block = &layer.block_sparse_moe;
+            let (block, moe_layer) = match &layer.mlp {
+                FeedForward::Sparse { moe, moe_layer } => (moe, *moe_layer),
+                FeedForward::Dense(mlp) => {
+                    if let Some(hs) = calibration.as_deref_mut() {
+                        hs.dense_input(l, mlp, normed);
+                    }
+                    mlp.forward_in(normed, t, delta, &mut moe_ws.grouped);
+                    continue;
+                }
+            };
             block.router_logits_into(normed, t, router_logits, tiled);
             if let Some(hs) = calibration.as_deref_mut() {
                 hs.moe_input(l, block, normed, router_logits);
             }
             let step = MoeLayerStep {
-                layer: l,
+                layer: moe_layer,
                 x: normed,
                 router_logits,
                 capacity: moe.capacity,
@@ -457,12 +559,12 @@ impl MixtralModel {
         if let Some(ep) = moe.experts {
             let p = ep.placement();
             let c = &self.config;
-            if p.num_layers() != c.num_hidden_layers || p.num_experts() != c.num_local_experts {
+            if p.num_layers() != c.num_moe_layers() || p.num_experts() != c.num_local_experts {
                 return invalid(format!(
                     "the expert placement is for {} layers of {} experts, the model has {} of {}",
                     p.num_layers(),
                     p.num_experts(),
-                    c.num_hidden_layers,
+                    c.num_moe_layers(),
                     c.num_local_experts
                 ));
             }

@@ -1,0 +1,127 @@
+//! The model families: each reads its `config.json` into the family-agnostic
+//! [`ModelConfig`](crate::config::ModelConfig), which the one decoder (`models::decoder`) runs.
+//! A family differs from the others only in what its config says: the attention variant, which
+//! layers are sparse, the router's weighting, shared experts and its tensor names. Adding a
+//! family means a file here, its entry in [`Architecture`], and its reference fixtures.
+
+mod mixtral;
+mod olmoe;
+mod qwen_moe;
+
+use crate::Result;
+use crate::config::{ConfigFields, ModelConfig};
+
+/// The `architectures` entries this crate serves, for error messages.
+pub const SUPPORTED_ARCHITECTURES: &str =
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM";
+
+/// A model family, as config.json's `architectures` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    Mixtral,
+    Qwen3Moe,
+    Qwen2Moe,
+    Olmoe,
+}
+
+impl Architecture {
+    pub const ALL: [Architecture; 4] = [
+        Architecture::Mixtral,
+        Architecture::Qwen3Moe,
+        Architecture::Qwen2Moe,
+        Architecture::Olmoe,
+    ];
+
+    /// The transformers class name (`architectures` in config.json).
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Architecture::Olmoe => "OlmoeForCausalLM",
+        }
+    }
+
+    /// config.json's `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen2Moe => "qwen2_moe",
+            Architecture::Olmoe => "olmoe",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    pub fn from_model_type(model_type: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.model_type() == model_type)
+    }
+}
+
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Reads `fields` as `architecture`'s config class does.
+pub(crate) fn read_config(
+    architecture: Architecture,
+    fields: &ConfigFields<'_>,
+) -> Result<ModelConfig> {
+    match architecture {
+        Architecture::Mixtral => mixtral::read_config(fields),
+        Architecture::Qwen3Moe | Architecture::Qwen2Moe => {
+            qwen_moe::read_config(architecture, fields)
+        }
+        Architecture::Olmoe => olmoe::read_config(fields),
+    }
+}
+
+/// What every family reads the same way: vocabulary, widths, heads, norms, RoPE, positions,
+/// tying and dtype. `rope_theta` is the config class's default.
+pub(crate) struct Common {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub dtype: Option<moeserve_core::DType>,
+}
+
+impl Common {
+    pub(crate) fn read(
+        fields: &ConfigFields<'_>,
+        rope_theta: f64,
+        rms_norm_eps: f64,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let hidden_size = fields.usize("hidden_size")?;
+        let num_attention_heads = fields.usize("num_attention_heads")?;
+        Ok(Common {
+            vocab_size: fields.usize("vocab_size")?,
+            hidden_size,
+            num_hidden_layers: fields.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: fields
+                .opt_usize("num_key_value_heads")?
+                .unwrap_or(num_attention_heads),
+            head_dim: fields.head_dim(hidden_size, num_attention_heads)?,
+            rms_norm_eps: fields.opt_f64("rms_norm_eps")?.unwrap_or(rms_norm_eps) as f32,
+            rope_theta: fields.rope_theta(rope_theta)?,
+            max_position_embeddings: fields
+                .opt_usize("max_position_embeddings")?
+                .unwrap_or(max_positions),
+            tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            dtype: fields.dtype(),
+        })
+    }
+}

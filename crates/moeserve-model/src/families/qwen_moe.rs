@@ -1,0 +1,92 @@
+//! `Qwen3MoeForCausalLM` and `Qwen2MoeForCausalLM` (transformers' `Qwen3MoeConfig`,
+//! `Qwen2MoeConfig`). Both: a layer is sparse unless listed in `mlp_only_layers`, and only every
+//! `decoder_sparse_step`-th one is (`(layer + 1) % step == 0`); experts of
+//! `moe_intermediate_size` under `mlp.experts.N.{gate,up,down}_proj`, dense layers an MLP of
+//! `intermediate_size`; top-k weights renormalised only with `norm_topk_prob`.
+//! - Qwen3-MoE: RMSNorm per head on q and k (`q_norm`, `k_norm`) before RoPE; biases on all
+//!   four projections only with `attention_bias`.
+//! - Qwen2-MoE: q/k/v biases; a shared expert of `shared_expert_intermediate_size` scaled by
+//!   `sigmoid(shared_expert_gate · x)`.
+
+use super::{Architecture, Common};
+use crate::config::{
+    AttentionConfig, ConfigFields, ModelConfig, QkNorm, SharedExpertConfig, TensorNames,
+};
+use crate::{ModelError, Result};
+
+pub(super) fn read_config(
+    architecture: Architecture,
+    fields: &ConfigFields<'_>,
+) -> Result<ModelConfig> {
+    let qwen3 = architecture == Architecture::Qwen3Moe;
+    let c = Common::read(fields, 1e4, 1e-6, 32768)?;
+    if fields.opt_bool("use_sliding_window")?.unwrap_or(false) {
+        // Qwen's windows apply to a subset of layers (`max_window_layers`, `layer_types`).
+        return Err(ModelError::config(
+            fields.path,
+            "`use_sliding_window: true` is not supported for this family yet",
+        ));
+    }
+    let num_experts = fields.usize("num_experts")?;
+    let step = fields.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(ModelError::config(
+            fields.path,
+            "`decoder_sparse_step` must be at least 1",
+        ));
+    }
+    let mlp_only = fields.usize_list("mlp_only_layers")?;
+    let sparse_layers = (0..c.num_hidden_layers)
+        .map(|l| !mlp_only.contains(&l) && num_experts > 0 && (l + 1).is_multiple_of(step))
+        .collect();
+    let attention = if qwen3 {
+        let bias = fields.opt_bool("attention_bias")?.unwrap_or(false);
+        AttentionConfig {
+            qkv_bias: bias,
+            o_bias: bias,
+            qk_norm: QkNorm::PerHead,
+            clip_qkv: None,
+        }
+    } else {
+        AttentionConfig {
+            qkv_bias: fields.opt_bool("qkv_bias")?.unwrap_or(true),
+            o_bias: false,
+            qk_norm: QkNorm::None,
+            clip_qkv: None,
+        }
+    };
+    let shared_expert = match fields.opt_usize("shared_expert_intermediate_size")? {
+        Some(size) if !qwen3 && size > 0 => Some(SharedExpertConfig {
+            intermediate_size: size,
+            gated: true,
+        }),
+        _ => None,
+    };
+    Ok(ModelConfig {
+        architecture,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: fields.usize("intermediate_size")?,
+        moe_intermediate_size: fields.usize("moe_intermediate_size")?,
+        num_hidden_layers: c.num_hidden_layers,
+        num_attention_heads: c.num_attention_heads,
+        num_key_value_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        num_local_experts: num_experts,
+        num_experts_per_tok: fields.usize("num_experts_per_tok")?,
+        norm_topk_prob: fields.opt_bool("norm_topk_prob")?.unwrap_or(false),
+        shared_expert,
+        sparse_layers,
+        attention,
+        names: TensorNames {
+            moe_block: "mlp",
+            expert_proj: ["gate_proj", "up_proj", "down_proj"],
+        },
+        rms_norm_eps: c.rms_norm_eps,
+        rope_theta: c.rope_theta,
+        sliding_window: None,
+        max_position_embeddings: c.max_position_embeddings,
+        tie_word_embeddings: c.tie_word_embeddings,
+        dtype: c.dtype,
+    })
+}
