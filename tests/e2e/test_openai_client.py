@@ -6,6 +6,7 @@ scripts/test.sh runs this with pytest from a venv under target/e2e-venv holding 
 Environment: MOESERVE_BIN (default target/release/moeserve).
 """
 
+import json
 import os
 import subprocess
 import threading
@@ -86,6 +87,19 @@ def server(tmp_path_factory):
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    """A Qwen3-MoE preset with Qwen3-30B-A3B's routing shape (128 experts top-8 per layer)."""
+    model = tmp_path_factory.mktemp("model") / "qwen3"
+    subprocess.run(
+        [BIN, "make-model", "--preset", "qwen3-moe-tiny", "--out", model],
+        check=True, capture_output=True, timeout=120,
+    )
+    running = RunningServer(model)
+    yield running
+    running.stop()
+
+
 def make_client(server, api_key=API_KEY):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=api_key, max_retries=0,
                          timeout=60)
@@ -142,3 +156,24 @@ def test_errors_raise_the_matching_exceptions(server):
     assert bad.value.param == "temperature"
     with pytest.raises(openai.AuthenticationError):
         make_client(server, api_key="sk-wrong").models.list()
+
+
+def test_a_qwen3_moe_model_answers_and_shows_its_128_experts(qwen3_server):
+    client = make_client(qwen3_server)
+    common = dict(model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                  temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = client.chat.completions.create(**common)
+    assert plain.usage.completion_tokens == 6
+    assert plain.choices[0].message.content == content
+    request = urllib.request.Request(qwen3_server.base + "/v1/moe/load",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        load = json.load(r)
+    assert load["placement"]["num_experts"] == 128
+    assert len(load["layers"]) == 2
+    assert all(len(layer["cumulative_load"]) == 128 for layer in load["layers"])
+    # Every step routed each of its tokens to 8 of the 128 experts in both layers.
+    assert all(sum(layer["cumulative_load"]) % 8 == 0 and sum(layer["cumulative_load"]) > 0
+               for layer in load["layers"])

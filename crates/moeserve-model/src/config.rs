@@ -384,13 +384,92 @@ mod tests {
     }
 
     #[test]
-    fn other_architecture_is_refused() {
+    fn other_architecture_is_refused_naming_it_and_the_supported_list() {
         let text = BASE.replace("MixtralForCausalLM", "BertModel");
         let msg = parse(&text).unwrap_err().to_string();
         assert!(
             msg.contains("BertModel") && msg.contains("not supported"),
             "{msg}"
         );
+        for arch in Architecture::ALL {
+            assert!(msg.contains(arch.name()), "{msg}");
+        }
+    }
+
+    const QWEN3: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+        "vocab_size":32,"hidden_size":16,"intermediate_size":48,"moe_intermediate_size":8,
+        "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":6,
+        "num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,"decoder_sparse_step":2,
+        "mlp_only_layers":[3],"rope_theta":1e6,"tie_word_embeddings":false,"dtype":"bfloat16"}"#;
+
+    #[test]
+    fn qwen3_moe_reads_head_dim_norms_and_which_layers_are_sparse() {
+        let c = parse(QWEN3).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3Moe);
+        // head_dim as given, though 16 / 4 = 4.
+        assert_eq!((c.head_dim, c.q_dim(), c.kv_dim()), (6, 24, 12));
+        assert_eq!((c.intermediate_size, c.moe_intermediate_size), (48, 8));
+        assert!(c.norm_topk_prob);
+        assert_eq!(c.attention.qk_norm, QkNorm::PerHead);
+        assert!(!c.attention.qkv_bias);
+        // (l + 1) % 2 == 0 and not in mlp_only_layers: only layer 1.
+        assert_eq!(c.sparse_layers, vec![false, true, false, false]);
+        assert_eq!((c.moe_layers(), c.num_moe_layers()), (vec![1], 1));
+        assert_eq!(c.names.expert_proj, ["gate_proj", "up_proj", "down_proj"]);
+        assert!(!c.is_mixtral_shaped());
+        // The model_type alone picks the family too.
+        let text = QWEN3.replace(r#""architectures":["Qwen3MoeForCausalLM"],"#, "");
+        assert_eq!(parse(&text).unwrap().architecture, Architecture::Qwen3Moe);
+        let windowed = QWEN3.replace(r#""dtype""#, r#""use_sliding_window":true,"dtype""#);
+        let msg = parse(&windowed).unwrap_err().to_string();
+        assert!(msg.contains("use_sliding_window"), "{msg}");
+    }
+
+    #[test]
+    fn qwen2_moe_has_qkv_bias_a_gated_shared_expert_and_no_renormalisation() {
+        let text = QWEN3
+            .replace("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+            .replace("qwen3_moe", "qwen2_moe")
+            .replace(
+                r#""norm_topk_prob":true,"#,
+                r#""shared_expert_intermediate_size":20,"#,
+            );
+        let c = parse(&text).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen2Moe);
+        assert!(c.attention.qkv_bias && !c.attention.o_bias);
+        assert_eq!(c.attention.qk_norm, QkNorm::None);
+        assert!(!c.norm_topk_prob);
+        assert_eq!(
+            c.shared_expert,
+            Some(SharedExpertConfig {
+                intermediate_size: 20,
+                gated: true
+            })
+        );
+    }
+
+    #[test]
+    fn olmoe_normalises_flat_q_and_k_and_clips() {
+        let text = r#"{"architectures":["OlmoeForCausalLM"],"vocab_size":32,"hidden_size":16,
+            "intermediate_size":8,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_experts":8,"num_experts_per_tok":2,"clip_qkv":2.5}"#;
+        let c = parse(text).unwrap();
+        assert_eq!(c.attention.qk_norm, QkNorm::Flat);
+        assert_eq!(c.attention.clip_qkv, Some(2.5));
+        assert_eq!((c.moe_intermediate_size, c.num_local_experts), (8, 8));
+        assert_eq!(c.sparse_layers, vec![true, true]);
+        assert!(!c.norm_topk_prob);
+        assert_eq!(c.rope_theta, 1e4);
+        let msg = parse(&text.replace("2.5", "-1")).unwrap_err().to_string();
+        assert!(msg.contains("`clip_qkv` must be a number above 0"), "{msg}");
+    }
+
+    #[test]
+    fn mixtral_is_the_plain_shape() {
+        let c = parse(BASE).unwrap();
+        assert!(c.is_mixtral_shaped());
+        assert_eq!(c.moe_intermediate_size, c.intermediate_size);
+        assert_eq!(c.names.moe_block, "block_sparse_moe");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Random Mixtral checkpoints for tests and benchmarks, written in Hugging Face format with hub
+//! Random Mixtral and Qwen3-MoE checkpoints for tests and benchmarks, written in Hugging Face format with hub
 //! tensor names and a byte-level tokenizer, so they load and take text like a real model.
 //!
 //! Weights are deterministic: every tensor comes from its own ChaCha8 stream keyed by
@@ -16,7 +16,7 @@ use crate::Result;
 use crate::convert::tokenizer::{
     AddedToken, BpeTokenizerSpec, PreTokenizer, TokenizerConfig, byte_to_unicode,
 };
-use crate::convert::{MAX_SHARD_BYTES, MixtralSpec, MixtralTensor, TensorRng};
+use crate::convert::{CheckpointSpec, MAX_SHARD_BYTES, SpecFamily, SpecTensor, TensorRng};
 use crate::writer::{CheckpointWriter, ShardLayout, TensorSource, human_bytes, human_count};
 
 /// A named random model shape.
@@ -31,14 +31,22 @@ pub enum Preset {
     /// hidden 32, 48 layers, 64 experts top-2, vocab 512 (≈ 10 M parameters): many small experts,
     /// for per-expert views at the scale of large MoE models (the dashboard's 64 × 48 test).
     MixtralWide,
+    /// Qwen3-30B-A3B's exact layer shapes (hidden 2048, 32 / 4 heads of 128, 128 experts top-8
+    /// of width 768, vocab 151936) with 2 of its 48 layers (≈ 1.24 B parameters, 2.5 GB).
+    Qwen3Moe30bA3b2l,
+    /// A tiny Qwen3-MoE with Qwen3-30B-A3B's routing shape (128 experts top-8) on hidden 64,
+    /// 2 layers, head_dim 24 ≠ 64/4 (≈ 1.9 M parameters): for tests.
+    Qwen3MoeTiny,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [
+    pub const ALL: [Preset; 6] = [
         Preset::MixtralTiny,
         Preset::MixtralBench1b,
         Preset::Mixtral8x7b2l,
         Preset::MixtralWide,
+        Preset::Qwen3Moe30bA3b2l,
+        Preset::Qwen3MoeTiny,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +55,8 @@ impl Preset {
             Preset::MixtralBench1b => "mixtral-bench-1b",
             Preset::Mixtral8x7b2l => "mixtral-8x7b-2l",
             Preset::MixtralWide => "mixtral-wide",
+            Preset::Qwen3Moe30bA3b2l => "qwen3-moe-30b-a3b-2l",
+            Preset::Qwen3MoeTiny => "qwen3-moe-tiny",
         }
     }
 
@@ -60,8 +70,9 @@ impl Preset {
         Preset::ALL.map(Preset::name).join(", ")
     }
 
-    pub fn spec(self) -> MixtralSpec {
-        let base = MixtralSpec {
+    pub fn spec(self) -> CheckpointSpec {
+        let base = CheckpointSpec {
+            family: SpecFamily::Mixtral,
             vocab_size: 512,
             hidden_size: 64,
             intermediate_size: 128,
@@ -82,7 +93,7 @@ impl Preset {
         };
         match self {
             Preset::MixtralTiny => base,
-            Preset::MixtralBench1b => MixtralSpec {
+            Preset::MixtralBench1b => CheckpointSpec {
                 vocab_size: 49152,
                 hidden_size: 1024,
                 intermediate_size: 3584,
@@ -93,7 +104,7 @@ impl Preset {
                 max_position_embeddings: 4096,
                 ..base
             },
-            Preset::Mixtral8x7b2l => MixtralSpec {
+            Preset::Mixtral8x7b2l => CheckpointSpec {
                 vocab_size: 32000,
                 hidden_size: 4096,
                 intermediate_size: 14336,
@@ -104,7 +115,7 @@ impl Preset {
                 max_position_embeddings: 32768,
                 ..base
             },
-            Preset::MixtralWide => MixtralSpec {
+            Preset::MixtralWide => CheckpointSpec {
                 hidden_size: 32,
                 intermediate_size: 32,
                 num_hidden_layers: 48,
@@ -112,6 +123,30 @@ impl Preset {
                 num_key_value_heads: 1,
                 head_dim: 16,
                 num_local_experts: 64,
+                ..base
+            },
+            Preset::Qwen3Moe30bA3b2l => CheckpointSpec {
+                family: SpecFamily::Qwen3Moe,
+                vocab_size: 151936,
+                hidden_size: 2048,
+                intermediate_size: 768,
+                num_hidden_layers: 2,
+                num_attention_heads: 32,
+                num_key_value_heads: 4,
+                head_dim: 128,
+                num_local_experts: 128,
+                num_experts_per_tok: 8,
+                rms_norm_eps: 1e-6,
+                max_position_embeddings: 40960,
+                ..base
+            },
+            Preset::Qwen3MoeTiny => CheckpointSpec {
+                family: SpecFamily::Qwen3Moe,
+                intermediate_size: 32,
+                head_dim: 24,
+                num_local_experts: 128,
+                num_experts_per_tok: 8,
+                rms_norm_eps: 1e-6,
                 ..base
             },
         }
@@ -191,13 +226,13 @@ pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
     })
 }
 
-fn random_tensor(spec: &MixtralSpec, tensor: MixtralTensor, seed: u64) -> TensorSource {
-    use MixtralTensor::*;
-    let name = tensor.name();
+fn random_tensor(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> TensorSource {
+    use SpecTensor::*;
+    let name = spec.name(tensor);
     let shape = spec.shape(tensor);
     let fan_in = shape.last().copied().unwrap_or(1) as f32;
     let std = match tensor {
-        FinalNorm | InputNorm { .. } | PostAttentionNorm { .. } => {
+        FinalNorm | InputNorm { .. } | PostAttentionNorm { .. } | QNorm { .. } | KNorm { .. } => {
             return TensorSource::new(name, spec.dtype, shape, |out| {
                 out.fill(1.0);
                 Ok(())
@@ -332,6 +367,39 @@ mod tests {
         ] {
             assert!(made.out.join(name).exists(), "{name} missing");
         }
+    }
+
+    #[test]
+    fn qwen3_presets_have_qwen3_names_and_shapes() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let options = MakeModelOptions {
+            preset: Preset::Qwen3MoeTiny,
+            out: dir.path().join("qwen3"),
+            seed: 0,
+        };
+        let made = make_model(&options).expect("make qwen3-moe-tiny");
+        let model = crate::models::MoeModel::load(&made.out).expect("loads");
+        let c = model.config();
+        assert_eq!(c.architecture, crate::config::Architecture::Qwen3Moe);
+        assert_eq!((c.num_local_experts, c.num_experts_per_tok), (128, 8));
+        assert_eq!(
+            (c.head_dim, c.hidden_size / c.num_attention_heads),
+            (24, 16)
+        );
+        assert!(c.norm_topk_prob && c.sparse_layers.iter().all(|s| *s));
+        assert_eq!(model.moe_layers().len(), 2);
+        // Qwen3-30B-A3B's shapes, 2 of its 48 layers.
+        let big = Preset::Qwen3Moe30bA3b2l.spec();
+        let per_layer = 2 * 2048 * 4096
+            + 2 * 2048 * 512
+            + 128 * 2048
+            + 128 * 3 * 2048 * 768
+            + 2 * 2048
+            + 2 * 128;
+        assert_eq!(
+            big.num_parameters() as usize,
+            2 * per_layer + 2 * 151936 * 2048 + 2048
+        );
     }
 
     #[test]

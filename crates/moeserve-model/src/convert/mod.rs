@@ -19,8 +19,8 @@
 //! `num_experts = 1, top_k = 1` gives the dense model itself in Mixtral form.
 
 mod llama;
-mod mixtral;
 mod random;
+mod spec;
 pub mod tokenizer;
 
 use std::path::PathBuf;
@@ -29,8 +29,8 @@ use std::sync::Arc;
 use moeserve_core::DType;
 
 pub use llama::{DenseLlama, unpermute_rope_rows};
-pub use mixtral::{MixtralSpec, MixtralTensor};
 pub use random::TensorRng;
+pub use spec::{CheckpointSpec, SpecFamily, SpecTensor};
 
 use crate::gguf::GgufFile;
 use crate::writer::{CheckpointWriter, ShardLayout, TensorSource, human_bytes, human_count};
@@ -59,7 +59,7 @@ pub struct UpcycleOptions {
 #[derive(Clone, Debug, PartialEq)]
 pub struct UpcycleReport {
     pub out: PathBuf,
-    pub spec: MixtralSpec,
+    pub spec: CheckpointSpec,
     /// The safetensors files, in shard order.
     pub files: Vec<PathBuf>,
     pub num_parameters: u64,
@@ -90,7 +90,8 @@ pub fn upcycle_gguf(options: &UpcycleOptions) -> Result<UpcycleReport> {
     let gguf = Arc::new(GgufFile::open(&options.gguf)?);
     let dense = DenseLlama::from_gguf(&gguf)?;
     let tokenizer = tokenizer::tokenizer_from_gguf(&gguf, dense.context_length)?;
-    let spec = MixtralSpec {
+    let spec = CheckpointSpec {
+        family: SpecFamily::Mixtral,
         vocab_size: dense.vocab_size,
         hidden_size: dense.hidden_size,
         intermediate_size: dense.intermediate_size,
@@ -161,12 +162,12 @@ fn validate(options: &UpcycleOptions) -> Result<()> {
 /// How one Mixtral tensor is made from the GGUF.
 fn tensor_source(
     gguf: &Arc<GgufFile>,
-    spec: &MixtralSpec,
-    tensor: MixtralTensor,
+    spec: &CheckpointSpec,
+    tensor: SpecTensor,
     options: &UpcycleOptions,
 ) -> Result<TensorSource> {
-    use MixtralTensor::*;
-    let name = tensor.name();
+    use SpecTensor::*;
+    let name = spec.name(tensor);
     let shape = spec.shape(tensor);
     let blk = |l: usize, what: &str| format!("blk.{l}.{what}.weight");
     let (source_name, rope_heads) = match tensor {
@@ -179,6 +180,7 @@ fn tensor_source(
         KProj { layer } => (blk(layer, "attn_k"), Some(spec.num_key_value_heads)),
         VProj { layer } => (blk(layer, "attn_v"), None),
         OProj { layer } => (blk(layer, "attn_output"), None),
+        QNorm { .. } | KNorm { .. } => unreachable!("the upcycled Mixtral has no q/k norms"),
         W1 { layer, .. } => (blk(layer, "ffn_gate"), None),
         W2 { layer, .. } => (blk(layer, "ffn_down"), None),
         W3 { layer, .. } => (blk(layer, "ffn_up"), None),

@@ -291,6 +291,25 @@ mod tests {
     }
 
     #[test]
+    fn without_renormalisation_the_weights_stay_the_softmax_probabilities() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let config = RouterConfig {
+            renormalize: false,
+            ..RouterConfig::dropless(2)
+        };
+        let step = route(&logits, 4, &config);
+        let mut probs = logits.to_vec();
+        cpu::softmax_in_place(&mut probs);
+        let got: Vec<(u32, f32)> = step.pairs.iter().map(|p| (p.expert, p.weight)).collect();
+        assert_eq!(got, vec![(1, probs[1]), (2, probs[2])]);
+        assert!(got.iter().map(|p| p.1).sum::<f32>() < 0.95);
+        // With it (Mixtral), the same pairs sum to 1.
+        let renormalised = route(&logits, 4, &RouterConfig::dropless(2));
+        let sum: f32 = renormalised.pairs.iter().map(|p| p.weight).sum();
+        assert!((sum - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
     fn picks_the_largest_logits_and_renormalises() {
         let r = route_top_k(&[0.0, 2.0, 1.0, -1.0], 4, 2);
         assert_eq!(r.expert_ids, vec![1, 2]);

@@ -11,7 +11,8 @@ use moeserve_model::presets::{MakeModelOptions, Preset, make_model};
 
 #[derive(Debug, Args)]
 pub struct MakeModelArgs {
-    /// A random preset (mixtral-tiny, mixtral-bench-1b, mixtral-8x7b-2l, mixtral-wide).
+    /// A random preset (mixtral-tiny, mixtral-bench-1b, mixtral-8x7b-2l, mixtral-wide,
+    /// qwen3-moe-30b-a3b-2l, qwen3-moe-tiny).
     #[arg(
         long,
         conflicts_with = "from_gguf",

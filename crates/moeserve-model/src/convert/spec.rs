@@ -1,16 +1,27 @@
-//! The shape of a Mixtral checkpoint as written by the converter and the presets: its
-//! `config.json` and the list of hub tensor names with their shapes.
+//! The shape of a checkpoint as written by the converter and the presets: its `config.json` and
+//! the list of hub tensor names with their shapes, for the families they write (Mixtral, and
+//! Qwen3-MoE for the benchmark presets).
 //!
-//! Follows transformers' `MixtralConfig` field names and `MixtralForCausalLM`'s state-dict
-//! names (`model.layers.N.block_sparse_moe.experts.E.w1.weight`, ...). Shapes are PyTorch's
-//! `nn.Linear` layout, `[out_features, in_features]`.
+//! Follows transformers' config field names and state-dict names
+//! (`model.layers.N.block_sparse_moe.experts.E.w1.weight` for Mixtral,
+//! `model.layers.N.mlp.experts.E.gate_proj.weight` and `self_attn.q_norm.weight` for Qwen3-MoE).
+//! Shapes are PyTorch's `nn.Linear` layout, `[out_features, in_features]`.
 
 use moeserve_core::DType;
 use serde_json::{Value, json};
 
-/// Everything needed to name, shape and describe a Mixtral checkpoint.
+/// The families a spec can write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecFamily {
+    Mixtral,
+    /// Every layer sparse, `norm_topk_prob: true` (as Qwen3-30B-A3B).
+    Qwen3Moe,
+}
+
+/// Everything needed to name, shape and describe a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
-pub struct MixtralSpec {
+pub struct CheckpointSpec {
+    pub family: SpecFamily,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -30,9 +41,9 @@ pub struct MixtralSpec {
     pub dtype: DType,
 }
 
-/// One tensor of a Mixtral checkpoint, by role.
+/// One tensor of a checkpoint, by role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MixtralTensor {
+pub enum SpecTensor {
     EmbedTokens,
     FinalNorm,
     LmHead,
@@ -52,6 +63,14 @@ pub enum MixtralTensor {
         layer: usize,
     },
     OProj {
+        layer: usize,
+    },
+    /// Qwen3-MoE's per-head RMSNorm of the queries, `[head_dim]`.
+    QNorm {
+        layer: usize,
+    },
+    /// Qwen3-MoE's per-head RMSNorm of the keys, `[head_dim]`.
+    KNorm {
         layer: usize,
     },
     /// `block_sparse_moe.gate`: the router, `[num_experts, hidden]`.
@@ -75,15 +94,18 @@ pub enum MixtralTensor {
     },
 }
 
-impl MixtralTensor {
-    /// The hub (state-dict) name.
-    pub fn name(self) -> String {
-        use MixtralTensor::*;
+impl CheckpointSpec {
+    /// The hub (state-dict) name of `tensor`.
+    pub fn name(&self, tensor: SpecTensor) -> String {
+        use SpecTensor::*;
         let layer = |l: usize, rest: &str| format!("model.layers.{l}.{rest}");
-        let expert = |l: usize, e: usize, w: &str| {
-            layer(l, &format!("block_sparse_moe.experts.{e}.{w}.weight"))
+        let (block, [w1, w3, w2]) = match self.family {
+            SpecFamily::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            SpecFamily::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
         };
-        match self {
+        let expert =
+            |l: usize, e: usize, w: &str| layer(l, &format!("{block}.experts.{e}.{w}.weight"));
+        match tensor {
             EmbedTokens => "model.embed_tokens.weight".to_string(),
             FinalNorm => "model.norm.weight".to_string(),
             LmHead => "lm_head.weight".to_string(),
@@ -93,33 +115,34 @@ impl MixtralTensor {
             KProj { layer: l } => layer(l, "self_attn.k_proj.weight"),
             VProj { layer: l } => layer(l, "self_attn.v_proj.weight"),
             OProj { layer: l } => layer(l, "self_attn.o_proj.weight"),
-            Router { layer: l } => layer(l, "block_sparse_moe.gate.weight"),
+            QNorm { layer: l } => layer(l, "self_attn.q_norm.weight"),
+            KNorm { layer: l } => layer(l, "self_attn.k_norm.weight"),
+            Router { layer: l } => layer(l, &format!("{block}.gate.weight")),
             W1 {
                 layer: l,
                 expert: e,
-            } => expert(l, e, "w1"),
+            } => expert(l, e, w1),
             W2 {
                 layer: l,
                 expert: e,
-            } => expert(l, e, "w2"),
+            } => expert(l, e, w2),
             W3 {
                 layer: l,
                 expert: e,
-            } => expert(l, e, "w3"),
+            } => expert(l, e, w3),
         }
     }
-}
 
-impl MixtralSpec {
     /// Row-major shape of a tensor (`[out, in]` for projections).
-    pub fn shape(&self, tensor: MixtralTensor) -> Vec<usize> {
-        use MixtralTensor::*;
+    pub fn shape(&self, tensor: SpecTensor) -> Vec<usize> {
+        use SpecTensor::*;
         let (h, i) = (self.hidden_size, self.intermediate_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
         match tensor {
             EmbedTokens | LmHead => vec![self.vocab_size, h],
             FinalNorm | InputNorm { .. } | PostAttentionNorm { .. } => vec![h],
+            QNorm { .. } | KNorm { .. } => vec![self.head_dim],
             QProj { .. } => vec![q, h],
             KProj { .. } | VProj { .. } => vec![kv, h],
             OProj { .. } => vec![h, q],
@@ -131,8 +154,8 @@ impl MixtralSpec {
 
     /// Every tensor of the checkpoint, embeddings first, then layer by layer, then the final
     /// norm and (unless tied) the LM head.
-    pub fn tensors(&self) -> Vec<MixtralTensor> {
-        use MixtralTensor::*;
+    pub fn tensors(&self) -> Vec<SpecTensor> {
+        use SpecTensor::*;
         let mut out = vec![EmbedTokens];
         for layer in 0..self.num_hidden_layers {
             out.extend([
@@ -142,6 +165,9 @@ impl MixtralSpec {
                 VProj { layer },
                 OProj { layer },
             ]);
+            if self.family == SpecFamily::Qwen3Moe {
+                out.extend([QNorm { layer }, KNorm { layer }]);
+            }
             out.extend([PostAttentionNorm { layer }, Router { layer }]);
             for expert in 0..self.num_local_experts {
                 out.extend([
@@ -165,12 +191,10 @@ impl MixtralSpec {
             .sum()
     }
 
-    /// `config.json` for `MixtralForCausalLM`, with every field transformers writes.
+    /// `config.json` for the family's `…ForCausalLM`, with every field transformers writes.
     pub fn config_json(&self) -> Value {
         let dtype = self.dtype.to_string();
-        json!({
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
+        let mut config = json!({
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -185,11 +209,8 @@ impl MixtralSpec {
             "rope_theta": self.rope_theta,
             "sliding_window": null,
             "attention_dropout": 0.0,
-            "num_local_experts": self.num_local_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "output_router_logits": false,
-            "router_aux_loss_coef": 0.02,
-            "router_jitter_noise": 0.0,
             "tie_word_embeddings": self.tie_word_embeddings,
             "use_cache": true,
             "bos_token_id": self.bos_token_id,
@@ -198,7 +219,34 @@ impl MixtralSpec {
             // transformers < 5 reads `torch_dtype`, transformers ≥ 5 writes `dtype`.
             "torch_dtype": dtype,
             "dtype": dtype,
-        })
+        });
+        let family = match self.family {
+            SpecFamily::Mixtral => json!({
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "num_local_experts": self.num_local_experts,
+                "router_aux_loss_coef": 0.02,
+                "router_jitter_noise": 0.0,
+            }),
+            SpecFamily::Qwen3Moe => json!({
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                // Every layer sparse: the routed experts are the spec's `intermediate_size`.
+                "moe_intermediate_size": self.intermediate_size,
+                "num_experts": self.num_local_experts,
+                "norm_topk_prob": true,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "attention_bias": false,
+                "use_sliding_window": false,
+                "router_aux_loss_coef": 0.001,
+            }),
+        };
+        let (Value::Object(config_map), Value::Object(family)) = (&mut config, family) else {
+            unreachable!("both are JSON objects");
+        };
+        config_map.extend(family);
+        config
     }
 
     /// `generation_config.json`: the token ids generation starts and stops with.
@@ -217,8 +265,9 @@ fn shortest_f64(value: f32) -> f64 {
 mod tests {
     use super::*;
 
-    fn spec(tie: bool) -> MixtralSpec {
-        MixtralSpec {
+    fn spec(tie: bool) -> CheckpointSpec {
+        CheckpointSpec {
+            family: SpecFamily::Mixtral,
             vocab_size: 10,
             hidden_size: 8,
             intermediate_size: 12,
@@ -244,21 +293,32 @@ mod tests {
         let spec = spec(false);
         let tensors = spec.tensors();
         assert_eq!(tensors.len(), 1 + 2 * (7 + 3 * 3) + 2);
-        let w2 = MixtralTensor::W2 {
+        let w2 = SpecTensor::W2 {
             layer: 1,
             expert: 2,
         };
         assert_eq!(
-            w2.name(),
+            spec.name(w2),
             "model.layers.1.block_sparse_moe.experts.2.w2.weight"
         );
         assert_eq!(spec.shape(w2), vec![8, 12]);
-        assert_eq!(spec.shape(MixtralTensor::KProj { layer: 0 }), vec![4, 8]);
-        assert_eq!(spec.shape(MixtralTensor::Router { layer: 0 }), vec![3, 8]);
-        assert_eq!(tensors.last(), Some(&MixtralTensor::LmHead));
+        assert_eq!(spec.shape(SpecTensor::KProj { layer: 0 }), vec![4, 8]);
+        assert_eq!(spec.shape(SpecTensor::Router { layer: 0 }), vec![3, 8]);
+        assert_eq!(tensors.last(), Some(&SpecTensor::LmHead));
         assert!(
-            !super::MixtralSpec::tensors(&self::tests::spec(true)).contains(&MixtralTensor::LmHead)
+            !super::CheckpointSpec::tensors(&self::tests::spec(true)).contains(&SpecTensor::LmHead)
         );
+        let qwen3 = CheckpointSpec {
+            family: SpecFamily::Qwen3Moe,
+            ..spec
+        };
+        assert_eq!(
+            qwen3.name(w2),
+            "model.layers.1.mlp.experts.2.down_proj.weight"
+        );
+        assert_eq!(qwen3.tensors().len(), tensors.len() + 2 * 2);
+        assert_eq!(qwen3.shape(SpecTensor::QNorm { layer: 1 }), vec![2]);
+        assert_eq!(qwen3.config_json()["model_type"], "qwen3_moe");
     }
 
     #[test]
