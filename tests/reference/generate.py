@@ -17,11 +17,16 @@ What it makes (the file formats are a contract with the Rust tests):
      See smollm_demo.py.
   E. smolmoe-eval/reference.json  the same kind of reference for 16 more chat turns of up
      to 64 tokens: the positions the int8 accuracy figures are measured on.
+  F. qwen3-moe/, qwen3-moe-fused/, qwen2-moe/, olmoe/  tiny random Qwen3-MoE (q/k norm,
+     explicit head_dim, dense + sparse layers; qwen3-moe-fused stores the experts as the
+     fused 3-D module tensors), Qwen2-MoE (q/k/v biases, gated shared expert, dense layer)
+     and OLMoE (q/k norm over the flat projections, clip_qkv) checkpoints, in set A's layout
+     with the dense layers and term ablations in manifest.json. See moe_family_cases.py.
 
 How to run (from the repository root, CPU only, ~5 minutes):
     python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
     .venv-ref/bin/python tests/reference/generate.py            # everything
-    .venv-ref/bin/python tests/reference/generate.py --only mixtral gguf-blocks
+    .venv-ref/bin/python tests/reference/generate.py --only mixtral gguf-blocks moe-families
 
 Determinism: every RNG is seeded, torch runs single-threaded with
 torch.use_deterministic_algorithms(True), JSON is written with a stable layout
@@ -43,7 +48,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ref_common import FIXTURES_DIR, script_sha256, set_determinism, versions  # noqa: E402
 
 GLOBAL_SEED = 1234
-SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo", "smolmoe-eval")
+SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo", "smolmoe-eval", "moe-families")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,6 +91,11 @@ def main(argv: list[str]) -> int:
             import smollm_demo  # noqa: PLC0415
 
             smollm_demo.generate_smolmoe_eval(FIXTURES_DIR / "smolmoe-eval", provenance)
+        elif section == "moe-families":
+            import moe_family_cases  # noqa: PLC0415
+
+            for case in moe_family_cases.CASES:
+                moe_family_cases.generate_case(case, FIXTURES_DIR, provenance)
         print(f"[{section}] done in {time.time() - started:.1f}s")
     return 0
 

@@ -8,6 +8,8 @@ and manifest.json. Follows the HF hub Mixtral layout
 into `mlp.experts.gate_up_proj` [E, 2*inter, hidden] (w1 rows first, then w3)
 and `mlp.experts.down_proj` [E, hidden, inter]; its router is `mlp.gate`
 (MixtralTopKRouter), whose forward returns (raw logits, top-k weights, indices).
+Also owns the helpers moe_family_cases.py reuses: seed acceptance, reference
+runs, forward capture, config styling, tensor writing and reload checks.
 """
 
 from __future__ import annotations
@@ -184,8 +186,13 @@ def build_model(case: MixtralCase, stored: dict[str, torch.Tensor]) -> MixtralFo
 
 
 @torch.no_grad()
-def capture_forward(model: MixtralForCausalLM, ids: list[int]) -> dict[str, torch.Tensor]:
-    """One forward over `ids`, capturing per-layer residual outputs and raw router logits."""
+def capture_forward(model, ids: list[int]) -> dict[str, torch.Tensor]:
+    """One forward over `ids`, capturing per-layer residual outputs and raw router logits.
+
+    Works for every transformers 5.24 MoE decoder whose sparse layers have a
+    `mlp.gate` top-k router returning (raw logits, weights, indices); layers
+    without one (dense MLP layers) get no `router_logits.{l}`.
+    """
     captured: dict[str, torch.Tensor] = {}
     hooks = []
     for layer_idx, layer in enumerate(model.model.layers):
@@ -202,7 +209,8 @@ def capture_forward(model: MixtralForCausalLM, ids: list[int]) -> dict[str, torc
             captured[f"router_logits.{idx}"] = logits.detach().clone()
 
         hooks.append(layer.register_forward_hook(on_layer))
-        hooks.append(layer.mlp.gate.register_forward_hook(on_router))
+        if is_sparse_layer(layer):
+            hooks.append(layer.mlp.gate.register_forward_hook(on_router))
     try:
         logits = model(torch.tensor([ids]), use_cache=False).logits[0].float()
     finally:
@@ -216,6 +224,11 @@ def capture_forward(model: MixtralForCausalLM, ids: list[int]) -> dict[str, torc
     return captured
 
 
+def is_sparse_layer(layer) -> bool:
+    """True for a decoder layer whose MLP is a routed MoE block (not a dense MLP)."""
+    return hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
+
+
 def min_router_gap(captured: dict[str, torch.Tensor], top_k: int) -> float:
     gaps = []
     for name, logits in captured.items():
@@ -225,26 +238,48 @@ def min_router_gap(captured: dict[str, torch.Tensor], top_k: int) -> float:
     return min(gaps)
 
 
-def attempt(case: MixtralCase, seed: int):
-    stored = init_hub_tensors(case, seed)
-    model = build_model(case, stored)
+def run_references(model, seed: int, top_k: int):
+    """Greedy references for the seed's prompts, their min greedy margin and router top-k gap."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
     results = [greedy_generate(model, p, GreedyParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     router_gap = min(
-        min_router_gap(capture_forward(model, r.prompt_ids + r.greedy_ids[:-1]), case.top_k) for r in results
+        min_router_gap(capture_forward(model, r.prompt_ids + r.greedy_ids[:-1]), top_k) for r in results
     )
     greedy_margin = min(r.min_margin for r in results)
+    return results, greedy_margin, router_gap
+
+
+def rejection(results, margin: float, router_gap: float) -> str | None:
+    """Why a seed's references are not decisive enough, or None when they are."""
+    # eos-free outputs keep the references valid for Rust tests that stop at eos;
+    # varied outputs exercise more positions than a single echoed token.
+    eos_free = all(EOS_TOKEN_ID not in r.greedy_ids for r in results)
+    varied = all(len(set(r.greedy_ids)) >= MIN_DISTINCT_GREEDY for r in results)
+    if margin >= MIN_GREEDY_MARGIN and router_gap >= MIN_ROUTER_GAP and eos_free and varied:
+        return None
+    return f"margin {margin:.2e}, router gap {router_gap:.2e}, eos-free {eos_free}, varied {varied}"
+
+
+def attempt(case: MixtralCase, seed: int):
+    stored = init_hub_tensors(case, seed)
+    model = build_model(case, stored)
+    results, greedy_margin, router_gap = run_references(model, seed, case.top_k)
     return stored, model, results, greedy_margin, router_gap
 
 
 def config_json(case: MixtralCase) -> dict:
+    return styled_config_json(make_config(case), case.config_style)
+
+
+def styled_config_json(config, style: str) -> dict:
+    """What save_pretrained writes for `config`, restyled as `style` (see MixtralCase.config_style)."""
     with tempfile.TemporaryDirectory() as tmp:
-        make_config(case).save_pretrained(tmp)
+        config.save_pretrained(tmp)
         config = json.loads(Path(tmp, "config.json").read_text())
-    if case.config_style in ("legacy", "top_level"):
+    if style in ("legacy", "top_level"):
         config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
-    if case.config_style == "legacy":
+    if style == "legacy":
         config["torch_dtype"] = config.pop("dtype")
         if config.get("head_dim") is None:
             config.pop("head_dim", None)
@@ -269,19 +304,65 @@ def shard_groups(names: list[str], stored: dict[str, torch.Tensor], shards: int)
 def write_checkpoint(case: MixtralCase, out: Path, stored: dict[str, torch.Tensor]) -> None:
     write_json(out / "config.json", config_json(case))
     write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": EOS_TOKEN_ID})
+    write_tensors(out, stored, case.shards)
+
+
+def write_tensors(out: Path, stored: dict[str, torch.Tensor], shards: int) -> None:
+    """model.safetensors, or `shards` files + model.safetensors.index.json."""
     metadata = {"format": "pt"}
-    if case.shards == 1:
+    if shards == 1:
         save_file(stored, str(out / "model.safetensors"), metadata=metadata)
         return
     names = sorted(stored, key=_natural_key)
     weight_map = {}
-    for idx, group in enumerate(shard_groups(names, stored, case.shards)):
-        file = f"model-{idx + 1:05d}-of-{case.shards:05d}.safetensors"
+    for idx, group in enumerate(shard_groups(names, stored, shards)):
+        file = f"model-{idx + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: stored[n] for n in group}, str(out / file), metadata=metadata)
         weight_map.update({n: file for n in group})
     total = sum(t.numel() * t.element_size() for t in stored.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(out / "model.safetensors.index.json", index)
+
+
+def read_tensors(out: Path) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor written under `out` (expected.safetensors excluded)."""
+    on_disk = {}
+    for file in sorted(out.glob("*.safetensors")):
+        if file.name == "expected.safetensors":
+            continue
+        with safe_open(str(file), "pt") as handle:
+            on_disk.update({k: handle.get_tensor(k) for k in handle.keys()})
+    return on_disk
+
+
+def save_pretrained_names(model, dtype: torch.dtype) -> set[str]:
+    """The tensor names transformers' save_pretrained writes for `model` (converted to `dtype`).
+
+    Pass a model that is not used afterwards: .to(dtype) also rounds the rotary inv_freq buffer.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        model.to(dtype).save_pretrained(tmp)
+        saved = set()
+        for file in Path(tmp).glob("*.safetensors"):
+            with safe_open(str(file), "pt") as handle:
+                saved.update(handle.keys())
+    return saved
+
+
+def same_logits(model, reloaded, results) -> bool:
+    """True when both models give bit-identical logits on every prompt + greedy continuation."""
+    for result in results:
+        ids = torch.tensor([result.prompt_ids + result.greedy_ids])
+        with torch.no_grad():
+            if not torch.equal(model(ids, use_cache=False).logits, reloaded(ids, use_cache=False).logits):
+                return False
+    return True
+
+
+def write_expected(out: Path, model, ids: list[int]) -> None:
+    expected = capture_forward(model, ids)
+    expected = {k: v.contiguous() for k, v in expected.items()}
+    save_file(expected, str(out / "expected.safetensors"), metadata={"format": "pt"})
 
 
 def _natural_key(name: str):
@@ -290,34 +371,18 @@ def _natural_key(name: str):
 
 def verify_checkpoint(case: MixtralCase, out: Path, stored, model, results) -> None:
     """Reload the written directory with from_pretrained and demand identical outputs."""
-    on_disk = {}
-    for file in sorted(out.glob("*.safetensors")):
-        if file.name == "expected.safetensors":
-            continue
-        with safe_open(str(file), "pt") as handle:
-            on_disk.update({k: handle.get_tensor(k) for k in handle.keys()})
+    on_disk = read_tensors(out)
     if set(on_disk) != set(stored) or any(not torch.equal(on_disk[k], stored[k]) for k in stored):
         raise RuntimeError(f"{case.name}: written tensors differ from the computed ones")
-    with tempfile.TemporaryDirectory() as tmp:  # transformers' own hub names must equal ours
-        # A separate copy: .to(dtype) would also round the rotary inv_freq buffer.
-        build_model(case, stored).to(case.dtype).save_pretrained(tmp)
-        saved = set()
-        for file in Path(tmp).glob("*.safetensors"):
-            with safe_open(str(file), "pt") as handle:
-                saved.update(handle.keys())
-        if saved != set(stored):
-            raise RuntimeError(f"{case.name}: save_pretrained names differ: {sorted(saved ^ set(stored))}")
+    saved = save_pretrained_names(build_model(case, stored), case.dtype)  # transformers' own hub names
+    if saved != set(stored):
+        raise RuntimeError(f"{case.name}: save_pretrained names differ: {sorted(saved ^ set(stored))}")
     reloaded = MixtralForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     theta = reloaded.config.rope_parameters["rope_theta"]
     if theta != ROPE_THETA or reloaded.config.sliding_window != case.sliding_window:
         raise RuntimeError(f"{case.name}: config reload lost rope_theta/sliding_window")
-    for result in results:
-        ids = torch.tensor([result.prompt_ids + result.greedy_ids])
-        with torch.no_grad():
-            a = model(ids, use_cache=False).logits
-            b = reloaded(ids, use_cache=False).logits
-        if not torch.equal(a, b):
-            raise RuntimeError(f"{case.name}: from_pretrained reload gives different logits")
+    if not same_logits(model, reloaded, results):
+        raise RuntimeError(f"{case.name}: from_pretrained reload gives different logits")
 
 
 def window_is_active(case: MixtralCase, model, result) -> bool:
@@ -341,22 +406,16 @@ def generate_case(case: MixtralCase, fixtures: Path, provenance: dict) -> dict:
     out.mkdir(parents=True)
     for seed in range(case.base_seed, case.base_seed + MAX_SEED_TRIES):
         stored, model, results, margin, router_gap = attempt(case, seed)
-        # eos-free outputs keep the references valid for Rust tests that stop at eos;
-        # varied outputs exercise more positions than a single echoed token.
-        eos_free = all(EOS_TOKEN_ID not in r.greedy_ids for r in results)
-        varied = all(len(set(r.greedy_ids)) >= MIN_DISTINCT_GREEDY for r in results)
-        if margin >= MIN_GREEDY_MARGIN and router_gap >= MIN_ROUTER_GAP and eos_free and varied:
+        why = rejection(results, margin, router_gap)
+        if why is None:
             break
-        why = f"margin {margin:.2e}, router gap {router_gap:.2e}, eos-free {eos_free}, varied {varied}"
         print(f"  {case.name}: seed {seed} rejected ({why})")
     else:
         raise RuntimeError(f"{case.name}: no seed gave decisive margins")
     write_checkpoint(case, out, stored)
     verify_checkpoint(case, out, stored, model, results)
     write_json(out / "reference.json", {"case": case.name, "prompts": [r.as_reference() for r in results]})
-    expected = capture_forward(model, results[EXPECTED_PROMPT_INDEX].prompt_ids)
-    expected = {k: v.contiguous() for k, v in expected.items()}
-    save_file(expected, str(out / "expected.safetensors"), metadata={"format": "pt"})
+    write_expected(out, model, results[EXPECTED_PROMPT_INDEX].prompt_ids)
     window_active = window_is_active(case, model, results[EXPECTED_PROMPT_INDEX]) if case.sliding_window else False
     manifest = {
         "case": case.name,

@@ -79,7 +79,25 @@ impl Steps<'_> {
 
 #[test]
 fn steps_in_a_warm_workspace_allocate_nothing() {
-    let model = MoeModel::load(&fixtures_dir().join("mixtral-gqa")).unwrap();
+    // One model per family option: plain GQA, q/k norms per head with a dense layer, q/k/v
+    // biases with a shared expert, flat q/k norms with clipping, fused expert tensors.
+    // The steps run on a pool thread: a forward started from outside the pool injects one job
+    // into rayon's queue, whose lock-free blocks (crossbeam's `Injector`) are allocated every 63
+    // jobs — rayon's amortised cost, not the forward's, which 40 steps of five models would hit.
+    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+    for case in [
+        "mixtral-gqa",
+        "qwen3-moe",
+        "qwen2-moe",
+        "olmoe",
+        "qwen3-moe-fused",
+    ] {
+        pool.install(|| steps_allocate_nothing(case));
+    }
+}
+
+fn steps_allocate_nothing(case: &str) {
+    let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
     model.reserve_task_scratch(MAX_STEP_TOKENS, MAX_CONTEXT);
     let blocks = MAX_CONTEXT / BLOCK_SIZE;
     let spill = Capacity::Factor {
@@ -110,7 +128,7 @@ fn steps_in_a_warm_workspace_allocate_nothing() {
         });
         assert_eq!(
             n, 0,
-            "{capacity:?}: heap allocations in four steps (MOESERVE_ALLOC_TRACE=1 shows them)"
+            "{case} {capacity:?}: heap allocations in four steps (MOESERVE_ALLOC_TRACE=1 shows them)"
         );
         assert_eq!(steps.record.layers.len(), model.config().num_moe_layers());
     }

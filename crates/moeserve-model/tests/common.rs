@@ -10,6 +10,24 @@ use moeserve_model::kv_cache::PagedKvCache;
 use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 use serde::Deserialize;
 
+/// The transformers fixtures of tiny random Mixtral checkpoints.
+pub const MIXTRAL_CASES: [&str; 4] = [
+    "mixtral-swa",
+    "mixtral-tied",
+    "mixtral-gqa",
+    "mixtral-sharded",
+];
+
+/// The transformers fixtures of the other families (tests/reference/moe_family_cases.py):
+/// q/k norms per head and `head_dim` ≠ hidden/heads, dense layers among sparse ones, fused
+/// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`.
+pub const FAMILY_CASES: [&str; 4] = ["qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "olmoe"];
+
+/// Every transformers fixture of a sparse model.
+pub fn all_cases() -> impl Iterator<Item = &'static str> {
+    MIXTRAL_CASES.into_iter().chain(FAMILY_CASES)
+}
+
 /// `tests/fixtures` of this checkout, or `$MOESERVE_FIXTURES` (test binaries copied to another
 /// machine, e.g. by bench/gpu_check.sh, where the build's path does not exist).
 pub fn fixtures_dir() -> PathBuf {

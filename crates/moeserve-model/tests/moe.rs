@@ -13,13 +13,6 @@ use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
 };
 
-const CASES: [&str; 4] = [
-    "mixtral-swa",
-    "mixtral-tied",
-    "mixtral-gqa",
-    "mixtral-sharded",
-];
-
 fn load(case: &str) -> MoeModel {
     MoeModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
 }
@@ -68,7 +61,7 @@ fn factor(alpha: f32, overflow: OverflowPolicy) -> Capacity {
 
 #[test]
 fn dropless_and_spill_equal_the_default_path_exactly() {
-    for case in CASES {
+    for case in all_cases() {
         let model = load(case);
         let want = prefill_all_logits(&model, &prompt(&model), None);
         let (dropless, record, _) = run(&model, Capacity::Dropless, None);
@@ -90,7 +83,7 @@ fn dropless_and_spill_equal_the_default_path_exactly() {
 
 #[test]
 fn expert_parallel_outputs_equal_one_device_exactly() {
-    for case in CASES {
+    for case in all_cases() {
         let model = load(case);
         let want = prefill_all_logits(&model, &prompt(&model), None);
         let drop = factor(1.0, OverflowPolicy::Drop);
@@ -130,7 +123,7 @@ fn independent_drop_count(logits: &[f32], num_experts: usize, top_k: usize) -> (
 
 #[test]
 fn drop_counts_at_capacity_factor_one_equal_an_independent_count() {
-    for case in CASES {
+    for case in all_cases() {
         let model = load(case);
         let c = model.config();
         let (_, record, trace) = run(&model, factor(1.0, OverflowPolicy::Drop), None);
@@ -158,7 +151,7 @@ fn drop_counts_at_capacity_factor_one_equal_an_independent_count() {
 
 #[test]
 fn reroute_keeps_every_pair_it_can_and_changes_the_output() {
-    for case in CASES {
+    for case in all_cases() {
         let model = load(case);
         let (dropless, _, _) = run(&model, Capacity::Dropless, None);
         let (rerouted, record, _) = run(&model, factor(1.0, OverflowPolicy::Reroute), None);

@@ -1,6 +1,7 @@
 //! Parity with Hugging Face transformers on the committed fixtures (made by
 //! tests/reference/generate.py): per-layer outputs and router logits, final logits, 24 greedy
-//! tokens with their logprobs and top-5 alternatives, for every case and prompt.
+//! tokens with their logprobs and top-5 alternatives, for every case and prompt of every family
+//! (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE).
 
 mod common;
 
@@ -12,13 +13,6 @@ use moeserve_model::models::{ForwardTrace, MoeModel};
 const LOGPROB_TOLERANCE: f32 = 1e-4;
 /// Largest |Δ| for hidden states and logits, relative to the tensor's largest magnitude.
 const ACTIVATION_TOLERANCE: f32 = 1e-4;
-
-const MIXTRAL_CASES: [&str; 4] = [
-    "mixtral-swa",
-    "mixtral-tied",
-    "mixtral-gqa",
-    "mixtral-sharded",
-];
 
 /// Compares layer by layer so a failure names the first bad layer.
 fn check_layers(case: &str) {
@@ -67,14 +61,14 @@ pub fn check_greedy(case: &str, dir: &std::path::Path, model: &MoeModel) -> f32 
 
 #[test]
 fn layer_outputs_match_transformers() {
-    for case in MIXTRAL_CASES {
+    for case in all_cases() {
         check_layers(case);
     }
 }
 
 #[test]
 fn greedy_tokens_and_logprobs_match_transformers() {
-    for case in MIXTRAL_CASES {
+    for case in all_cases() {
         let dir = fixtures_dir().join(case);
         let model = MoeModel::load(&dir).unwrap();
         let worst = check_greedy(case, &dir, &model);
@@ -86,7 +80,7 @@ fn greedy_tokens_and_logprobs_match_transformers() {
 /// every block size (the kernels' reduction order does not depend on the batch).
 #[test]
 fn incremental_decode_equals_full_recompute() {
-    for case in MIXTRAL_CASES {
+    for case in all_cases() {
         let dir = fixtures_dir().join(case);
         let model = MoeModel::load(&dir).unwrap();
         let prompt = &read_reference(&dir).prompts[2].prompt_ids;
@@ -106,6 +100,32 @@ fn incremental_decode_equals_full_recompute() {
                 );
             }
         }
+    }
+}
+
+/// The family is what config.json names, and each family's checkpoint has the shape its
+/// fixture was made with (dense layers, shared experts, fused experts read as per-expert ones).
+#[test]
+fn each_family_fixture_loads_as_its_family() {
+    use moeserve_model::config::Architecture;
+    let want = [
+        ("qwen3-moe", Architecture::Qwen3Moe, vec![true, false, true]),
+        (
+            "qwen3-moe-fused",
+            Architecture::Qwen3Moe,
+            vec![false, true, false, true],
+        ),
+        ("qwen2-moe", Architecture::Qwen2Moe, vec![false, true, true]),
+        ("olmoe", Architecture::Olmoe, vec![true, true, true]),
+    ];
+    for (case, arch, sparse) in want {
+        let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
+        let c = model.config();
+        assert_eq!(c.architecture, arch, "{case}");
+        assert_eq!(c.sparse_layers, sparse, "{case}");
+        assert_eq!(model.moe_layers().len(), c.num_moe_layers(), "{case}");
+        let shared = model.moe_layers().iter().all(|m| m.shared.is_some());
+        assert_eq!(shared, case == "qwen2-moe", "{case}");
     }
 }
 

@@ -11,11 +11,15 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 4] = [
+pub const FIXTURE_CASES: [&str; 8] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
     "mixtral-sharded",
+    "qwen3-moe",
+    "qwen3-moe-fused",
+    "qwen2-moe",
+    "olmoe",
 ];
 
 pub fn repo_root() -> PathBuf {

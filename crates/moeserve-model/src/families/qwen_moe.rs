@@ -27,7 +27,12 @@ pub(super) fn read_config(
             "`use_sliding_window: true` is not supported for this family yet",
         ));
     }
-    let num_experts = fields.usize("num_experts")?;
+    // Hub configs say `num_experts`; transformers ≥ 5 writes `num_local_experts` (its
+    // attribute map) when it saves one.
+    let num_experts = match fields.opt_usize("num_experts")? {
+        Some(n) => n,
+        None => fields.usize("num_local_experts")?,
+    };
     let step = fields.opt_usize("decoder_sparse_step")?.unwrap_or(1);
     if step == 0 {
         return Err(ModelError::config(

@@ -1,0 +1,571 @@
+"""Tiny random Qwen3-MoE, Qwen2-MoE and OLMoE checkpoints with transformers float32 references.
+
+Owns fixture set F: tests/fixtures/{qwen3-moe,qwen3-moe-fused,qwen2-moe,olmoe}/, each in
+the mixtral-* layout (config.json, generation_config.json, model.safetensors,
+reference.json, expected.safetensors, manifest.json; see mixtral_cases.py, whose
+helpers it reuses). Follows transformers 5.24's modeling_{qwen3_moe,qwen2_moe,olmoe}.py
+and the "qwen2_moe" rules of conversion_mapping.py (qwen3_moe and olmoe map to them):
+hub per-expert `mlp.experts.N.{gate,up,down}_proj.weight` are merged on load into
+`mlp.experts.gate_up_proj` [E, 2*I, H] (MergeModulelist(dim=0) then Concatenate(dim=1):
+gate rows first, then up) and `mlp.experts.down_proj` [E, H, I]; save_pretrained splits
+them back into the hub names. qwen3-moe-fused stores the merged module names instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from mixtral_cases import (
+    EOS_TOKEN_ID,
+    EXPECTED_PROMPT_INDEX,
+    MAX_POSITIONS,
+    MAX_SEED_TRIES,
+    NEW_TOKENS,
+    ROPE_THETA,
+    VOCAB,
+    is_sparse_layer,
+    read_tensors,
+    rejection,
+    run_references,
+    same_logits,
+    save_pretrained_names,
+    styled_config_json,
+    write_expected,
+    write_tensors,
+)
+from ref_common import write_json
+
+FAMILIES = {
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+}
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    name: str
+    family: str  # a FAMILIES key (the config's model_type)
+    dtype: torch.dtype
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int | None  # written to the config when set; None: hidden // heads
+    layers: int
+    experts: int
+    top_k: int
+    expert_intermediate: int  # Qwen moe_intermediate_size, OLMoE intermediate_size
+    norm_topk_prob: bool
+    tied: bool
+    config_style: str  # as MixtralCase.config_style
+    rms_norm_eps: float
+    base_seed: int
+    dense_intermediate: int | None = None  # Qwen intermediate_size: the dense layers' MLP
+    shared_intermediate: int | None = None  # Qwen2-MoE shared_expert_intermediate_size
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    clip_qkv: float | None = None
+    fused_experts: bool = False  # store mlp.experts.{gate_up_proj,down_proj} (module names)
+    embed_std: float = 1.0
+    residual_gain: float = 1.0
+    bias_std: float = 0.5
+    shared_gate_std: float = 2.0
+
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def dense_layers(self) -> list[int]:
+        """Layers with a dense MLP, by the modeling code's rule (OLMoE has none)."""
+        if self.family == "olmoe":
+            return []
+        return [
+            layer
+            for layer in range(self.layers)
+            if layer in self.mlp_only_layers or (layer + 1) % self.decoder_sparse_step != 0
+        ]
+
+
+CASES = (
+    FamilyCase(
+        name="qwen3-moe", family="qwen3_moe", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=24,
+        layers=3, experts=8, top_k=2, expert_intermediate=48, dense_intermediate=128, mlp_only_layers=(1,),
+        norm_topk_prob=True, tied=False, config_style="parameters", rms_norm_eps=1e-6, base_seed=5000,
+    ),
+    FamilyCase(
+        name="qwen3-moe-fused", family="qwen3_moe", dtype=torch.float32, hidden=48, heads=6, kv_heads=2, head_dim=16,
+        layers=4, experts=6, top_k=3, expert_intermediate=40, dense_intermediate=96, decoder_sparse_step=2,
+        norm_topk_prob=False, tied=False, config_style="legacy", rms_norm_eps=1e-6, base_seed=6000,
+        fused_experts=True,
+    ),
+    FamilyCase(
+        # Untied: with tied embeddings (and the q/k/v biases) greedy output falls into short loops.
+        name="qwen2-moe", family="qwen2_moe", dtype=torch.float16, hidden=64, heads=4, kv_heads=2, head_dim=24,
+        layers=3, experts=12, top_k=3, expert_intermediate=32, dense_intermediate=128, shared_intermediate=96,
+        mlp_only_layers=(0,), norm_topk_prob=False, tied=False, config_style="legacy", rms_norm_eps=1e-6,
+        base_seed=7000,
+    ),
+    FamilyCase(
+        name="olmoe", family="olmoe", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=None,
+        layers=3, experts=8, top_k=2, expert_intermediate=48, clip_qkv=2.0, norm_topk_prob=False, tied=False,
+        config_style="top_level", rms_norm_eps=1e-5, base_seed=8000,
+    ),
+)
+
+
+def make_config(case: FamilyCase):
+    config_cls, model_cls = FAMILIES[case.family]
+    kwargs = {
+        "vocab_size": VOCAB,
+        "hidden_size": case.hidden,
+        "num_hidden_layers": case.layers,
+        "num_attention_heads": case.heads,
+        "num_key_value_heads": case.kv_heads,
+        "num_experts": case.experts,
+        "num_experts_per_tok": case.top_k,
+        "norm_topk_prob": case.norm_topk_prob,
+        "rms_norm_eps": case.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "tie_word_embeddings": case.tied,
+        "max_position_embeddings": MAX_POSITIONS,
+        "pad_token_id": None,
+        "bos_token_id": 1,
+        "eos_token_id": EOS_TOKEN_ID,
+        "dtype": case.dtype,
+        "attn_implementation": "eager",
+    }
+    if case.head_dim is not None:
+        kwargs["head_dim"] = case.head_dim
+    if case.family == "olmoe":
+        kwargs.update(intermediate_size=case.expert_intermediate, clip_qkv=case.clip_qkv)
+    else:
+        kwargs.update(
+            intermediate_size=case.dense_intermediate,
+            moe_intermediate_size=case.expert_intermediate,
+            mlp_only_layers=list(case.mlp_only_layers),
+            decoder_sparse_step=case.decoder_sparse_step,
+            use_sliding_window=False,
+        )
+    if case.family == "qwen2_moe":
+        kwargs.update(shared_expert_intermediate_size=case.shared_intermediate, qkv_bias=True)
+    config = config_cls(**kwargs)
+    config.architectures = [model_cls.__name__]
+    return config
+
+
+def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
+    """Random hub-named weights (per-expert experts), stored in the case dtype.
+
+    Scales follow mixtral_cases.init_hub_tensors; every norm weight, bias and gate is
+    random so that a skipped or misplaced term changes the outputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hd = case.attn_head_dim
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+    def norm_weight(size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn((size,), generator=gen, dtype=torch.float32)
+
+    def mlp(prefix: str, inter: int) -> None:
+        tensors[f"{prefix}.gate_proj.weight"] = normal((inter, h), 1.0 / h**0.5)
+        tensors[f"{prefix}.up_proj.weight"] = normal((inter, h), 1.0 / h**0.5)
+        tensors[f"{prefix}.down_proj.weight"] = normal((h, inter), case.residual_gain / inter**0.5)
+
+    h = case.hidden
+    q_width, kv_width = case.heads * hd, case.kv_heads * hd
+    tensors = {"model.embed_tokens.weight": normal((VOCAB, h), case.embed_std)}
+    for layer in range(case.layers):
+        p = f"model.layers.{layer}"
+        tensors[f"{p}.input_layernorm.weight"] = norm_weight(h)
+        tensors[f"{p}.self_attn.q_proj.weight"] = normal((q_width, h), 1.3 / h**0.5)
+        tensors[f"{p}.self_attn.k_proj.weight"] = normal((kv_width, h), 1.3 / h**0.5)
+        tensors[f"{p}.self_attn.v_proj.weight"] = normal((kv_width, h), 1.0 / h**0.5)
+        if case.family == "qwen2_moe":
+            tensors[f"{p}.self_attn.q_proj.bias"] = normal((q_width,), case.bias_std)
+            tensors[f"{p}.self_attn.k_proj.bias"] = normal((kv_width,), case.bias_std)
+            tensors[f"{p}.self_attn.v_proj.bias"] = normal((kv_width,), case.bias_std)
+        tensors[f"{p}.self_attn.o_proj.weight"] = normal((h, q_width), case.residual_gain / q_width**0.5)
+        if case.family == "qwen3_moe":  # per head, over head_dim
+            tensors[f"{p}.self_attn.q_norm.weight"] = norm_weight(hd)
+            tensors[f"{p}.self_attn.k_norm.weight"] = norm_weight(hd)
+        elif case.family == "olmoe":  # over the whole q / k projection
+            tensors[f"{p}.self_attn.q_norm.weight"] = norm_weight(q_width)
+            tensors[f"{p}.self_attn.k_norm.weight"] = norm_weight(kv_width)
+        tensors[f"{p}.post_attention_layernorm.weight"] = norm_weight(h)
+        if layer in case.dense_layers:
+            mlp(f"{p}.mlp", case.dense_intermediate)
+            continue
+        tensors[f"{p}.mlp.gate.weight"] = normal((case.experts, h), 2.0 / h**0.5)
+        for e in range(case.experts):
+            mlp(f"{p}.mlp.experts.{e}", case.expert_intermediate)
+        if case.family == "qwen2_moe":
+            mlp(f"{p}.mlp.shared_expert", case.shared_intermediate)
+            tensors[f"{p}.mlp.shared_expert_gate.weight"] = normal((1, h), case.shared_gate_std / h**0.5)
+    tensors["model.norm.weight"] = norm_weight(h)
+    if not case.tied:
+        tensors["lm_head.weight"] = normal((VOCAB, h), 3.0 / h**0.5)
+    return {name: t.to(case.dtype).contiguous() for name, t in tensors.items()}
+
+
+def fuse_experts(case: FamilyCase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert hub names -> transformers 5.24's fused module names (same dtype, exact)."""
+    fused = {name: t for name, t in tensors.items() if ".mlp.experts." not in name}
+    for layer in range(case.layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        if f"{p}.0.gate_proj.weight" not in tensors:
+            if f"{p}.gate_up_proj" in tensors:  # already fused
+                fused[f"{p}.gate_up_proj"] = tensors[f"{p}.gate_up_proj"]
+                fused[f"{p}.down_proj"] = tensors[f"{p}.down_proj"]
+            continue
+        experts = range(case.experts)
+        gate_up = [torch.cat([tensors[f"{p}.{e}.{proj}.weight"] for proj in ("gate_proj", "up_proj")]) for e in experts]
+        fused[f"{p}.gate_up_proj"] = torch.stack(gate_up).contiguous()
+        fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in experts]).contiguous()
+    return fused
+
+
+def module_state_dict(case: FamilyCase, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {name: t.to(torch.float32) for name, t in fuse_experts(case, stored).items()}
+    if case.tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def build_model(case: FamilyCase, stored: dict[str, torch.Tensor]):
+    config = make_config(case)
+    config.dtype = torch.float32
+    model = FAMILIES[case.family][1](config).to(torch.float32).eval()
+    model.load_state_dict(module_state_dict(case, stored), strict=True)
+    if case.tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        raise RuntimeError(f"{case.name}: lm_head is not tied to embed_tokens")
+    dense = [i for i, layer in enumerate(model.model.layers) if not is_sparse_layer(layer)]
+    if dense != case.dense_layers:
+        raise RuntimeError(f"{case.name}: dense layers {dense}, expected {case.dense_layers}")
+    return model
+
+
+def attempt(case: FamilyCase, seed: int):
+    hub = init_hub_tensors(case, seed)
+    stored = fuse_experts(case, hub) if case.fused_experts else hub
+    model = build_model(case, stored)
+    results, greedy_margin, router_gap = run_references(model, seed, case.top_k)
+    return hub, stored, model, results, greedy_margin, router_gap
+
+
+def config_json(case: FamilyCase) -> dict:
+    config = styled_config_json(make_config(case), case.config_style)
+    if case.family == "qwen3_moe" and case.config_style == "legacy":
+        # transformers 5.24 writes Qwen3-MoE's expert count as num_local_experts (its
+        # attribute_map); the hub's Qwen3-MoE configs, like this style, say num_experts.
+        config["num_experts"] = config.pop("num_local_experts")
+    return dict(sorted(config.items()))
+
+
+def write_checkpoint(case: FamilyCase, out: Path, stored: dict[str, torch.Tensor]) -> None:
+    write_json(out / "config.json", config_json(case))
+    write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": EOS_TOKEN_ID})
+    write_tensors(out, stored, 1)
+
+
+def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hub) -> bool:
+    """Reload the written directory with from_pretrained and demand identical weights and outputs.
+
+    Returns whether save_pretrained writes exactly the checkpoint's tensor names
+    (required for the per-expert cases; a fused checkpoint is saved back per expert).
+    """
+    on_disk = read_tensors(out)
+    if set(on_disk) != set(stored) or any(not torch.equal(on_disk[k], stored[k]) for k in stored):
+        raise RuntimeError(f"{case.name}: written tensors differ from the computed ones")
+    saved = save_pretrained_names(build_model(case, stored), case.dtype)
+    if saved != set(hub):  # transformers writes the hub (per-expert) names in every case
+        raise RuntimeError(f"{case.name}: save_pretrained names differ: {sorted(saved ^ set(hub))}")
+    model_cls = FAMILIES[case.family][1]
+    reloaded, info = model_cls.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    reloaded.eval()
+    if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")):
+        raise RuntimeError(f"{case.name}: from_pretrained loading info {info}")
+    config = reloaded.config
+    if config.rope_parameters["rope_theta"] != ROPE_THETA or config.norm_topk_prob != case.norm_topk_prob:
+        raise RuntimeError(f"{case.name}: config reload lost rope_theta/norm_topk_prob")
+    if reloaded.model.layers[0].self_attn.head_dim != case.attn_head_dim:
+        raise RuntimeError(f"{case.name}: reloaded head_dim {reloaded.model.layers[0].self_attn.head_dim}")
+    if getattr(config, "clip_qkv", None) != case.clip_qkv or getattr(config, "sliding_window", None):
+        raise RuntimeError(f"{case.name}: config reload lost clip_qkv or enabled a sliding window")
+    expected_state = module_state_dict(case, stored)
+    reloaded_state = reloaded.state_dict()
+    if set(reloaded_state) != set(expected_state):
+        raise RuntimeError(f"{case.name}: module names differ: {sorted(set(reloaded_state) ^ set(expected_state))}")
+    for name, tensor in expected_state.items():  # transformers' fusion convention equals ours
+        if not torch.equal(reloaded_state[name], tensor):
+            raise RuntimeError(f"{case.name}: reloaded {name} differs from the fused stored tensors")
+    if not same_logits(model, reloaded, results):
+        raise RuntimeError(f"{case.name}: from_pretrained reload gives different logits")
+    return saved == set(stored)
+
+
+# ---------------------------------------------------------------- ablations
+
+
+@contextlib.contextmanager
+def _hooked(modules, hook):
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _replaced(params, fill: float):
+    saved = [p.data.clone() for p in params]
+    try:
+        for p in params:
+            p.data.fill_(fill)
+        yield
+    finally:
+        for p, data in zip(params, saved):
+            p.data.copy_(data)
+
+
+@contextlib.contextmanager
+def _config_value(config, key: str, value):
+    saved = getattr(config, key)
+    setattr(config, key, value)
+    try:
+        yield
+    finally:
+        setattr(config, key, saved)
+
+
+@contextlib.contextmanager
+def _flipped_norm_topk(routers):
+    try:
+        for router in routers:
+            router.norm_topk_prob = not router.norm_topk_prob
+        yield
+    finally:
+        for router in routers:
+            router.norm_topk_prob = not router.norm_topk_prob
+
+
+def ablations(case: FamilyCase, model) -> dict:
+    """Named context managers that each drop one family-specific term from the model."""
+    layers = model.model.layers
+    attns = [layer.self_attn for layer in layers]
+    sparse = [layer.mlp for layer in layers if is_sparse_layer(layer)]
+    out = {"norm_topk_prob_flipped": lambda: _flipped_norm_topk([m.gate for m in sparse])}
+    if case.family in ("qwen3_moe", "olmoe"):
+        norms = [a.q_norm for a in attns] + [a.k_norm for a in attns]
+        out["qk_norm_skipped"] = lambda: _hooked(norms, lambda _m, inputs, _o: inputs[0])
+        out["qk_norm_weight_ones"] = lambda: _replaced([n.weight for n in norms], 1.0)
+    if case.family == "olmoe":
+        out["clip_qkv_off"] = lambda: _config_value(model.config, "clip_qkv", None)
+    if case.family == "qwen2_moe":
+        biases = [getattr(a, f"{x}_proj").bias for a in attns for x in "qkv"]
+        out["qkv_bias_zero"] = lambda: _replaced(biases, 0.0)
+        gates = [m.shared_expert_gate for m in sparse]
+        out["shared_expert_gate_one"] = lambda: _hooked(gates, lambda _m, _i, o: torch.full_like(o, 100.0))
+        out["shared_expert_gate_half"] = lambda: _hooked(gates, lambda _m, _i, o: torch.zeros_like(o))
+        out["shared_expert_skipped"] = lambda: _hooked([m.shared_expert for m in sparse], lambda _m, _i, o: o * 0)
+    return out
+
+
+@torch.no_grad()
+def ablation_effects(case: FamilyCase, model, results) -> dict:
+    """Per ablation: max |logit change| and how many of the greedy positions change argmax."""
+    effects = {}
+    for name, ablation in ablations(case, model).items():
+        max_change, changed, positions = 0.0, 0, 0
+        for r in results:
+            ids = torch.tensor([r.prompt_ids + r.greedy_ids])
+            base = model(ids, use_cache=False).logits[0]
+            with ablation():
+                ablated = model(ids, use_cache=False).logits[0]
+            span = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + len(r.greedy_ids))
+            max_change = max(max_change, float((base - ablated).abs().max()))
+            changed += int((base[span].argmax(-1) != ablated[span].argmax(-1)).sum())
+            positions += len(r.greedy_ids)
+        if max_change == 0.0:
+            raise RuntimeError(f"{case.name}: ablation {name} does not change the logits")
+        effects[name] = {"max_abs_logit_change": max_change, "greedy_argmax_changed": f"{changed}/{positions}"}
+    return effects
+
+
+@torch.no_grad()
+def family_stats(case: FamilyCase, model, ids: list[int]) -> dict:
+    """Statistics of the family-specific terms over one prompt (the expected.safetensors one)."""
+    layers = model.model.layers
+    values: dict[str, list[torch.Tensor]] = {}
+
+    def record(key):
+        return lambda _m, _i, output: values.setdefault(key, []).append(output.detach().flatten().clone())
+
+    hooks = []
+    if case.family == "qwen2_moe":
+        for layer in layers:
+            if is_sparse_layer(layer):
+                hooks.append(layer.mlp.shared_expert_gate.register_forward_hook(record("gate")))
+    if case.family == "olmoe":
+        for layer in layers:
+            hooks.append(layer.self_attn.q_norm.register_forward_hook(record("q")))
+            hooks.append(layer.self_attn.k_norm.register_forward_hook(record("k")))
+            hooks.append(layer.self_attn.v_proj.register_forward_hook(record("v")))
+    try:
+        model(torch.tensor([ids]), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    stats = {}
+    if case.family == "qwen2_moe":
+        sig = torch.sigmoid(torch.cat(values["gate"]))
+        stats["shared_expert_gate_sigmoid"] = {k: float(getattr(sig, k)()) for k in ("min", "mean", "max")}
+    if case.family == "olmoe":  # q/k after their norm, v raw: the tensors clip_qkv clamps
+        clipped = {k: float((torch.cat(v).abs() > case.clip_qkv).float().mean()) for k, v in values.items()}
+        stats["clip_qkv_fraction_clipped"] = clipped
+    return stats
+
+
+# ---------------------------------------------------------------- independent forward
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved (rotate-half) RoPE over the whole head_dim of x [T, heads, head_dim]."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.arange(x.shape[0], dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
+
+
+@torch.no_grad()
+def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """The forward written out from the formulas (not transformers' modules): logits [T, V]."""
+    w = module_state_dict(case, stored)
+    eps, hd, n_tokens = case.rms_norm_eps, case.attn_head_dim, len(ids)
+    x = w["model.embed_tokens.weight"][ids]
+    causal = torch.full((n_tokens, n_tokens), float("-inf")).triu(1)
+    for layer in range(case.layers):
+        p = f"model.layers.{layer}."
+        h = _rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q, k, v = (
+            h @ w[f"{p}self_attn.{n}_proj.weight"].T + w.get(f"{p}self_attn.{n}_proj.bias", 0.0) for n in "qkv"
+        )
+        if case.family == "olmoe":  # norm over the flat projection, then clip q, k and v
+            q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
+            k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
+            v = v.clamp(-case.clip_qkv, case.clip_qkv)
+        q, k, v = q.view(n_tokens, case.heads, hd), k.view(n_tokens, case.kv_heads, hd), v.view(n_tokens, -1, hd)
+        if case.family == "qwen3_moe":  # norm per head over head_dim
+            q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
+            k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
+        q, k = _rope(q), _rope(k)
+        group = case.heads // case.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("thd,shd->hts", q, k) * hd**-0.5 + causal, dim=-1)
+        attn = torch.einsum("hts,shd->thd", probs, v).reshape(n_tokens, case.heads * hd)
+        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+
+        def swiglu(prefix: str, h=h, p=p) -> torch.Tensor:
+            gate, up = (h @ w[f"{p}{prefix}{proj}.weight"].T for proj in ("gate_proj", "up_proj"))
+            return (torch.nn.functional.silu(gate) * up) @ w[f"{p}{prefix}down_proj.weight"].T
+
+        if layer in case.dense_layers:
+            x = x + swiglu("mlp.")
+            continue
+        router_probs = torch.softmax(h @ w[p + "mlp.gate.weight"].T, dim=-1)  # over all experts
+        top_w, top_i = torch.topk(router_probs, case.top_k, dim=-1)
+        if case.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        gate_up, down = w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.down_proj"]
+        out = torch.zeros_like(x)
+        for e in range(case.experts):
+            weight = (top_w * (top_i == e)).sum(-1, keepdim=True)  # 0 where e is not selected
+            gate, up = (h @ gate_up[e].T).split(case.expert_intermediate, dim=-1)  # gate rows first
+            out = out + weight * ((torch.nn.functional.silu(gate) * up) @ down[e].T)
+        if case.family == "qwen2_moe":
+            out = out + torch.sigmoid(h @ w[p + "mlp.shared_expert_gate.weight"].T) * swiglu("mlp.shared_expert.")
+        x = x + out
+    return _rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+# ---------------------------------------------------------------- driver
+
+
+def generate_case(case: FamilyCase, fixtures: Path, provenance: dict) -> dict:
+    out = fixtures / case.name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for seed in range(case.base_seed, case.base_seed + MAX_SEED_TRIES):
+        hub, stored, model, results, margin, router_gap = attempt(case, seed)
+        why = rejection(results, margin, router_gap)
+        if why is None:
+            break
+        print(f"  {case.name}: seed {seed} rejected ({why})")
+    else:
+        raise RuntimeError(f"{case.name}: no seed gave decisive margins")
+    write_checkpoint(case, out, stored)
+    names_match = verify_checkpoint(case, out, stored, model, results, hub=hub)
+    if not names_match and not case.fused_experts:
+        raise RuntimeError(f"{case.name}: save_pretrained does not write the checkpoint's names")
+    write_json(out / "reference.json", {"case": case.name, "prompts": [r.as_reference() for r in results]})
+    expected_ids = results[EXPECTED_PROMPT_INDEX].prompt_ids
+    write_expected(out, model, expected_ids)
+    with torch.no_grad():
+        hf_logits = model(torch.tensor([expected_ids]), use_cache=False).logits[0]
+    independent_diff = float((independent_logits(case, stored, expected_ids) - hf_logits).abs().max())
+    if independent_diff > 1e-3:
+        raise RuntimeError(f"{case.name}: the written-out forward differs from transformers by {independent_diff}")
+    manifest = {
+        "case": case.name,
+        "family": case.family,
+        "architecture": FAMILIES[case.family][1].__name__,
+        **provenance,
+        "seed": seed,
+        "dtype": str(case.dtype).removeprefix("torch."),
+        "compute_dtype": "float32 (stored values upcast), attn_implementation eager, full recompute per step",
+        "experts_implementation": model.config._experts_implementation,  # noqa: SLF001 - transformers' default
+        "expert_layout": "fused module names" if case.fused_experts else "per-expert hub names",
+        "save_pretrained_names_equal_checkpoint": names_match,
+        "from_pretrained_logits_identical": True,
+        "dense_layers": case.dense_layers,
+        "sparse_layers": [i for i in range(case.layers) if i not in case.dense_layers],
+        "min_greedy_margin": margin,
+        "min_router_topk_gap": router_gap,
+        "independent_forward_max_abs_logit_diff": independent_diff,
+        "ablations": ablation_effects(case, model, results),
+        **family_stats(case, model, expected_ids),
+        "expected_prompt_index": EXPECTED_PROMPT_INDEX,
+        "greedy_ids_contain_eos": False,
+        "distinct_greedy_ids_per_prompt": [len(set(r.greedy_ids)) for r in results],
+        "new_tokens": NEW_TOKENS,
+    }
+    if case.family == "olmoe":
+        manifest["clip_qkv_changes_logits"] = manifest["ablations"]["clip_qkv_off"]["max_abs_logit_change"] > 0
+    write_json(out / "manifest.json", manifest)
+    print(f"  {case.name}: seed {seed}, min margin {margin:.4f}, router gap {router_gap:.4f}")
+    return manifest
