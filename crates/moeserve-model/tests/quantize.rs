@@ -99,6 +99,76 @@ fn quantized_checkpoint_loads_its_gptq_integers() {
     );
 }
 
+/// Every family's matrices are quantized and reloaded by their hub names: dense layers' MLPs,
+/// the shared expert (its scalar gate stays as stored, like the routers), and experts a
+/// checkpoint stores fused (their int8 forms under per-expert names).
+#[test]
+fn every_family_quantizes_its_dense_shared_and_fused_matrices() {
+    if !run_int8() {
+        return;
+    }
+    for (case, shared) in [
+        ("qwen2-moe", true),
+        ("qwen3-moe-fused", false),
+        ("olmoe", false),
+    ] {
+        let src = fixtures_dir().join(case);
+        let out = tempfile::tempdir().unwrap();
+        let report = quantize(&src, out.path());
+        let model = MoeModel::load_as_stored(&src).unwrap();
+        let c = model.config();
+        let (sparse, dense) = (c.num_moe_layers(), c.num_hidden_layers - c.num_moe_layers());
+        let per_sparse = 3 * c.num_local_experts + if shared { 3 } else { 0 };
+        assert_eq!(
+            report.matrices,
+            4 * c.num_hidden_layers + sparse * per_sparse + 3 * dense + 1,
+            "{case}"
+        );
+        let ckpt = Checkpoint::open(out.path()).unwrap();
+        let has = |prefix: &str| ckpt.contains(&format!("{prefix}.qweight"));
+        let first_sparse = c.moe_layers()[0];
+        assert!(
+            has(&format!(
+                "model.layers.{first_sparse}.mlp.experts.1.down_proj"
+            )),
+            "{case}"
+        );
+        if let Some(l) = (0..c.num_hidden_layers).find(|l| !c.sparse_layers[*l]) {
+            assert!(has(&format!("model.layers.{l}.mlp.gate_proj")), "{case}");
+        }
+        if shared {
+            let p = format!("model.layers.{first_sparse}.mlp");
+            assert!(has(&format!("{p}.shared_expert.up_proj")), "{case}");
+            assert!(!has(&format!("{p}.shared_expert_gate")), "{case}");
+        }
+        assert!(
+            !has(&format!("model.layers.{first_sparse}.mlp.gate")),
+            "{case}"
+        );
+        let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
+        let exact = prefill(&model, &prompt, ForwardOptions::default());
+        let rounded = prefill(
+            &MoeModel::load(&src).unwrap(),
+            &prompt,
+            ForwardOptions::default(),
+        );
+        let quantized = MoeModel::load(out.path()).unwrap();
+        assert!(quantized.quantization_summary().contains(&format!(
+            "GPTQ integers of {m} of {m} matrices",
+            m = report.matrices
+        )));
+        let gptq = prefill(&quantized, &prompt, ForwardOptions::default());
+        assert_ne!(gptq, rounded, "{case}: the stored integers are used");
+        for got in [&rounded, &gptq] {
+            let diff = common::max_rel_diff(got, &exact);
+            assert!(
+                diff < 0.05,
+                "{case}: int8 logits {diff} from the stored weights'"
+            );
+        }
+    }
+}
+
 /// A matrix's name, integers, scales and offsets.
 type StoredInt8 = (String, Vec<i8>, Vec<f32>, Vec<f32>);
 
