@@ -231,3 +231,33 @@ async fn a_dtype_other_than_the_checkpoints_is_refused_before_listening() {
         server.logs()
     );
 }
+
+#[tokio::test]
+async fn an_unknown_architecture_is_refused_at_start_up_naming_it_and_the_supported_list() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let config_path = path.join("config.json");
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    let config = config
+        .replace("MixtralForCausalLM", "DeepseekV3ForCausalLM")
+        .replace("\"mixtral\"", "\"deepseek_v3\"");
+    std::fs::write(&config_path, config).unwrap();
+    let (status, log) = run_to_exit(
+        &["serve", "--model", path.to_str().unwrap(), "--port", "0"],
+        Duration::from_secs(60),
+    );
+    assert!(!status.success());
+    assert!(
+        log.contains("\"DeepseekV3ForCausalLM\" is not supported"),
+        "{log}"
+    );
+    for supported in [
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "OlmoeForCausalLM",
+    ] {
+        assert!(log.contains(supported), "{supported}: {log}");
+    }
+    assert!(!log.contains("listening on"), "{log}");
+}
