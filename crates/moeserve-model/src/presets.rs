@@ -32,7 +32,8 @@ pub enum Preset {
     /// for per-expert views at the scale of large MoE models (the dashboard's 64 × 48 test).
     MixtralWide,
     /// Qwen3-30B-A3B's exact layer shapes (hidden 2048, 32 / 4 heads of 128, 128 experts top-8
-    /// of width 768, vocab 151936) with 2 of its 48 layers (≈ 1.24 B parameters, 2.5 GB).
+    /// of width 768, vocab 151936) with 2 of its 48 layers (≈ 1.87 B parameters, 3.7 GB; the
+    /// embeddings and lm_head are a third of them).
     Qwen3Moe30bA3b2l,
     /// A tiny Qwen3-MoE with Qwen3-30B-A3B's routing shape (128 experts top-8) on hidden 64,
     /// 2 layers, head_dim 24 ≠ 64/4 (≈ 1.9 M parameters): for tests.

@@ -28,7 +28,7 @@ pub struct Attention {
     qkv_bias: Option<[Weight; 3]>,
     o_bias: Option<Weight>,
     /// `q_norm`, `k_norm`: `[head_dim]` each (per head) or the projections' widths (flat).
-    qk_norm: Option<(QkNorm, Weight, Weight)>,
+    qk_norm: Option<(Weight, Weight)>,
     clip_qkv: Option<f32>,
     rms_norm_eps: f32,
     num_heads: usize,
@@ -58,18 +58,16 @@ impl Attention {
             ]),
             false => None,
         };
-        let qk_norm = match qk_norm {
+        let norm_widths = match qk_norm {
             QkNorm::None => None,
-            QkNorm::PerHead => {
-                let d = config.head_dim;
-                let (qn, kn) = (vector("q_norm.weight", d)?, vector("k_norm.weight", d)?);
-                Some((QkNorm::PerHead, qn, kn))
-            }
-            QkNorm::Flat => {
-                let (qn, kn) = (vector("q_norm.weight", q)?, vector("k_norm.weight", kv)?);
-                Some((QkNorm::Flat, qn, kn))
-            }
+            QkNorm::PerHead => Some((config.head_dim, config.head_dim)),
+            QkNorm::Flat => Some((q, kv)),
         };
+        let qk_norm = norm_widths
+            .map(|(qw, kw)| {
+                Result::Ok((vector("q_norm.weight", qw)?, vector("k_norm.weight", kw)?))
+            })
+            .transpose()?;
         Ok(Attention {
             q_proj: ckpt.weight(&format!("{prefix}.q_proj.weight"), &[q, h])?,
             k_proj: ckpt.weight(&format!("{prefix}.k_proj.weight"), &[kv, h])?,
@@ -96,7 +94,7 @@ impl Attention {
     pub fn vectors(&self) -> Vec<&Weight> {
         let mut all: Vec<&Weight> = self.qkv_bias.iter().flatten().collect();
         all.extend(&self.o_bias);
-        if let Some((_, q, k)) = &self.qk_norm {
+        if let Some((q, k)) = &self.qk_norm {
             all.extend([q, k]);
         }
         all
@@ -139,7 +137,7 @@ impl Attention {
             cpu::add_bias(k, kb);
             cpu::add_bias(v, vb);
         }
-        if let Some((_, q_norm, k_norm)) = &self.qk_norm {
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
             // Rows of `head_dim` (per head) or of the whole projection (flat): the norm's
             // width says which.
             cpu::rms_norm_in_place(q, q_norm, self.rms_norm_eps);
