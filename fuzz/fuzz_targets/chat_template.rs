@@ -8,7 +8,7 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use moeserve_model::chat_template::{
+use moeserve_text::chat_template::{
     ChatMessage, ChatTemplate, RenderOptions, SpecialTokenStrings,
 };
 

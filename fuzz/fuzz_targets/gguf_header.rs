@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use moeserve_model::gguf::GgufFile;
+use moeserve_formats::gguf::GgufFile;
 
 fn scratch_file() -> &'static PathBuf {
     static FILE: OnceLock<PathBuf> = OnceLock::new();

@@ -3,10 +3,10 @@
 use std::path::Path;
 
 use moeserve_backend::device::Device;
-use moeserve_model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
-use moeserve_model::generation_config::GenerationConfig;
 use moeserve_model::models::MoeModel;
-use moeserve_model::tokenizer::Tokenizer;
+use moeserve_text::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
+use moeserve_text::generation_config::GenerationConfig;
+use moeserve_text::tokenizer::Tokenizer;
 
 use crate::request::Prompt;
 use crate::{EngineError, Result};

@@ -9,6 +9,9 @@ use crate::scheduler::AdmissionError;
 pub enum EngineError {
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The tokenizer, the chat template or the generation config.
+    #[error(transparent)]
+    Text(#[from] moeserve_text::TextError),
     #[error(transparent)]
     InvalidParams(#[from] SamplingParamsError),
     /// A request field that cannot be served, named like the API field.

@@ -5,7 +5,7 @@
 //! before the stop string), `max_tokens`, and the context length.
 
 use moeserve_core::SamplingParams;
-use moeserve_model::tokenizer::{IncrementalDecoder, SpecialTokens, StopChecker, Tokenizer};
+use moeserve_text::tokenizer::{IncrementalDecoder, SpecialTokens, StopChecker, Tokenizer};
 
 use crate::Result;
 use crate::request::{FinishReason, GenerateOutput, RequestTimings};

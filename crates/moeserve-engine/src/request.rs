@@ -1,7 +1,7 @@
 //! What a caller asks the engine for, and what it gets back.
 
 use moeserve_core::SamplingParams;
-use moeserve_model::chat_template::ChatMessage;
+use moeserve_text::chat_template::ChatMessage;
 use serde::Serialize;
 
 use crate::moe::MoeRequestCounts;

@@ -11,7 +11,7 @@ use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::EngineConfig;
 use moeserve_engine::offline::{LlmEngine, generate_one};
 use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
-use moeserve_model::chat_template::ChatMessage;
+use moeserve_text::chat_template::ChatMessage;
 
 fn fixture(case: &str) -> Arc<ModelAssets> {
     Arc::new(ModelAssets::load(&repo_root().join("tests/fixtures").join(case)).unwrap())

@@ -10,7 +10,7 @@ use moeserve_core::SamplingParams;
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::offline::generate_one;
 use moeserve_engine::request::{FinishReason, GenerateRequest, Prompt};
-use moeserve_model::chat_template::ChatMessage;
+use moeserve_text::chat_template::ChatMessage;
 use serde::Deserialize;
 
 #[derive(Deserialize)]

@@ -15,7 +15,7 @@ use moeserve_engine::handle::Engine;
 use moeserve_engine::offline::{LlmEngine, generate_one};
 use moeserve_engine::placement::RoutingTraceReader;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
-use moeserve_model::chat_template::ChatMessage;
+use moeserve_text::chat_template::ChatMessage;
 
 fn fixture(case: &str) -> Arc<ModelAssets> {
     Arc::new(ModelAssets::load(&repo_root().join("tests/fixtures").join(case)).unwrap())

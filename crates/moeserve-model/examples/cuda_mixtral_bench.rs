@@ -21,12 +21,12 @@ use std::time::Instant;
 
 use half::bf16;
 use moeserve_backend::cuda::{CudaBackend, CudaError};
+use moeserve_formats::presets::Preset;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::config::ModelConfig;
 use moeserve_model::kv_cache::KvCacheLayout;
 use moeserve_model::models::{CudaMoeModel, ForwardOptions};
 use moeserve_model::moe::{MoeOptions, MoeStepRecord};
-use moeserve_model::presets::Preset;
 
 const BLOCK_SIZE: usize = 16;
 

@@ -38,12 +38,9 @@ pub enum ModelError {
     /// A safetensors file whose header or data is malformed (e.g. truncated).
     #[error("{path}: invalid safetensors file: {message}")]
     Safetensors { path: PathBuf, message: String },
-    #[error("{path}: invalid GGUF file: {message}")]
-    Gguf { path: PathBuf, message: String },
-    #[error("{path}: tokenizer: {message}")]
-    Tokenizer { path: PathBuf, message: String },
-    #[error("chat template: {message}")]
-    ChatTemplate { message: String },
+    /// The generation config (`moeserve quantize` reads its end-of-sequence ids).
+    #[error(transparent)]
+    Text(#[from] moeserve_text::TextError),
     #[error(transparent)]
     Backend(#[from] moeserve_backend::BackendError),
     /// A forward batch that does not fit the model (token id out of vocabulary, bad lengths).

@@ -1,30 +1,26 @@
-//! Model loading and the forward pass.
+//! The model families, their layers and the MoE block: loading a checkpoint and the forward pass.
 //!
 //! - `config`: HF `config.json`, one `ModelConfig` for every family.
 //! - `checkpoint`: safetensors (single file or sharded), memory-mapped, with hub tensor names.
-//! - `tokenizer`, `chat_template`, `generation_config`: text in and out.
-//! - `gguf` and `convert`: reading GGUF files and upcycling dense Llama models into Mixtral.
-//! - `writer` and `presets`: writing HF-format checkpoints, random presets for tests and benches.
 //! - `families`: each family's config.json read into one `ModelConfig`.
 //! - `models::decoder`: the one forward pass every family runs, over a varlen batch with a paged
 //!   KV cache.
+//! - `layers`: attention with each family's options.
+//! - `moe`: the MoE block: router, capacity, dispatch and combine, experts, expert parallelism.
+//! - `quantize`: `moeserve quantize` (calibration and GPTQ).
+//!
+//! Text (tokenizer, chat template, generation config) is `moeserve-text`; file formats beside
+//! the loader (GGUF, the checkpoint writer, conversion, presets) are `moeserve-formats`.
 
 pub mod batch;
-pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
-pub mod convert;
 mod error;
 mod families;
-pub mod generation_config;
-pub mod gguf;
 pub mod kv_cache;
 pub mod layers;
 pub mod models;
 pub mod moe;
-pub mod presets;
 pub mod quantize;
-pub mod tokenizer;
-pub mod writer;
 
 pub use error::{ModelError, Result};

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use half::bf16;
 use moeserve_core::DType;
-use moeserve_model::convert::{UpcycleOptions, UpcycleReport, upcycle_gguf};
-use moeserve_model::gguf::{GgmlType, GgufBuilder, GgufFile, GgufValue, dequantize};
+use moeserve_formats::convert::{UpcycleOptions, UpcycleReport, upcycle_gguf};
+use moeserve_formats::gguf::{GgmlType, GgufBuilder, GgufFile, GgufValue, dequantize};
 use safetensors::SafeTensors;
 
 fn fixtures() -> PathBuf {
@@ -453,7 +453,7 @@ fn rebuilt_fixture(
     path
 }
 
-fn convert_file(gguf: PathBuf, out: PathBuf) -> moeserve_model::Result<UpcycleReport> {
+fn convert_file(gguf: PathBuf, out: PathBuf) -> moeserve_formats::Result<UpcycleReport> {
     upcycle_gguf(&UpcycleOptions {
         gguf,
         out,

@@ -135,7 +135,7 @@ fn each_family_fixture_loads_as_its_family() {
 #[test]
 fn upcycled_gguf_matches_dense_transformers() {
     use moeserve_core::DType;
-    use moeserve_model::convert::{UpcycleOptions, upcycle_gguf};
+    use moeserve_formats::convert::{UpcycleOptions, upcycle_gguf};
 
     let dir = fixtures_dir().join("llama-tiny-gguf");
     let out = tempfile::tempdir().unwrap();

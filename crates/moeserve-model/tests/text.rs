@@ -9,10 +9,10 @@
 use std::path::{Path, PathBuf};
 
 use moeserve_core::DType;
-use moeserve_model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
-use moeserve_model::convert::{UpcycleOptions, upcycle_gguf};
-use moeserve_model::generation_config::GenerationConfig;
-use moeserve_model::tokenizer::{IncrementalDecoder, SpecialTokens, Tokenizer};
+use moeserve_formats::convert::{UpcycleOptions, upcycle_gguf};
+use moeserve_text::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
+use moeserve_text::generation_config::GenerationConfig;
+use moeserve_text::tokenizer::{IncrementalDecoder, SpecialTokens, Tokenizer};
 use serde::Deserialize;
 use tempfile::TempDir;
 

@@ -10,7 +10,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use moeserve_engine::EngineError;
 use moeserve_engine::scheduler::AdmissionError;
-use moeserve_model::ModelError;
+use moeserve_text::TextError;
 use serde::Serialize;
 
 /// Seconds a client is asked to wait after a 429.
@@ -240,10 +240,10 @@ impl From<EngineError> for ApiError {
             },
             // Prompts the tokenizer or the chat template cannot take are the client's input.
             // The tokenizer's message names its file on the server: keep only what went wrong.
-            EngineError::Model(ModelError::Tokenizer { message, .. }) => {
+            EngineError::Text(TextError::Tokenizer { message, .. }) => {
                 ApiError::invalid("prompt", format!("cannot tokenize the prompt: {message}"))
             }
-            EngineError::Model(ModelError::ChatTemplate { .. }) => {
+            EngineError::Text(TextError::ChatTemplate { .. }) => {
                 ApiError::invalid("messages", message)
             }
             // Everything else (a duplicate id, a broken model, placement or trace files, a

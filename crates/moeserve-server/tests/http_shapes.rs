@@ -9,7 +9,7 @@ use axum::http::{Request, StatusCode, header};
 use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::EngineConfig;
 use moeserve_engine::handle::Engine;
-use moeserve_model::presets::{MakeModelOptions, Preset, make_model};
+use moeserve_formats::presets::{MakeModelOptions, Preset, make_model};
 use moeserve_server::metrics::ServerMetrics;
 use moeserve_server::{AppOptions, AppState, app};
 use serde_json::{Value, json};

@@ -31,7 +31,10 @@ pub(crate) struct DecoderLayer {
 pub(crate) enum FeedForward {
     /// The sparse MoE block; `moe_layer` is its index among the model's sparse layers (what
     /// expert placement, load tracking and the routing record count).
-    Sparse { moe: SparseMoe, moe_layer: usize },
+    Sparse {
+        moe: Box<SparseMoe>,
+        moe_layer: usize,
+    },
     /// A dense SwiGLU MLP (`mlp_only_layers`, `decoder_sparse_step`).
     Dense(Expert),
 }
@@ -39,7 +42,7 @@ pub(crate) enum FeedForward {
 impl DecoderLayer {
     pub(crate) fn moe(&self) -> Option<&SparseMoe> {
         match &self.mlp {
-            FeedForward::Sparse { moe, .. } => Some(moe),
+            FeedForward::Sparse { moe, .. } => Some(moe.as_ref()),
             FeedForward::Dense(_) => None,
         }
     }
@@ -155,7 +158,7 @@ impl MoeModel {
                 let p = format!("model.layers.{l}");
                 let block = format!("{p}.{}", config.names.moe_block);
                 let mlp = if config.sparse_layers[l] {
-                    let moe = SparseMoe::load(ckpt, &block, &config)?;
+                    let moe = Box::new(SparseMoe::load(ckpt, &block, &config)?);
                     moe_layers += 1;
                     FeedForward::Sparse {
                         moe,
@@ -492,7 +495,7 @@ impl MoeModel {
             let w = &layer.post_attention_layernorm;
             cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
             let (block, moe_layer) = match &layer.mlp {
-                FeedForward::Sparse { moe, moe_layer } => (moe, *moe_layer),
+                FeedForward::Sparse { moe, moe_layer } => (moe.as_ref(), *moe_layer),
                 FeedForward::Dense(mlp) => {
                     if let Some(hs) = calibration.as_deref_mut() {
                         hs.dense_input(l, mlp, normed);

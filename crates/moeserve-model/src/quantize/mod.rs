@@ -38,7 +38,6 @@ pub use calibrate::{Hessian, Hessians};
 pub use gptq::{Fallback, GptqOptions, gptq_int8};
 
 use crate::batch::{ForwardBatch, SequenceSlice};
-use crate::generation_config::GenerationConfig;
 use crate::kv_cache::PagedKvCache;
 use crate::models::MoeModel;
 use crate::models::decoder::FeedForward;
@@ -46,6 +45,7 @@ use crate::models::decoder::{ForwardOptions, LogitsFor};
 use crate::models::workspace::ForwardWorkspace;
 use crate::moe::Expert;
 use crate::{ModelError, Result};
+use moeserve_text::generation_config::GenerationConfig;
 
 /// `quantization_config.quant_method` of a checkpoint this module wrote.
 pub const QUANT_METHOD: &str = "moeserve-int8";

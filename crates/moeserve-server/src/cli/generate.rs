@@ -14,7 +14,7 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{
     FinishReason, GenerateOutput, GenerateRequest, Prompt, RequestTimings,
 };
-use moeserve_model::chat_template::ChatMessage;
+use moeserve_text::chat_template::ChatMessage;
 use serde::{Deserialize, Serialize};
 
 use super::engine_args::EngineArgs;

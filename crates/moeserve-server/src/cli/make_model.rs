@@ -6,8 +6,8 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use moeserve_core::DType;
-use moeserve_model::convert::{UpcycleOptions, upcycle_gguf};
-use moeserve_model::presets::{MakeModelOptions, Preset, make_model};
+use moeserve_formats::convert::{UpcycleOptions, upcycle_gguf};
+use moeserve_formats::presets::{MakeModelOptions, Preset, make_model};
 
 #[derive(Debug, Args)]
 pub struct MakeModelArgs {

@@ -11,7 +11,7 @@ use moeserve_core::MAX_LOGPROBS;
 use moeserve_engine::output::TokenUpdate;
 use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
 use moeserve_engine::sampler::SampleOutput;
-use moeserve_model::chat_template::ChatMessage;
+use moeserve_text::chat_template::ChatMessage;
 use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};

@@ -5,7 +5,7 @@
 //! As in vLLM, each completions `top_logprobs` entry holds the requested alternatives plus the
 //! chosen token; chat's holds exactly the alternatives.
 
-use moeserve_model::tokenizer::{SpecialTokens, Tokenizer};
+use moeserve_text::tokenizer::{SpecialTokens, Tokenizer};
 use serde::Serialize;
 use serde::ser::SerializeMap;
 

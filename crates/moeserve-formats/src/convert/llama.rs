@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use crate::gguf::{GgufFile, gguf_error};
-use crate::{ModelError, Result};
+use crate::{FormatError, Result};
 
 /// Hyper-parameters of a dense llama GGUF.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,7 +32,7 @@ impl DenseLlama {
         let path = gguf.path();
         let arch = gguf.get_str("general.architecture")?;
         if arch != "llama" {
-            return Err(ModelError::UnsupportedArchitecture {
+            return Err(FormatError::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 found: arch.to_string(),
                 supported: "llama",
@@ -91,7 +91,7 @@ impl DenseLlama {
         let vocab_size = match embedding.shape.as_slice() {
             &[vocab, h] if h == hidden_size => vocab,
             other => {
-                return Err(ModelError::TensorShape {
+                return Err(FormatError::TensorShape {
                     path: path.to_path_buf(),
                     name: "token_embd.weight".to_string(),
                     expected: vec![0, hidden_size],
@@ -158,7 +158,7 @@ impl DenseLlama {
         for (name, shape) in &expected {
             let info = gguf.dequantizable(name)?;
             if &info.shape != shape {
-                return Err(ModelError::TensorShape {
+                return Err(FormatError::TensorShape {
                     path: gguf.path().to_path_buf(),
                     name: name.clone(),
                     expected: shape.clone(),

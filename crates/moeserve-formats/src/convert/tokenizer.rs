@@ -10,7 +10,7 @@
 use serde_json::{Map, Value, json};
 
 use crate::gguf::GgufFile;
-use crate::{ModelError, Result};
+use crate::{FormatError, Result};
 
 /// llama.cpp token types (`llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -190,7 +190,7 @@ pub struct GgufTokenizer {
 
 /// Builds the HF tokenizer of a GGUF with a `gpt2` (byte-level BPE) vocabulary.
 pub fn tokenizer_from_gguf(gguf: &GgufFile, model_max_length: usize) -> Result<GgufTokenizer> {
-    let err = |message: String| ModelError::Tokenizer {
+    let err = |message: String| FormatError::Tokenizer {
         path: gguf.path().to_path_buf(),
         message,
     };

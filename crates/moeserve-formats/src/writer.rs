@@ -18,7 +18,7 @@ use moeserve_core::DType;
 use safetensors::{Dtype, View};
 use serde_json::{Value, json};
 
-use crate::{ModelError, Result};
+use crate::{FormatError, Result};
 
 /// Produces a tensor's values (row-major, f32) into a buffer of exactly its element count.
 pub type FillFn = Box<dyn Fn(&mut [f32]) -> Result<()> + Send + Sync>;
@@ -98,7 +98,7 @@ impl CheckpointWriter {
     /// Creates `dir` (and its parents) if needed.
     pub fn create(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| ModelError::io(&dir, e))?;
+        std::fs::create_dir_all(&dir).map_err(|e| FormatError::io(&dir, e))?;
         Ok(CheckpointWriter { dir })
     }
 
@@ -109,14 +109,14 @@ impl CheckpointWriter {
     /// Writes `value` as pretty JSON with a trailing newline.
     pub fn write_json(&self, file_name: &str, value: &Value) -> Result<PathBuf> {
         let mut text = serde_json::to_string_pretty(value)
-            .map_err(|e| ModelError::config(self.dir.join(file_name), e.to_string()))?;
+            .map_err(|e| FormatError::config(self.dir.join(file_name), e.to_string()))?;
         text.push('\n');
         self.write_text(file_name, &text)
     }
 
     pub fn write_text(&self, file_name: &str, text: &str) -> Result<PathBuf> {
         let path = self.dir.join(file_name);
-        std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+        std::fs::write(&path, text).map_err(|e| FormatError::io(&path, e))?;
         Ok(path)
     }
 
@@ -135,7 +135,7 @@ impl CheckpointWriter {
         let mut seen = HashSet::new();
         if let Some(dup) = tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
             let message = format!("tensor `{}` is listed twice", dup.name);
-            return Err(ModelError::Safetensors {
+            return Err(FormatError::Safetensors {
                 path: self.dir.clone(),
                 message,
             });
@@ -181,7 +181,7 @@ impl CheckpointWriter {
 
 fn remove_if_present(path: &Path) -> Result<()> {
     match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(ModelError::io(path, e)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(FormatError::io(path, e)),
         _ => Ok(()),
     }
 }
@@ -244,7 +244,7 @@ fn safetensors_dtype(dtype: DType) -> Dtype {
 /// cannot fail, so the first fill error is kept aside and reported after the write.
 struct LazyTensor<'a> {
     source: &'a TensorSource,
-    error: &'a RefCell<Option<ModelError>>,
+    error: &'a RefCell<Option<FormatError>>,
 }
 
 impl View for LazyTensor<'_> {
@@ -290,7 +290,7 @@ fn write_safetensors<'a>(
         let _ = std::fs::remove_file(path);
         return Err(e);
     }
-    written.map_err(|e| ModelError::Safetensors {
+    written.map_err(|e| FormatError::Safetensors {
         path: path.to_path_buf(),
         message: e.to_string(),
     })?;
@@ -303,7 +303,7 @@ fn make_world_readable(path: &Path) -> Result<()> {
     {
         use std::os::unix::fs::PermissionsExt;
         let readable = std::fs::Permissions::from_mode(0o644);
-        std::fs::set_permissions(path, readable).map_err(|e| ModelError::io(path, e))?;
+        std::fs::set_permissions(path, readable).map_err(|e| FormatError::io(path, e))?;
     }
     Ok(())
 }
@@ -467,7 +467,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let writer = CheckpointWriter::create(dir.path()).expect("create");
         let failing = TensorSource::new("bad", DType::F32, vec![2], |_| {
-            Err(ModelError::config("source.gguf", "cannot decode"))
+            Err(FormatError::config("source.gguf", "cannot decode"))
         });
         let err = writer
             .write_tensors(

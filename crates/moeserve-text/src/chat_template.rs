@@ -12,7 +12,7 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
-use crate::{ModelError, Result};
+use crate::{Result, TextError};
 
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
@@ -60,12 +60,12 @@ impl SpecialTokenStrings {
                 Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
                 Some(serde_json::Value::Object(o)) => match o.get("content") {
                     Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                    _ => Err(ModelError::config(
+                    _ => Err(TextError::config(
                         path,
                         format!("`{key}` has no string `content`"),
                     )),
                 },
-                Some(other) => Err(ModelError::config(
+                Some(other) => Err(TextError::config(
                     path,
                     format!("`{key}` must be a string or an object with `content`, got {other}"),
                 )),
@@ -121,7 +121,7 @@ impl ChatTemplate {
         let jinja_path = dir.join(CHAT_TEMPLATE_FILE);
         if jinja_path.is_file() {
             let source =
-                std::fs::read_to_string(&jinja_path).map_err(|e| ModelError::io(&jinja_path, e))?;
+                std::fs::read_to_string(&jinja_path).map_err(|e| TextError::io(&jinja_path, e))?;
             let name = jinja_path.display().to_string();
             return ChatTemplate::compile(name, source, special_tokens).map(Some);
         }
@@ -197,10 +197,10 @@ fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(ModelError::io(path, e)),
+        Err(e) => return Err(TextError::io(path, e)),
     };
     let value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::config(path, format!("invalid JSON: {e}")))?;
+        .map_err(|e| TextError::config(path, format!("invalid JSON: {e}")))?;
     Ok(Some(value))
 }
 
@@ -221,26 +221,26 @@ fn template_from_tokenizer_config(
                 .and_then(|t| t.as_str())
             {
                 Some(template) => Ok(Some(template.to_string())),
-                None => Err(ModelError::config(
+                None => Err(TextError::config(
                     path,
                     "`chat_template` is a list without a {\"name\": \"default\", \"template\": ...} entry",
                 )),
             }
         }
-        Some(other) => Err(ModelError::config(
+        Some(other) => Err(TextError::config(
             path,
             format!("`chat_template` must be a string or a list of named templates, got {other}"),
         )),
     }
 }
 
-fn template_error(err: &Error) -> ModelError {
+fn template_error(err: &Error) -> TextError {
     let location = match (err.name(), err.line()) {
         (Some(name), Some(line)) => format!(" ({name}, line {line})"),
         _ => String::new(),
     };
     if let Some(raised) = err.detail().and_then(|d| d.strip_prefix(RAISED_PREFIX)) {
-        return ModelError::ChatTemplate {
+        return TextError::ChatTemplate {
             message: format!("the template raised an exception: {raised}{location}"),
         };
     }
@@ -250,7 +250,7 @@ fn template_error(err: &Error) -> ModelError {
         message.push_str(&format!(": {cause}"));
         source = cause.source();
     }
-    ModelError::ChatTemplate { message }
+    TextError::ChatTemplate { message }
 }
 
 fn raise_exception(message: String) -> std::result::Result<Value, Error> {
@@ -509,7 +509,7 @@ mod tests {
     fn raise_exception_becomes_a_chat_template_error_with_the_message() {
         let source = "{% if messages[0]['role'] == 'system' %}\n{{ raise_exception('System role not supported') }}\n{% endif %}";
         let err = render(source, GENERATE).unwrap_err();
-        let ModelError::ChatTemplate { message } = err else {
+        let TextError::ChatTemplate { message } = err else {
             panic!("wrong error kind: {err}")
         };
         assert!(message.contains("System role not supported"), "{message}");
@@ -567,12 +567,12 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(&err, ModelError::ChatTemplate { message } if message.contains(":2)")),
+            matches!(&err, TextError::ChatTemplate { message } if message.contains(":2)")),
             "{err}"
         );
         let err = render("line one\n{{ nothing.here }}", GENERATE).unwrap_err();
         assert!(
-            matches!(&err, ModelError::ChatTemplate { message } if message.contains("undefined") && message.contains(":2)")),
+            matches!(&err, TextError::ChatTemplate { message } if message.contains("undefined") && message.contains(":2)")),
             "{err}"
         );
     }

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::{ModelError, Result};
+use crate::{Result, TextError};
 
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 pub const MODEL_CONFIG_FILE: &str = "config.json";
@@ -79,12 +79,12 @@ fn read_json_object(path: &Path) -> Result<Option<Value>> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(ModelError::io(path, e)),
+        Err(e) => return Err(TextError::io(path, e)),
     };
     let json: Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::config(path, format!("invalid JSON: {e}")))?;
+        .map_err(|e| TextError::config(path, format!("invalid JSON: {e}")))?;
     if !json.is_object() {
-        return Err(ModelError::config(
+        return Err(TextError::config(
             path,
             "expected a JSON object at the top level",
         ));
@@ -103,8 +103,8 @@ impl Fields<'_> {
         self.json.get(key).filter(|v| !v.is_null())
     }
 
-    fn bad(&self, key: &str, expected: &str, got: &Value) -> ModelError {
-        ModelError::config(self.path, format!("`{key}` must be {expected}, got {got}"))
+    fn bad(&self, key: &str, expected: &str, got: &Value) -> TextError {
+        TextError::config(self.path, format!("`{key}` must be {expected}, got {got}"))
     }
 
     /// One id or a list of ids; absent or null gives an empty list.
@@ -219,7 +219,7 @@ mod tests {
         );
         let err = GenerationConfig::from_dir(dir.path()).unwrap_err();
         assert!(
-            matches!(&err, ModelError::Config { message, .. } if message.contains("eos_token_id")),
+            matches!(&err, TextError::Config { message, .. } if message.contains("eos_token_id")),
             "{err}"
         );
         write(dir.path(), GENERATION_CONFIG_FILE, "{}");

@@ -34,7 +34,7 @@ pub use spec::{CheckpointSpec, SpecFamily, SpecTensor};
 
 use crate::gguf::GgufFile;
 use crate::writer::{CheckpointWriter, ShardLayout, TensorSource, human_bytes, human_count};
-use crate::{ModelError, Result};
+use crate::{FormatError, Result};
 
 /// Shards are cut at this size, as transformers' `max_shard_size="5GB"`.
 pub const MAX_SHARD_BYTES: u64 = 5_000_000_000;
@@ -151,7 +151,7 @@ fn validate(options: &UpcycleOptions) -> Result<()> {
         None
     };
     match problem {
-        Some(message) => Err(ModelError::config(
+        Some(message) => Err(FormatError::config(
             &options.gguf,
             format!("invalid upcycling options: {message}"),
         )),

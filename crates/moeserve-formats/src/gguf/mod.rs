@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::{ModelError, Result};
+use crate::{FormatError, Result};
 pub use parse::GgufTensorInfo;
 pub use quant::{GgmlType, dequantize, dequantize_into};
 pub use value::GgufValue;
@@ -50,10 +50,10 @@ impl GgufFile {
     /// the first thing found wrong.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref().to_path_buf();
-        let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
+        let file = std::fs::File::open(&path).map_err(|e| FormatError::io(&path, e))?;
         // SAFETY: the map is read-only and private to this value. Like every mmap reader we
         // rely on the file not being truncated by another process while it is open.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| FormatError::io(&path, e))?;
         let header = parse::parse_header(&mmap).map_err(|message| gguf_error(&path, message))?;
         let metadata_index = header
             .metadata
@@ -227,7 +227,7 @@ impl GgufFile {
     pub fn tensor_info(&self, name: &str) -> Result<&GgufTensorInfo> {
         match self.tensor_index.get(name) {
             Some(&i) => Ok(&self.tensors[i]),
-            None => Err(ModelError::MissingTensor {
+            None => Err(FormatError::MissingTensor {
                 path: self.path.clone(),
                 name: name.to_string(),
             }),
@@ -294,8 +294,8 @@ impl GgufFile {
     }
 }
 
-pub(crate) fn gguf_error(path: &Path, message: impl Into<String>) -> ModelError {
-    ModelError::Gguf {
+pub(crate) fn gguf_error(path: &Path, message: impl Into<String>) -> FormatError {
+    FormatError::Gguf {
         path: path.to_path_buf(),
         message: message.into(),
     }

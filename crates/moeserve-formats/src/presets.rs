@@ -1,5 +1,6 @@
-//! Random Mixtral and Qwen3-MoE checkpoints for tests and benchmarks, written in Hugging Face format with hub
-//! tensor names and a byte-level tokenizer, so they load and take text like a real model.
+//! Random Mixtral and Qwen3-MoE checkpoints for tests and benchmarks, written in Hugging Face
+//! format with hub tensor names and a byte-level tokenizer, so they load and take text like a
+//! real model.
 //!
 //! Weights are deterministic: every tensor comes from its own ChaCha8 stream keyed by
 //! `(seed, tensor name)` (see `convert::TensorRng`), so the same seed gives the same bytes on
@@ -356,10 +357,12 @@ mod tests {
             file.tensor("lm_head.weight").expect("untied head").shape(),
             &[512, 64]
         );
-        let config = crate::config::ModelConfig::from_dir(&made.out).expect("config.json parses");
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(made.out.join("config.json")).unwrap())
+                .expect("config.json parses");
         assert_eq!(
-            (config.num_local_experts, config.num_experts_per_tok),
-            (8, 2)
+            (&config["num_local_experts"], &config["num_experts_per_tok"]),
+            (&Value::from(8), &Value::from(2))
         );
         for name in [
             "generation_config.json",
@@ -371,24 +374,7 @@ mod tests {
     }
 
     #[test]
-    fn qwen3_presets_have_qwen3_names_and_shapes() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let options = MakeModelOptions {
-            preset: Preset::Qwen3MoeTiny,
-            out: dir.path().join("qwen3"),
-            seed: 0,
-        };
-        let made = make_model(&options).expect("make qwen3-moe-tiny");
-        let model = crate::models::MoeModel::load(&made.out).expect("loads");
-        let c = model.config();
-        assert_eq!(c.architecture, crate::config::Architecture::Qwen3Moe);
-        assert_eq!((c.num_local_experts, c.num_experts_per_tok), (128, 8));
-        assert_eq!(
-            (c.head_dim, c.hidden_size / c.num_attention_heads),
-            (24, 16)
-        );
-        assert!(c.norm_topk_prob && c.sparse_layers.iter().all(|s| *s));
-        assert_eq!(model.moe_layers().len(), 2);
+    fn qwen3_30b_a3b_preset_has_its_exact_parameter_count() {
         // Qwen3-30B-A3B's shapes, 2 of its 48 layers.
         let big = Preset::Qwen3Moe30bA3b2l.spec();
         let per_layer = 2 * 2048 * 4096

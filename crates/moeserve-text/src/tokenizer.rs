@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{ModelError, Result};
+use crate::{Result, TextError};
 
 /// File name of the tokenizer inside a model directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -53,8 +53,8 @@ impl Tokenizer {
 
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref().to_path_buf();
-        let json = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let inner: tokenizers::Tokenizer = json.parse().map_err(|e| ModelError::Tokenizer {
+        let json = std::fs::read_to_string(&path).map_err(|e| TextError::io(&path, e))?;
+        let inner: tokenizers::Tokenizer = json.parse().map_err(|e| TextError::Tokenizer {
             path: path.clone(),
             message: format!("invalid tokenizer file: {e}"),
         })?;
@@ -109,8 +109,8 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    fn error(&self, message: String) -> ModelError {
-        ModelError::Tokenizer {
+    fn error(&self, message: String) -> TextError {
+        TextError::Tokenizer {
             path: self.path.clone(),
             message,
         }
@@ -453,11 +453,11 @@ mod tests {
     fn missing_and_invalid_tokenizer_files_are_named() {
         let dir = tempfile::tempdir().unwrap();
         let err = Tokenizer::from_dir(dir.path()).unwrap_err();
-        assert!(matches!(err, ModelError::Io { .. }));
+        assert!(matches!(err, TextError::Io { .. }));
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
         std::fs::write(dir.path().join(TOKENIZER_FILE), "{\"model\": 3}").unwrap();
         let err = Tokenizer::from_dir(dir.path()).unwrap_err();
-        assert!(matches!(err, ModelError::Tokenizer { .. }));
+        assert!(matches!(err, TextError::Tokenizer { .. }));
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
     }
 

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use super::quant::GgmlType;
 use super::value::GgufValue;
-use crate::{ModelError, Result};
+use crate::{FormatError, Result};
 
 const ALIGNMENT: usize = 32;
 
@@ -92,7 +92,7 @@ impl GgufBuilder {
     }
 
     pub fn write(&self, path: &Path) -> Result<()> {
-        std::fs::write(path, self.to_bytes()).map_err(|e| ModelError::io(path, e))
+        std::fs::write(path, self.to_bytes()).map_err(|e| FormatError::io(path, e))
     }
 }
 
