@@ -24,12 +24,6 @@ use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
 };
 
-const MIXTRAL_CASES: [&str; 4] = [
-    "mixtral-swa",
-    "mixtral-tied",
-    "mixtral-gqa",
-    "mixtral-sharded",
-];
 /// f32 on the GPU vs transformers' f32: largest |Δlogprob| and relative |Δ| of activations.
 const F32_LOGPROB_TOLERANCE: f32 = 1e-3;
 const F32_ACTIVATION_TOLERANCE: f32 = 1e-3;
@@ -51,6 +45,24 @@ fn gpu_available() -> bool {
             eprintln!("no CUDA device, GPU forward test not run ({e})");
             false
         }
+    }
+}
+
+/// The CUDA forward implements Mixtral-shaped models only so far: every other family's fixture
+/// is refused by name before any device is touched (so this runs without a GPU too), never
+/// computed with its attention options, dense layers or shared experts left out.
+#[test]
+fn other_families_are_refused_by_name_not_run_wrongly() {
+    for case in FAMILY_CASES {
+        let model = load(case);
+        let layout = model.kv_layout(4, BLOCK_SIZE);
+        let err = CudaMoeModel::new(&model, layout, 0).err().expect("refused");
+        let msg = err.to_string();
+        let arch = model.config().architecture.name();
+        assert!(
+            msg.contains("Mixtral-shaped models only") && msg.contains(arch),
+            "{case}: {msg}"
+        );
     }
 }
 

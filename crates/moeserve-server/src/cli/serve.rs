@@ -254,9 +254,10 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
 }
 
 pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
-    let device = super::device::select(args.engine.device)?;
+    let request = args.engine.device;
     let engine_args = args.engine.clone();
     let mut config = resolve(args, matches)?;
+    let device = super::device::select(request, &config.model)?;
     engine_args.init_kernels(&config.model)?;
     config.engine.device = device;
     let runtime = tokio::runtime::Builder::new_multi_thread()
