@@ -44,6 +44,7 @@ pub const MOE_PAIRS_TOTAL: &str = "moeserve:moe_pairs_total";
 pub const MOE_DROPPED_PAIRS_TOTAL: &str = "moeserve:moe_dropped_pairs_total";
 pub const MOE_REROUTED_PAIRS_TOTAL: &str = "moeserve:moe_rerouted_pairs_total";
 pub const MOE_SPILLED_PAIRS_TOTAL: &str = "moeserve:moe_spilled_pairs_total";
+pub const MOE_SHARED_EXPERT_TOKENS_TOTAL: &str = "moeserve:moe_shared_expert_tokens_total";
 pub const MOE_DROPPED_TOKENS_TOTAL: &str = "moeserve:moe_dropped_tokens_total";
 pub const MOE_LOAD_IMBALANCE: &str = "moeserve:moe_load_imbalance";
 pub const MOE_STEP_IMBALANCE: &str = "moeserve:moe_step_imbalance";
@@ -224,6 +225,11 @@ pub const MOE: &[MetricDef] = &[
         MOE_SPILLED_PAIRS_TOTAL,
         Counter,
         "Pairs computed in an extra spill pass, per MoE layer.",
+    ),
+    def(
+        MOE_SHARED_EXPERT_TOKENS_TOTAL,
+        Counter,
+        "Tokens through the shared expert, per MoE layer (every token; never capacity-limited, not in the pairs).",
     ),
     def(
         MOE_DROPPED_TOKENS_TOTAL,

@@ -146,6 +146,36 @@ fn capacity_counts_reach_request_outputs_and_the_snapshot() {
     }
 }
 
+/// A shared expert (Qwen2-MoE) computes every token of every sparse layer whatever the
+/// capacity, and its tokens are counted apart from the routed pairs.
+#[test]
+fn shared_expert_tokens_are_counted_apart_from_the_pairs() {
+    for (case, shared) in [("qwen2-moe", true), ("qwen3-moe", false)] {
+        let assets = fixture(case);
+        let c = assets.model.config();
+        let reqs = requests(4, c.vocab_size as u32);
+        let drop_most = MoeConfig {
+            capacity_factor: Some(0.25),
+            moe_overflow: OverflowPolicy::Drop,
+            ..Default::default()
+        };
+        let (_, engine) = run_together(&assets, &reqs, with_moe(drop_most));
+        let tokens = engine.core().stats().num_batched_tokens;
+        let stats = engine.core().moe_stats();
+        assert_eq!(stats.layers.len(), c.num_moe_layers(), "{case}");
+        for (l, layer) in stats.layers.iter().enumerate() {
+            assert_eq!(
+                layer.pairs,
+                tokens * c.num_experts_per_tok as u64,
+                "{case} {l}"
+            );
+            assert!(layer.dropped > 0, "{case} layer {l}: α = 0.25 drops pairs");
+            let want = if shared { tokens } else { 0 };
+            assert_eq!(layer.shared_expert_tokens, want, "{case} layer {l}");
+        }
+    }
+}
+
 #[test]
 fn routing_trace_records_every_step_and_layer() {
     let assets = fixture("mixtral-gqa");

@@ -25,6 +25,10 @@ pub fn record_moe_metrics(model_name: &str, stats: &MoeStats) {
             (names::MOE_DROPPED_PAIRS_TOTAL, layer.dropped),
             (names::MOE_REROUTED_PAIRS_TOTAL, layer.rerouted),
             (names::MOE_SPILLED_PAIRS_TOTAL, layer.spilled),
+            (
+                names::MOE_SHARED_EXPERT_TOKENS_TOTAL,
+                layer.shared_expert_tokens,
+            ),
             (names::MOE_DROPPED_TOKENS_TOTAL, layer.dropped_tokens),
         ];
         for (name, value) in counters {

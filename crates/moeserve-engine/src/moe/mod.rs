@@ -228,6 +228,7 @@ impl MoeRuntime {
                 rerouted: t.rerouted,
                 spilled: t.spilled,
                 dropped_tokens: t.dropped_tokens,
+                shared_expert_tokens: t.shared_expert_tokens,
                 windowed_imbalance: self.tracker.imbalance(&self.placement, l),
                 windowed_load: if full {
                     self.tracker.windowed_load(l).to_vec()

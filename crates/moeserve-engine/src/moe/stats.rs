@@ -46,6 +46,8 @@ pub struct LayerMoeStats {
     pub spilled: u64,
     /// Tokens that lost every pair (their MoE output was zero).
     pub dropped_tokens: u64,
+    /// Tokens through the layer's shared expert (never capacity-limited; not in `pairs`).
+    pub shared_expert_tokens: u64,
     /// Max / mean device load over the window under the current placement (1 = balanced).
     pub windowed_imbalance: f64,
     /// `[num_experts]`: pairs per expert in the window; empty with `--expert-metrics off`.

@@ -194,6 +194,9 @@ impl SparseMoe {
         }
         if let Some(summary) = summary {
             summary.set_routed(routed, &step.capacity);
+            if self.shared.is_some() {
+                summary.counts.shared_expert_tokens = routed.num_tokens as u64;
+            }
             summary.device_seconds.clear();
             summary
                 .device_seconds

@@ -112,6 +112,9 @@ pub struct RoutingCounts {
     pub spilled: u64,
     /// Tokens that lost all their pairs: their MoE output is zero (the residual passes through).
     pub dropped_tokens: u64,
+    /// Tokens through the layer's shared expert (every token, never capacity-limited; apart
+    /// from the pairs, which count routed experts only). 0 without a shared expert.
+    pub shared_expert_tokens: u64,
 }
 
 impl RoutingCounts {
@@ -125,6 +128,7 @@ impl RoutingCounts {
         self.rerouted += other.rerouted;
         self.spilled += other.spilled;
         self.dropped_tokens += other.dropped_tokens;
+        self.shared_expert_tokens += other.shared_expert_tokens;
     }
 }
 
@@ -404,10 +408,12 @@ mod tests {
             rerouted: 1,
             spilled: 0,
             dropped_tokens: 1,
+            shared_expert_tokens: 4,
         };
         total.accumulate(&one);
         total.accumulate(&one);
         assert_eq!(total.pairs, 16);
+        assert_eq!(total.shared_expert_tokens, 8);
         assert_eq!(total.computed(), 12);
         assert_eq!(total.dropped_tokens, 2);
     }
