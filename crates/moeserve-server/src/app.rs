@@ -5,7 +5,7 @@
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{Method, StatusCode, Uri};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::middleware;
 use axum::response::{IntoResponse, Json};
 use axum::routing::{get, post};
@@ -64,13 +64,34 @@ async fn version() -> impl IntoResponse {
     Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
 }
 
-async fn not_found(method: Method, uri: Uri) -> ApiError {
+/// A path under `/v1` answers 401 before 404 or 405 when the key is missing: which routes
+/// exist is not told to a client without it.
+fn unauthorized_under_v1(state: &AppState, uri: &Uri, headers: &HeaderMap) -> Option<ApiError> {
+    let under_v1 = uri.path() == "/v1" || uri.path().starts_with("/v1/");
+    let key = state.api_key().filter(|_| under_v1)?;
+    let given = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    (!key.accepts(given)).then_some(ApiError::Unauthorized)
+}
+
+async fn not_found(
+    State(state): State<AppState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> ApiError {
+    if let Some(denied) = unauthorized_under_v1(&state, &uri, &headers) {
+        return denied;
+    }
     ApiError::RouteNotFound {
         method: method.to_string(),
         path: uri.path().to_string(),
     }
 }
 
-async fn method_not_allowed() -> ApiError {
-    ApiError::MethodNotAllowed
+async fn method_not_allowed(
+    State(state): State<AppState>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> ApiError {
+    unauthorized_under_v1(&state, &uri, &headers).unwrap_or(ApiError::MethodNotAllowed)
 }

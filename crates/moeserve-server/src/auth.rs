@@ -29,6 +29,18 @@ impl ApiKey {
         Ok(ApiKey(key))
     }
 
+    /// A key as given by a flag, the environment or the config file. One trailing newline
+    /// (`\n` or `\r\n`, what a secrets file read whole leaves) is removed, as other servers
+    /// do; the flag says whether it was. An invalid key is refused with a reason that never
+    /// quotes the key.
+    pub fn from_secret(raw: &str) -> Result<(ApiKey, bool), String> {
+        let trimmed = raw
+            .strip_suffix("\r\n")
+            .or_else(|| raw.strip_suffix('\n'))
+            .unwrap_or(raw);
+        Ok((ApiKey::new(trimmed)?, trimmed.len() != raw.len()))
+    }
+
     /// Whether an `Authorization` header value carries this key.
     pub fn accepts(&self, authorization: Option<&[u8]>) -> bool {
         let Some(token) = authorization.and_then(|v| v.strip_prefix(b"Bearer ")) else {

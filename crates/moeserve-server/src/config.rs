@@ -91,7 +91,8 @@ pub struct ServeFile {
     pub host: Option<String>,
     pub port: Option<u16>,
     pub served_model_name: Option<String>,
-    pub api_key: Option<ApiKey>,
+    /// Checked with the flag's value (`ApiKey::from_secret`), never quoted in an error.
+    pub api_key: Option<String>,
     pub dtype: Option<DtypeChoice>,
     pub max_request_bytes: Option<SizeValue>,
     pub max_waiting_requests: Option<usize>,

@@ -218,6 +218,12 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
         }
+        if matches!(self, ApiError::Unauthorized) {
+            // RFC 6750: a 401 names the scheme the client should use.
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         response
     }
 }

@@ -34,9 +34,10 @@ pub struct ServeArgs {
     /// The model name clients send and see (default: the model directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` on /v1/*.
+    /// Require `Authorization: Bearer KEY` on /v1/* (a trailing newline is removed). Read as
+    /// text and checked after parsing, so that no error message can echo the key.
     #[arg(long, env = "MOESERVE_API_KEY", hide_env_values = true)]
-    api_key: Option<ApiKey>,
+    api_key: Option<String>,
     /// Compute dtype; anything but the checkpoint's own dtype is refused for now.
     #[arg(long, value_enum, default_value_t = DtypeChoice::Auto)]
     dtype: DtypeChoice,
@@ -227,7 +228,17 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
             file.served_model_name,
         )
         .unwrap_or_else(|| default_served_model_name(&model));
-    let api_key = x.pick_opt("api_key", args.api_key, file.api_key);
+    let api_key = match x.pick_opt("api_key", args.api_key, file.api_key) {
+        None => None,
+        Some(raw) => {
+            let (key, trimmed) = ApiKey::from_secret(&raw)
+                .map_err(|why| anyhow::anyhow!("invalid API key (--api-key): {why}"))?;
+            if trimmed {
+                eprintln!("moeserve: --api-key: removed the key's trailing newline");
+            }
+            Some(key)
+        }
+    };
     let metrics_auth = x.pick("metrics_auth", args.metrics_auth, file.metrics_auth);
     if metrics_auth && api_key.is_none() {
         anyhow::bail!("--metrics-auth needs an API key (--api-key or MOESERVE_API_KEY)");
