@@ -199,6 +199,14 @@ impl EngineCore {
                 message: format!("{budget} bytes hold no block of {bytes_per_block} bytes"),
             });
         }
+        check_servable(&ServableCheck {
+            requested_max_model_len: config.scheduler.max_model_len,
+            context_len: model.config().max_position_embeddings,
+            limits: &limits,
+            num_blocks,
+            block_size,
+            bytes_per_block,
+        })?;
         let kv = KvCacheManager::new(KvCacheConfig {
             num_blocks,
             block_size,
@@ -492,6 +500,67 @@ pub(crate) fn config_error(e: moeserve_core::ConfigError) -> EngineError {
     EngineError::InvalidRequest {
         field: e.field,
         message: e.message,
+    }
+}
+
+/// What start-up knows when it checks that every admissible request can run.
+struct ServableCheck<'a> {
+    requested_max_model_len: Option<usize>,
+    /// The model's `max_position_embeddings`.
+    context_len: usize,
+    limits: &'a SchedulerLimits,
+    num_blocks: usize,
+    block_size: usize,
+    bytes_per_block: usize,
+}
+
+/// Refuses, as vLLM does, an engine under which an admissible request could never be
+/// scheduled (it would wait forever at the head of the queue): a `--max-model-len` beyond the
+/// model's context, a KV cache that cannot hold one sequence of `--max-model-len` tokens, and,
+/// without chunked prefill, a step budget smaller than the longest prompt.
+fn check_servable(c: &ServableCheck<'_>) -> Result<()> {
+    let unservable = |message: String| Err(EngineError::Unservable { message });
+    let max_len = c.limits.max_model_len;
+    if let Some(asked) = c.requested_max_model_len
+        && asked > c.context_len
+    {
+        return unservable(format!(
+            "--max-model-len {asked} is longer than the model's context of {} tokens \
+             (max_position_embeddings in config.json); use at most {}",
+            c.context_len, c.context_len
+        ));
+    }
+    let cache_tokens = c.num_blocks * c.block_size;
+    if cache_tokens < max_len {
+        let needed = max_len.div_ceil(c.block_size) * c.bytes_per_block;
+        return unservable(format!(
+            "the KV cache holds {cache_tokens} tokens ({} blocks of {}, {}), fewer than the \
+             maximum model length of {max_len}: a request that long could never run. Use \
+             --max-model-len {cache_tokens} (the longest that fits) or --kv-cache-memory {} \
+             (what holds {max_len} tokens)",
+            c.num_blocks,
+            c.block_size,
+            size_flag(c.num_blocks * c.bytes_per_block),
+            size_flag(needed)
+        ));
+    }
+    if !c.limits.enable_chunked_prefill && c.limits.max_num_batched_tokens < max_len {
+        return unservable(format!(
+            "without chunked prefill a prompt must fit one step, but --max-num-batched-tokens \
+             ({}) is below the maximum model length ({max_len}): a longer prompt would wait \
+             forever. Use --max-num-batched-tokens {max_len}, --max-model-len {}, or \
+             --enable-chunked-prefill",
+            c.limits.max_num_batched_tokens, c.limits.max_num_batched_tokens
+        ));
+    }
+    Ok(())
+}
+
+/// `bytes` rounded up to whole KiB or MiB, as `--kv-cache-memory` reads it.
+fn size_flag(bytes: usize) -> String {
+    match bytes {
+        b if b < 1 << 20 => format!("{}KiB", b.div_ceil(1 << 10)),
+        b => format!("{}MiB", b.div_ceil(1 << 20)),
     }
 }
 

@@ -20,6 +20,10 @@ pub enum EngineError {
         field: &'static str,
         message: String,
     },
+    /// An engine configuration under which some admissible request could never run, refused at
+    /// start-up; the message names the flags that would make it servable.
+    #[error("{message}")]
+    Unservable { message: String },
     /// Refused at admission: it could never be served (too long for the context or the cache).
     #[error(transparent)]
     Admission(#[from] AdmissionError),

@@ -65,6 +65,8 @@ fn small_cache_config(num_blocks: usize, block_size: usize, assets: &ModelAssets
         scheduler: SchedulerConfig {
             max_num_seqs: 16,
             max_num_batched_tokens: 48,
+            // A cache smaller than the model's context is refused unless the length fits it.
+            max_model_len: Some(num_blocks * block_size),
             ..Default::default()
         },
         ..Default::default()

@@ -261,3 +261,39 @@ async fn an_unknown_architecture_is_refused_at_start_up_naming_it_and_the_suppor
     }
     assert!(!log.contains("listening on"), "{log}");
 }
+
+/// Settings under which some admissible request could never run are refused at start-up with
+/// the flags that fix them (the engine used to start, then leave such a request waiting forever
+/// or answer every request without `max_tokens` with a 400).
+#[tokio::test]
+async fn an_engine_that_could_never_serve_some_request_is_refused_at_start_up() {
+    let model = tiny_model(None); // context 1024, 512 bytes of KV per token
+    let path = tiny_model_path(&model);
+    let model_arg = path.to_str().unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--kv-cache-memory", "100KiB"],
+            "Use --max-model-len 192 (the longest that fits) or --kv-cache-memory 512KiB",
+        ),
+        (
+            &[
+                "--no-enable-chunked-prefill",
+                "--max-num-batched-tokens",
+                "512",
+            ],
+            "Use --max-num-batched-tokens 1024, --max-model-len 512, or --enable-chunked-prefill",
+        ),
+        (
+            &["--max-model-len", "4096"],
+            "--max-model-len 4096 is longer than the model's context of 1024 tokens",
+        ),
+    ];
+    for (flags, says) in cases {
+        let mut args = vec!["serve", "--model", model_arg, "--port", "0"];
+        args.extend_from_slice(flags);
+        let (status, log) = run_to_exit(&args, Duration::from_secs(60));
+        assert!(!status.success(), "{flags:?}: {log}");
+        assert!(log.contains(says), "{flags:?}: {log}");
+        assert!(!log.contains(" ready"), "{flags:?}: {log}");
+    }
+}
