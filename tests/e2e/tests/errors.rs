@@ -69,6 +69,30 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
     )
     .await;
     assert_error(&r, 400, Some("top_logprobs"));
+    // Roles and what they need, as OpenAI checks them: nothing unknown reaches the template.
+    let messages = [
+        (
+            json!([{"role": "wizard", "content": "x"}]),
+            "messages[0].role",
+        ),
+        (
+            json!([{"role": "function", "content": "x"}]),
+            "messages[0].role",
+        ),
+        (
+            json!([{"role": "user", "content": "q"}, {"role": "tool", "content": "4"}]),
+            "messages[1].tool_call_id",
+        ),
+        (
+            json!([{"role": "user", "content": ""}]),
+            "messages[0].content",
+        ),
+        (json!([{"role": "user"}]), "messages[0].content"),
+    ];
+    for (messages, param) in messages {
+        let r = post_json(&chat, &json!({"messages": messages, "max_tokens": 2})).await;
+        assert_error(&r, 400, Some(param));
+    }
     // Still serving.
     let ok = post_json(&completions, &json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(ok.status, 200, "{}", ok.body);

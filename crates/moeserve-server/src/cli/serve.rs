@@ -243,6 +243,20 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
     if metrics_auth && api_key.is_none() {
         anyhow::bail!("--metrics-auth needs an API key (--api-key or MOESERVE_API_KEY)");
     }
+    let max_waiting_requests = x.pick(
+        "max_waiting_requests",
+        args.max_waiting_requests,
+        file.max_waiting_requests,
+    );
+    // Settings that could only fail every request are refused, not served.
+    if max_waiting_requests == 0 {
+        anyhow::bail!(
+            "--max-waiting-requests 0 would answer every request 429: it must be at least 1"
+        );
+    }
+    if max_request_bytes == 0 {
+        anyhow::bail!("--max-request-bytes 0 would refuse every body: it must be at least 1");
+    }
     Ok(ServeConfig {
         host: x.pick("host", args.host, file.host),
         port: x.pick("port", args.port, file.port),
@@ -250,11 +264,7 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
         dtype: x.pick("dtype", args.dtype, file.dtype),
         max_request_bytes: usize::try_from(max_request_bytes)
             .context("--max-request-bytes is too large")?,
-        max_waiting_requests: x.pick(
-            "max_waiting_requests",
-            args.max_waiting_requests,
-            file.max_waiting_requests,
-        ),
+        max_waiting_requests,
         metrics_compat: x.pick("metrics_compat", args.metrics_compat, file.metrics_compat),
         metrics_auth,
         limits,
@@ -323,6 +333,19 @@ mod tests {
         assert_eq!(c.served_model_name, "a");
         let c = resolve_args(&["x", "--config", path, "--enable-prefix-caching"]).unwrap();
         assert!(c.engine.cache.enable_prefix_caching);
+    }
+
+    #[test]
+    fn settings_that_could_only_fail_are_refused_with_the_reason() {
+        for (flag, says) in [
+            ("--max-waiting-requests", "every request 429"),
+            ("--max-request-bytes", "refuse every body"),
+        ] {
+            let err = resolve_args(&["x", "--model", "m", flag, "0"]).unwrap_err();
+            assert!(err.to_string().contains(says), "{flag}: {err}");
+        }
+        let c = resolve_args(&["x", "--model", "m", "--max-waiting-requests", "1"]).unwrap();
+        assert_eq!(c.max_waiting_requests, 1);
     }
 
     #[test]

@@ -26,6 +26,59 @@ use crate::state::AppState;
 pub struct WireMessage {
     pub role: String,
     pub content: Option<MessageContent>,
+    /// A `tool` message answers the call with this id.
+    pub tool_call_id: Option<String>,
+    /// An `assistant` message may carry calls instead of content.
+    pub tool_calls: Option<serde_json::Value>,
+}
+
+/// The roles OpenAI's chat API takes; anything else (`"function"`, made-up roles) is refused,
+/// not rendered into the template verbatim.
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+impl WireMessage {
+    /// Checks the role and what it requires, as OpenAI does: `system`, `developer`, `user` and
+    /// `tool` messages need non-empty content, `tool` a `tool_call_id`, `assistant` content or
+    /// `tool_calls`.
+    fn validate(&self, index: usize) -> Result<(), ApiError> {
+        let field = |name: &str| format!("messages[{index}].{name}");
+        let invalid = |name: &str, why: String| {
+            let f = field(name);
+            Err(ApiError::invalid(&f, format!("invalid `{f}`: {why}")))
+        };
+        let role = self.role.as_str();
+        if !ROLES.contains(&role) {
+            return invalid(
+                "role",
+                format!("unknown role {role:?} (one of {})", ROLES.join(", ")),
+            );
+        }
+        let empty = match &self.content {
+            None => true,
+            Some(MessageContent::Text(text)) => text.is_empty(),
+            Some(MessageContent::Parts(parts)) => parts.is_empty(),
+        };
+        if role == "assistant" {
+            if self.content.is_none() && self.tool_calls.is_none() {
+                return invalid(
+                    "content",
+                    "an assistant message needs `content` or `tool_calls`".into(),
+                );
+            }
+        } else if empty {
+            return invalid(
+                "content",
+                format!("a {role} message needs non-empty `content`"),
+            );
+        }
+        if role == "tool" && self.tool_call_id.as_deref().is_none_or(str::is_empty) {
+            return invalid(
+                "tool_call_id",
+                "a tool message needs the `tool_call_id` it answers".into(),
+            );
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -66,6 +119,7 @@ impl ChatRequest {
             .iter()
             .enumerate()
             .map(|(i, m)| {
+                m.validate(i)?;
                 let content = match &m.content {
                     None => String::new(),
                     Some(MessageContent::Text(text)) => text.clone(),
@@ -368,6 +422,45 @@ mod tests {
         assert_eq!(err.body().param.as_deref(), Some("top_logprobs"));
         let r = request(r#"{"logprobs": true, "top_logprobs": 21}"#);
         assert!(r.num_logprobs().is_err());
+    }
+
+    #[test]
+    fn roles_and_what_they_need_are_checked_naming_the_message_and_field() {
+        let refused = [
+            (
+                r#"[{"role": "wizard", "content": "hi"}]"#,
+                "messages[0].role",
+            ),
+            (
+                r#"[{"role": "function", "content": "hi"}]"#,
+                "messages[0].role",
+            ),
+            (
+                r#"[{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}]"#,
+                "messages[1].tool_call_id",
+            ),
+            (r#"[{"role": "user"}]"#, "messages[0].content"),
+            (
+                r#"[{"role": "user", "content": ""}]"#,
+                "messages[0].content",
+            ),
+            (
+                r#"[{"role": "system", "content": []}]"#,
+                "messages[0].content",
+            ),
+            (r#"[{"role": "assistant"}]"#, "messages[0].content"),
+        ];
+        for (messages, param) in refused {
+            let r = request(&format!(r#"{{"messages": {messages}}}"#));
+            let err = r.chat_messages().unwrap_err();
+            assert_eq!(err.body().param.as_deref(), Some(param), "{messages}");
+            assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
+        }
+        let accepted = r#"{"messages": [{"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+            {"role": "assistant", "content": null, "tool_calls": []},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}"#;
+        assert_eq!(request(accepted).chat_messages().unwrap().len(), 5);
     }
 
     #[test]
