@@ -181,6 +181,39 @@ async fn a_body_over_the_limit_is_413() {
             .status,
         200
     );
+    // A declared length over the limit is answered from the header at once, without waiting
+    // for a body that never comes (it used to end in a 408 after --request-read-timeout).
+    let address = server
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let started = std::time::Instant::now();
+    let head = declared_length_reply(&address, 10_000_000);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// The status line and headers the server answers to a POST that declares `length` bytes and
+/// sends none of them.
+fn declared_length_reply(address: &str, length: u64) -> String {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(address).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n\
+         Content-Length: {length}\r\n\r\n"
+    );
+    socket.write_all(request.as_bytes()).unwrap();
+    let mut reply = vec![0u8; 4096];
+    let n = socket.read(&mut reply).unwrap_or(0);
+    String::from_utf8_lossy(&reply[..n]).into_owned()
 }
 
 #[tokio::test]

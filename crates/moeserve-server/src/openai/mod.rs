@@ -24,7 +24,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::ApiError;
 use crate::state::AppState;
 
-/// A request body, read within `--max-request-bytes` (413 beyond) and within
+/// A request body, read within `--max-request-bytes` (413 beyond, at once when the declared
+/// `Content-Length` says so) and within
 /// `--request-read-timeout` (408 beyond: a client that trickles its body holds no task forever).
 pub struct JsonBody(Bytes);
 
@@ -32,6 +33,16 @@ impl FromRequest<AppState> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
+        // A declared length over the limit is answered at once from the header, before any of
+        // the body is waited for.
+        let declared = request
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+        let max = state.max_request_bytes();
+        if declared.is_some_and(|len| len > max as u64) {
+            return Err(ApiError::PayloadTooLarge { limit: max });
+        }
         let limit = state.time_limits().read;
         let read = tokio::time::timeout(limit, Bytes::from_request(request, state)).await;
         let bytes = read
