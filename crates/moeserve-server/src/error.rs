@@ -37,6 +37,9 @@ pub enum ApiError {
     BodyTimeout { seconds: f64 },
     /// 413: the body is larger than `--max-request-bytes`.
     PayloadTooLarge { limit: usize },
+    /// 415: a JSON route got a body that is not declared `application/json` (what a web page can
+    /// send without a CORS preflight is refused this way).
+    UnsupportedMediaType { got: Option<String> },
     /// 429: `--max-waiting-requests` requests already wait for their first token.
     QueueFull { max_waiting_requests: usize },
     /// 503: the model is still loading.
@@ -69,6 +72,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotReady | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -124,6 +128,16 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 Some("request_too_large".to_string()),
+            ),
+            ApiError::UnsupportedMediaType { got } => (
+                format!(
+                    "the body must be sent as `Content-Type: application/json`, got {}",
+                    got.as_deref()
+                        .map_or("none".to_string(), |t| format!("{t:?}"))
+                ),
+                "invalid_request_error",
+                None,
+                Some("unsupported_media_type".to_string()),
             ),
             ApiError::QueueFull {
                 max_waiting_requests,

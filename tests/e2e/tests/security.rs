@@ -105,3 +105,38 @@ async fn paths_in_requests_never_reach_the_filesystem() {
         assert_eq!(r.status, 404, "{url}: {}", r.body);
     }
 }
+
+/// A JSON route takes only `Content-Type: application/json`: the form and `text/plain` POSTs a
+/// web page can send to a local server without a CORS preflight never start a generation.
+#[tokio::test]
+async fn json_routes_refuse_bodies_not_declared_json_with_415() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let server = Server::start(&["--model", path.to_str().unwrap()]).await;
+    let c = client();
+    let body = json!({"prompt": "x", "max_tokens": 2}).to_string();
+    for route in ["/v1/completions", "/v1/chat/completions"] {
+        for content_type in [
+            Some("text/plain"),
+            Some("application/x-www-form-urlencoded"),
+            Some("multipart/form-data; boundary=x"),
+            None,
+        ] {
+            let mut request = c.post(server.url(route)).body(body.clone());
+            if let Some(t) = content_type {
+                request = request.header("content-type", t);
+            }
+            let r = send(request).await;
+            assert_eq!(r.status, 415, "{route} {content_type:?}: {}", r.body);
+            assert_eq!(r.error()["code"], "unsupported_media_type");
+        }
+    }
+    for content_type in ["application/json", "application/json; charset=utf-8"] {
+        let request = c
+            .post(server.url("/v1/completions"))
+            .header("content-type", content_type)
+            .body(body.clone());
+        assert_eq!(status_of(request).await, 200, "{content_type}");
+    }
+    assert!(server.log_shows("ready", Duration::from_secs(1)));
+}

@@ -33,6 +33,7 @@ impl FromRequest<AppState> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
+        check_json_content_type(request.headers())?;
         // A declared length over the limit is answered at once from the header, before any of
         // the body is waited for.
         let declared = request
@@ -51,6 +52,27 @@ impl FromRequest<AppState> for JsonBody {
             })?
             .map_err(|r| ApiError::from_body_rejection(r, state.max_request_bytes()))?;
         Ok(JsonBody(bytes))
+    }
+}
+
+/// `Content-Type: application/json` (parameters such as `charset` allowed, and `+json` types).
+/// Anything else is 415: a form or `text/plain` POST is what a web page may send to a local
+/// server without a CORS preflight, so it must never start a generation.
+fn check_json_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let given = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let essence = given.as_deref().map(|t| {
+        t.split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase()
+    });
+    match essence.as_deref() {
+        Some("application/json") => Ok(()),
+        Some(t) if t.starts_with("application/") && t.ends_with("+json") => Ok(()),
+        _ => Err(ApiError::UnsupportedMediaType { got: given }),
     }
 }
 
