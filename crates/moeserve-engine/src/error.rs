@@ -27,6 +27,10 @@ pub enum EngineError {
     /// Refused at admission: it could never be served (too long for the context or the cache).
     #[error(transparent)]
     Admission(#[from] AdmissionError),
+    /// The engine thread died (a panic inside a step): every request fails with this, and the
+    /// server reports itself unhealthy and exits.
+    #[error("the engine failed: {message}")]
+    Failed { message: String },
     /// One request failed while being processed (e.g. its logits were all NaN).
     #[error("request failed: {0}")]
     RequestFailed(String),

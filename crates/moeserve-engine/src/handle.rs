@@ -1,13 +1,19 @@
 //! The async engine handle (after TGI's `Queue` handle around its state): the engine core runs
 //! on its own thread; callers submit requests and read each request's events from a stream.
 //! Dropping a stream cancels its request, whose blocks are freed before the next step runs.
+//!
+//! A panic inside the engine (a bug in a kernel, the sampler, a re-placement) kills it for good:
+//! every request in flight and queued ends with `Failed` saying so, new ones are refused, and
+//! [`Engine::failure`] / [`Engine::failed`] tell the server, which reports itself unhealthy and
+//! exits non-zero so a supervisor restarts it (vLLM's behaviour when its engine core dies).
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use moeserve_core::RequestId;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::assets::ModelAssets;
 use crate::engine_core::{EngineConfig, EngineCore, RequestEvent};
@@ -30,8 +36,14 @@ pub struct Engine {
     stats: Arc<Mutex<EngineStats>>,
     moe: Arc<Mutex<MoeStats>>,
     assets: Arc<ModelAssets>,
+    /// The panic message once the engine thread died.
+    failure: watch::Receiver<Option<String>>,
     thread: Option<JoinHandle<()>>,
 }
+
+/// `MOESERVE_TEST_PANIC_AT_STEP=N`: the engine thread panics in its N-th step (0-based). A test
+/// hook for the engine-failure path (tests/e2e/tests/faults.rs); unset in production.
+const PANIC_AT_STEP_ENV: &str = "MOESERVE_TEST_PANIC_AT_STEP";
 
 /// The events of one request, in order, ending with `Finished` or `Failed`.
 pub struct RequestStream {
@@ -53,13 +65,18 @@ impl Engine {
         let stats = Arc::new(Mutex::new(core.stats().clone()));
         let moe = Arc::new(Mutex::new(core.moe_stats()));
         let (commands, rx) = mpsc::unbounded_channel();
+        let (failed, failure) = watch::channel(None);
         let shared = SharedStats {
             stats: stats.clone(),
             moe: moe.clone(),
+            failed,
         };
+        let panic_at_step = std::env::var(PANIC_AT_STEP_ENV)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok());
         let thread = std::thread::Builder::new()
             .name("moeserve-engine".into())
-            .spawn(move || run_loop(core, rx, shared))
+            .spawn(move || run_loop(core, rx, shared, panic_at_step))
             .map_err(|e| {
                 EngineError::RequestFailed(format!("cannot start the engine thread: {e}"))
             })?;
@@ -68,8 +85,28 @@ impl Engine {
             stats,
             moe,
             assets,
+            failure,
             thread: Some(thread),
         })
+    }
+
+    /// Why the engine died (its panic message), or `None` while it runs.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.borrow().clone()
+    }
+
+    /// Resolves with the panic message once the engine has died.
+    pub async fn failed(&self) -> String {
+        let mut failure = self.failure.clone();
+        let found = failure
+            .wait_for(Option::is_some)
+            .await
+            .map(|message| message.clone().unwrap_or_default());
+        match found {
+            Ok(message) => message,
+            // The thread returned without failing (the engine was dropped): never resolve.
+            Err(_) => std::future::pending().await,
+        }
     }
 
     pub fn assets(&self) -> &Arc<ModelAssets> {
@@ -80,7 +117,13 @@ impl Engine {
     pub async fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
         let (events, rx) = mpsc::unbounded_channel();
         let (reply, answer) = oneshot::channel();
-        let stopped = || EngineError::RequestFailed("the engine has stopped".to_string());
+        if let Some(message) = self.failure() {
+            return Err(EngineError::Failed { message });
+        }
+        let stopped = || match self.failure() {
+            Some(message) => EngineError::Failed { message },
+            None => EngineError::RequestFailed("the engine has stopped".to_string()),
+        };
         self.commands
             .send(Command::Add {
                 request,
@@ -110,10 +153,11 @@ impl Engine {
     }
 }
 
-/// Where the engine thread publishes its statistics.
+/// Where the engine thread publishes its statistics, and its death.
 struct SharedStats {
     stats: Arc<Mutex<EngineStats>>,
     moe: Arc<Mutex<MoeStats>>,
+    failed: watch::Sender<Option<String>>,
 }
 
 impl Drop for Engine {
@@ -131,44 +175,112 @@ fn run_loop(
     mut core: EngineCore,
     mut commands: mpsc::UnboundedReceiver<Command>,
     shared: SharedStats,
+    panic_at_step: Option<u64>,
 ) {
     let mut streams: HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>> = HashMap::new();
+    let mut step = 0u64;
     loop {
-        if !core.has_unfinished() {
-            match commands.blocking_recv() {
-                Some(command) => admit(&mut core, &mut streams, command),
-                None => return,
-            }
-        }
-        while let Ok(command) = commands.try_recv() {
-            admit(&mut core, &mut streams, command);
-        }
-        // Cancel requests whose caller went away: their blocks are freed before this step.
-        streams.retain(|id, tx| {
-            let open = !tx.is_closed();
-            if !open {
-                core.abort(*id);
-            }
-            open
-        });
-        let result = core.step();
-        // Publish the snapshot before the events, so a client that saw its request finish
-        // also sees the step in the statistics.
-        *shared.stats.lock().expect("stats lock is never poisoned") = core.stats().clone();
-        *shared.moe.lock().expect("stats lock is never poisoned") = core.moe_stats();
-        match result {
-            Ok(events) => dispatch(&mut streams, events),
-            Err(e) => {
-                for (id, tx) in streams.drain() {
-                    core.abort(id);
-                    let _ = tx.send(RequestEvent::Failed {
-                        id,
-                        error: e.to_string(),
-                    });
-                }
+        // A panic leaves the core in an unknown state: it is never stepped again.
+        let iteration = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let fault = panic_at_step == Some(step);
+            step += 1;
+            iterate(&mut core, &mut commands, &mut streams, &shared, fault)
+        }));
+        match iteration {
+            Ok(true) => continue,
+            Ok(false) => return,
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                die(&message, &mut streams, &mut commands, &shared);
+                return;
             }
         }
     }
+}
+
+/// One turn of the loop: admit, cancel, step, publish, dispatch. `false` once the command
+/// channel is closed and nothing is left to run.
+fn iterate(
+    core: &mut EngineCore,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+    streams: &mut HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
+    shared: &SharedStats,
+    fault: bool,
+) -> bool {
+    if !core.has_unfinished() {
+        match commands.blocking_recv() {
+            Some(command) => admit(core, streams, command),
+            None => return false,
+        }
+    }
+    while let Ok(command) = commands.try_recv() {
+        admit(core, streams, command);
+    }
+    // Cancel requests whose caller went away: their blocks are freed before this step.
+    streams.retain(|id, tx| {
+        let open = !tx.is_closed();
+        if !open {
+            core.abort(*id);
+        }
+        open
+    });
+    if fault {
+        panic!("{PANIC_AT_STEP_ENV} asked the engine to panic in this step");
+    }
+    let result = core.step();
+    // Publish the snapshot before the events, so a client that saw its request finish
+    // also sees the step in the statistics.
+    *shared.stats.lock().expect("stats lock is never poisoned") = core.stats().clone();
+    *shared.moe.lock().expect("stats lock is never poisoned") = core.moe_stats();
+    match result {
+        Ok(events) => dispatch(streams, events),
+        Err(e) => {
+            for (id, tx) in streams.drain() {
+                core.abort(id);
+                let _ = tx.send(RequestEvent::Failed {
+                    id,
+                    error: e.to_string(),
+                });
+            }
+        }
+    }
+    true
+}
+
+/// The engine died with `message`: every request in flight and queued fails saying so, the
+/// commands still waiting are refused, and the failure is published.
+fn die(
+    message: &str,
+    streams: &mut HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
+    commands: &mut mpsc::UnboundedReceiver<Command>,
+    shared: &SharedStats,
+) {
+    let error = EngineError::Failed {
+        message: message.to_string(),
+    };
+    // Published first: a caller that sees its request fail also sees the engine failed.
+    shared.failed.send_replace(Some(message.to_string()));
+    for (id, tx) in streams.drain() {
+        let _ = tx.send(RequestEvent::Failed {
+            id,
+            error: error.to_string(),
+        });
+    }
+    commands.close();
+    while let Ok(Command::Add { reply, .. }) = commands.try_recv() {
+        let _ = reply.send(Err(EngineError::Failed {
+            message: message.to_string(),
+        }));
+    }
+}
+
+/// The text a panic was raised with.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 fn admit(

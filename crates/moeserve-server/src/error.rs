@@ -46,6 +46,8 @@ pub enum ApiError {
     NotReady,
     /// 503: the server is shutting down.
     ShuttingDown,
+    /// 503: the engine died (its panic message); the server is exiting.
+    EngineFailed { message: String },
     /// 500: the request failed inside the engine (other requests are unaffected).
     Internal(String),
     /// 504: the request did not finish within `--request-timeout`; it was cancelled.
@@ -74,7 +76,9 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NotReady | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NotReady | ApiError::ShuttingDown | ApiError::EngineFailed { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::RequestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -161,6 +165,12 @@ impl ApiError {
                 "service_unavailable_error",
                 None,
                 None,
+            ),
+            ApiError::EngineFailed { message } => (
+                format!("the engine failed ({message}); the server is exiting"),
+                "service_unavailable_error",
+                None,
+                Some("engine_failed".to_string()),
             ),
             ApiError::Internal(message) => (message.clone(), "internal_error", None, None),
             ApiError::RequestTimeout { seconds } => (

@@ -74,10 +74,12 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     }
 
     let load_failed = Arc::new(Notify::new());
+    let engine_failed = Arc::new(Notify::new());
     let loader = tokio::spawn(load_in_background(
         config,
         state.clone(),
         load_failed.clone(),
+        engine_failed.clone(),
     ));
     let (stop_accepting, accepting) = watch::channel(false);
     let connection_limits = ConnectionLimits {
@@ -94,9 +96,13 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             let _ = accepting.wait_for(|&stop| stop).await;
         },
     ));
-    let reason = wait_for_shutdown(&load_failed).await;
-    if reason == Shutdown::Signal {
-        drain(&state, limits.shutdown_timeout).await;
+    let reason = wait_for_shutdown(&load_failed, &engine_failed).await;
+    match reason {
+        Shutdown::Signal => drain(&state, limits.shutdown_timeout).await,
+        // Every request has its error already; give them and `/health`'s 503 a moment to be
+        // seen, then exit non-zero for the supervisor to restart the server.
+        Shutdown::EngineFailed => tokio::time::sleep(CLOSE_GRACE).await,
+        Shutdown::LoadFailed => {}
     }
     let _ = stop_accepting.send(true);
     let connections = acceptor.await.context("the accept loop panicked")?;
@@ -109,6 +115,13 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         loader.await.context("the model loader panicked")??;
     } else {
         loader.abort();
+    }
+    if reason == Shutdown::EngineFailed {
+        let message = state
+            .loaded_engine()
+            .and_then(|engine| engine.failure())
+            .unwrap_or_default();
+        anyhow::bail!("the engine failed: {message}");
     }
     log("stopped");
     Ok(())
@@ -144,6 +157,7 @@ async fn load_in_background(
     config: ServeConfig,
     state: AppState,
     stop: Arc<Notify>,
+    engine_failed: Arc<Notify>,
 ) -> anyhow::Result<()> {
     let served_name = config.served_model_name.clone();
     let loaded = tokio::task::spawn_blocking(move || load_engine(&config)).await;
@@ -158,10 +172,20 @@ async fn load_in_background(
             anyhow::bail!("the model loader failed: {e}");
         }
     };
-    if state.set_engine(Arc::new(engine)).is_err() {
+    let engine = Arc::new(engine);
+    if state.set_engine(engine.clone()).is_err() {
         anyhow::bail!("the engine was started twice");
     }
     log(format_args!("ready: serving `{served_name}`"));
+    // The server lives as long as its engine: a dead engine stops it (exit 1).
+    tokio::spawn(async move {
+        let message = engine.failed().await;
+        log(format_args!(
+            "the engine failed: {message}; /health answers 503, every request in flight got a \
+             500, exiting"
+        ));
+        engine_failed.notify_one();
+    });
     Ok(())
 }
 
@@ -205,14 +229,17 @@ enum Shutdown {
     Signal,
     /// The model failed to load: nothing to drain.
     LoadFailed,
+    /// The engine thread died: nothing can run any more.
+    EngineFailed,
 }
 
-/// Resolves on Ctrl-C, SIGTERM or a failed load.
-async fn wait_for_shutdown(load_failed: &Notify) -> Shutdown {
+/// Resolves on Ctrl-C, SIGTERM, a failed load or a dead engine.
+async fn wait_for_shutdown(load_failed: &Notify, engine_failed: &Notify) -> Shutdown {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => log("interrupted"),
         _ = terminate_signal() => log("terminated"),
         _ = load_failed.notified() => return Shutdown::LoadFailed,
+        _ = engine_failed.notified() => return Shutdown::EngineFailed,
     }
     Shutdown::Signal
 }

@@ -98,12 +98,16 @@ impl AppState {
         self.0.shutting_down.store(true, Ordering::SeqCst);
     }
 
-    /// The engine, or 503 while loading or shutting down.
+    /// The engine, or 503 while loading, shutting down, or once the engine has died.
     pub fn engine(&self) -> Result<Arc<Engine>, ApiError> {
         if self.0.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError::ShuttingDown);
         }
-        self.0.engine.get().cloned().ok_or(ApiError::NotReady)
+        let engine = self.0.engine.get().cloned().ok_or(ApiError::NotReady)?;
+        if let Some(message) = engine.failure() {
+            return Err(ApiError::EngineFailed { message });
+        }
+        Ok(engine)
     }
 
     /// The engine if loaded, regardless of shutdown (for metrics).

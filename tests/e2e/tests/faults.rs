@@ -191,3 +191,39 @@ async fn a_corrupted_checkpoint_fails_start_up_with_a_clear_message() {
     .await;
     assert_eq!(ok.status, 200);
 }
+
+/// A panic inside the engine (here the test hook `MOESERVE_TEST_PANIC_AT_STEP`) is never
+/// reported as health: the request in flight ends with a 500 saying the engine failed, new
+/// requests and `/health` get 503, the panic message is logged, and the process exits non-zero
+/// so a supervisor restarts it.
+#[tokio::test]
+async fn a_dead_engine_is_unhealthy_fails_its_requests_and_exits_non_zero() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let mut server = Server::start_with_env(
+        &["--model", path.to_str().unwrap()],
+        &[("MOESERVE_TEST_PANIC_AT_STEP", "3")],
+    )
+    .await;
+    let completions = server.url("/v1/completions");
+    let body = json!({"prompt": "hello", "max_tokens": 20, "ignore_eos": true});
+    let failed = post_json(&completions, &body).await;
+    assert_eq!(failed.status, 500, "{}", failed.body);
+    assert!(
+        failed.error_message().contains("the engine failed"),
+        "{}",
+        failed.body
+    );
+    let health = moeserve_e2e::status_of(moeserve_e2e::client().get(server.url("/health"))).await;
+    assert_eq!(health, 503);
+    let refused = post_json(&completions, &body).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.error()["code"], "engine_failed");
+    let status = server
+        .wait_exit(Duration::from_secs(30))
+        .expect("the server exits after its engine died");
+    assert!(!status.success(), "{status}");
+    let log = server.logs();
+    assert!(log.contains("asked the engine to panic"), "{log}");
+    assert!(log.contains("the engine failed"), "{log}");
+}
