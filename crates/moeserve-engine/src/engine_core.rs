@@ -21,7 +21,7 @@ use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
 use crate::request::{GenerateOutput, GenerateRequest, RequestTimings};
 use crate::sampler::{SampleOutput, SamplerState};
-use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput};
+use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput, Unservable};
 use crate::stats::EngineStats;
 use crate::{EngineError, Result};
 
@@ -516,11 +516,10 @@ struct ServableCheck<'a> {
 
 /// Refuses, as vLLM does, an engine under which an admissible request could never be
 /// scheduled (it would wait forever at the head of the queue): a `--max-model-len` beyond the
-/// model's context, a KV cache that cannot hold one sequence of `--max-model-len` tokens, and,
-/// without chunked prefill, a step budget smaller than the longest prompt.
+/// model's context, and what [`SchedulerLimits::check_servable`] refuses (a cache or, without
+/// chunked prefill, a step budget smaller than one sequence), with the flags that fix it.
 fn check_servable(c: &ServableCheck<'_>) -> Result<()> {
     let unservable = |message: String| Err(EngineError::Unservable { message });
-    let max_len = c.limits.max_model_len;
     if let Some(asked) = c.requested_max_model_len
         && asked > c.context_len
     {
@@ -530,30 +529,29 @@ fn check_servable(c: &ServableCheck<'_>) -> Result<()> {
             c.context_len, c.context_len
         ));
     }
-    let cache_tokens = c.num_blocks * c.block_size;
-    if cache_tokens < max_len {
-        let needed = max_len.div_ceil(c.block_size) * c.bytes_per_block;
-        return unservable(format!(
-            "the KV cache holds {cache_tokens} tokens ({} blocks of {}, {}), fewer than the \
-             maximum model length of {max_len}: a request that long could never run. Use \
-             --max-model-len {cache_tokens} (the longest that fits) or --kv-cache-memory {} \
-             (what holds {max_len} tokens)",
-            c.num_blocks,
-            c.block_size,
-            size_flag(c.num_blocks * c.bytes_per_block),
-            size_flag(needed)
-        ));
-    }
-    if !c.limits.enable_chunked_prefill && c.limits.max_num_batched_tokens < max_len {
-        return unservable(format!(
+    let max_len = c.limits.max_model_len;
+    match c.limits.check_servable(c.num_blocks, c.block_size) {
+        Ok(()) => Ok(()),
+        Err(Unservable::CacheShorterThanMaxLen { cache_tokens }) => {
+            let needed = max_len.div_ceil(c.block_size) * c.bytes_per_block;
+            unservable(format!(
+                "the KV cache holds {cache_tokens} tokens ({} blocks of {}, {}), fewer than \
+                 the maximum model length of {max_len}: a request that long could never run. \
+                 Use --max-model-len {cache_tokens} (the longest that fits) or \
+                 --kv-cache-memory {} (what holds {max_len} tokens)",
+                c.num_blocks,
+                c.block_size,
+                size_flag(c.num_blocks * c.bytes_per_block),
+                size_flag(needed)
+            ))
+        }
+        Err(Unservable::StepBudgetShorterThanMaxLen { budget }) => unservable(format!(
             "without chunked prefill a prompt must fit one step, but --max-num-batched-tokens \
-             ({}) is below the maximum model length ({max_len}): a longer prompt would wait \
-             forever. Use --max-num-batched-tokens {max_len}, --max-model-len {}, or \
-             --enable-chunked-prefill",
-            c.limits.max_num_batched_tokens, c.limits.max_num_batched_tokens
-        ));
+             ({budget}) is below the maximum model length ({max_len}): a longer prompt would \
+             wait forever. Use --max-num-batched-tokens {max_len}, --max-model-len {budget}, \
+             or --enable-chunked-prefill"
+        )),
     }
-    Ok(())
 }
 
 /// `bytes` rounded up to whole KiB or MiB, as `--kv-cache-memory` reads it.

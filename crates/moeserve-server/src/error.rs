@@ -268,6 +268,13 @@ impl From<EngineError> for ApiError {
                 param: None,
                 code: Some("kv_cache_too_small"),
             },
+            EngineError::Admission(AdmissionError::PromptOverStepBudget { .. }) => {
+                ApiError::BadRequest {
+                    message,
+                    param: None,
+                    code: Some("step_budget_too_small"),
+                }
+            }
             // Prompts the tokenizer or the chat template cannot take are the client's input.
             // The tokenizer's message names its file on the server: keep only what went wrong.
             EngineError::Text(TextError::Tokenizer { message, .. }) => {

@@ -40,6 +40,15 @@ pub enum AdmissionError {
         needed: usize,
         available: usize,
     },
+    #[error(
+        "the request may need {tokens} tokens in one step (its prompt and max_tokens, as after \
+         a preemption), but without chunked prefill a step takes at most \
+         {max_num_batched_tokens} (--max-num-batched-tokens)"
+    )]
+    PromptOverStepBudget {
+        tokens: usize,
+        max_num_batched_tokens: usize,
+    },
     #[error("request {0} is already known")]
     DuplicateId(RequestId),
 }
@@ -64,6 +73,33 @@ impl SchedulerLimits {
                 .unwrap_or(model_context_len)
                 .min(model_context_len),
         }
+    }
+}
+
+/// Why a configuration could leave an admissible request waiting forever.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unservable {
+    /// One sequence of the maximum model length does not fit the whole cache.
+    CacheShorterThanMaxLen { cache_tokens: usize },
+    /// Without chunked prefill, the longest prompt does not fit one step.
+    StepBudgetShorterThanMaxLen { budget: usize },
+}
+
+impl SchedulerLimits {
+    /// Whether every request admission accepts can run under these limits and a cache of
+    /// `num_blocks` blocks of `block_size`: the precondition of the scheduler's liveness
+    /// (every admitted request finishes, see the property test), checked at start-up.
+    pub fn check_servable(&self, num_blocks: usize, block_size: usize) -> Result<(), Unservable> {
+        let cache_tokens = num_blocks * block_size;
+        if cache_tokens < self.max_model_len {
+            return Err(Unservable::CacheShorterThanMaxLen { cache_tokens });
+        }
+        if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
+            return Err(Unservable::StepBudgetShorterThanMaxLen {
+                budget: self.max_num_batched_tokens,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -108,6 +144,15 @@ impl Scheduler {
                 max_model_len,
                 prompt_len,
                 max_tokens,
+            });
+        }
+        // Without chunked prefill a prompt (and, after a preemption, the prompt with its
+        // output) must fit one step, or it would wait at the head of the queue forever.
+        let budget = self.limits.max_num_batched_tokens;
+        if !self.limits.enable_chunked_prefill && prompt_len + max_tokens > budget {
+            return Err(AdmissionError::PromptOverStepBudget {
+                tokens: prompt_len + max_tokens,
+                max_num_batched_tokens: budget,
             });
         }
         let tokens = prompt_len + max_tokens;

@@ -172,3 +172,161 @@ fn finishing_frees_blocks_at_once() {
     s.finish(RequestId(1));
     assert_eq!(s.kv().usage(), 0.0);
 }
+
+/// A seeded xorshift generator: the liveness property's random mixes, reproducible by seed.
+struct Mix(u64);
+
+impl Mix {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// A length near one of the limits (±1 around it, clamped to `1..=max`), or uniform.
+    fn length(&mut self, boundaries: &[usize], max: usize) -> usize {
+        let len = match self.range(0, 3) {
+            0 => self.range(1, max),
+            _ => {
+                let b = boundaries[self.range(0, boundaries.len() - 1)] as isize;
+                (b + self.range(0, 2) as isize - 1).max(1) as usize
+            }
+        };
+        len.clamp(1, max)
+    }
+}
+
+/// Liveness: under any engine configuration start-up accepts (a cache holding at least one
+/// sequence of the maximum model length; without chunked prefill, a step budget at least that
+/// long), every mix of admissible requests finishes — each step schedules tokens or preempts,
+/// and the whole mix is done within a bounded number of steps. Prompt lengths sit at every
+/// boundary: the step budget, the block size, the maximum model length, the cache capacity.
+#[test]
+fn every_admissible_mix_finishes_within_a_bounded_number_of_steps() {
+    const MIXES: u64 = 1000;
+    let (mut run, mut refused, mut seed) = (0, 0, 0u64);
+    while run < MIXES {
+        seed += 1;
+        let mut rng = Mix(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let block_size = [1, 2, 4, 8, 16][rng.range(0, 4)];
+        let max_model_len = rng.range(2, 64);
+        let chunked = rng.range(0, 1) == 1;
+        // Any configuration; those start-up refuses are skipped (and counted): the property
+        // is that the ones it accepts never stall.
+        let budget = rng.range(1, 80);
+        let min_blocks = max_model_len.div_ceil(block_size);
+        let num_blocks = rng.range(1, 3 * min_blocks);
+        let limits = SchedulerLimits {
+            max_num_seqs: rng.range(1, 8),
+            max_num_batched_tokens: budget,
+            enable_chunked_prefill: chunked,
+            max_model_len,
+        };
+        if limits.check_servable(num_blocks, block_size).is_err() {
+            refused += 1;
+            continue;
+        }
+        let mut s = Scheduler::new(
+            limits,
+            KvCacheManager::new(KvCacheConfig {
+                num_blocks,
+                block_size,
+                enable_prefix_caching: rng.range(0, 1) == 1,
+            }),
+        );
+        let cache_tokens = num_blocks * block_size;
+        let boundaries = [budget, block_size, max_model_len, cache_tokens, 1];
+        let num_requests = rng.range(1, 12);
+        let mut pending: Vec<(u64, usize, usize)> = (0..num_requests)
+            .map(|i| {
+                let total = rng.length(&boundaries, max_model_len).max(2);
+                let max_tokens = rng.range(1, total - 1);
+                (i as u64, total - max_tokens, max_tokens)
+            })
+            .collect();
+        let work: usize = pending.iter().map(|(_, p, m)| p + m).sum();
+        let mut generated = std::collections::HashMap::new();
+        let mut finished = 0;
+        // Each token is computed at most once per preemption, and a request is preempted only
+        // by younger ones: a generous bound that an infinite wait still exceeds.
+        let bound = 4 * work * (num_requests + 1) + 16;
+        let mut steps = 0;
+        while finished < num_requests {
+            // Requests arrive over the first steps, not all at once.
+            if let Some(&(id, prompt_len, max_tokens)) = pending.last()
+                && (steps % 3 == 0 || !s.has_unfinished())
+            {
+                pending.pop();
+                let ids = (0..prompt_len as u32)
+                    .map(|t| t + id as u32 * 100)
+                    .collect();
+                s.add_request(RequestId(id), ids, max_tokens)
+                    .unwrap_or_else(|e| panic!("seed {seed}: admissible request refused: {e}"));
+                generated.insert(RequestId(id), (0, max_tokens));
+            }
+            if !s.has_unfinished() {
+                continue;
+            }
+            let out = s.schedule();
+            assert!(
+                !out.scheduled.is_empty() || !out.preempted.is_empty(),
+                "seed {seed}: step {steps} neither scheduled nor preempted ({:?}, {} blocks of \
+                 {block_size}, {} waiting, {} running)",
+                s.limits(),
+                num_blocks,
+                s.num_waiting(),
+                s.num_running()
+            );
+            s.update_from_output(&out);
+            for r in out.scheduled.iter().filter(|r| r.samples) {
+                let (done, want) = generated.get_mut(&r.id).expect("known request");
+                *done += 1;
+                if *done == *want {
+                    s.finish(r.id);
+                    finished += 1;
+                } else {
+                    s.append_token(r.id, 7);
+                }
+            }
+            steps += 1;
+            assert!(
+                steps <= bound,
+                "seed {seed}: {steps} steps for {work} tokens of work"
+            );
+        }
+        assert_eq!(
+            s.kv().num_free_blocks(),
+            num_blocks,
+            "seed {seed}: blocks leaked"
+        );
+        run += 1;
+    }
+    // Both kinds of configuration were drawn.
+    assert!(refused > 100, "{refused} refused of {seed}");
+}
+
+#[test]
+fn a_prompt_that_could_never_fit_a_step_is_refused_without_chunked_prefill() {
+    let mut s = scheduler(
+        64,
+        SchedulerLimits {
+            enable_chunked_prefill: false,
+            ..limits(8, 16)
+        },
+    );
+    let err = s.add_request(RequestId(1), prompt(12, 0), 5).unwrap_err();
+    assert!(matches!(
+        err,
+        AdmissionError::PromptOverStepBudget {
+            tokens: 17,
+            max_num_batched_tokens: 16
+        }
+    ));
+    s.add_request(RequestId(2), prompt(12, 0), 4).unwrap();
+}
