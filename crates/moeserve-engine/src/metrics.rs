@@ -13,8 +13,12 @@ pub const PREFIX: &str = "moeserve:";
 pub const VLLM_PREFIX: &str = "vllm:";
 /// Label carried by every series: the served model name.
 pub const LABEL_MODEL_NAME: &str = "model_name";
-/// Label of [`REQUEST_SUCCESS_TOTAL`]: `stop` or `length`.
+/// Label of [`REQUEST_SUCCESS_TOTAL`]: `stop`, `length`, or `abort` for a request that ended
+/// early (timed out, disconnected, failed in the engine, cancelled by the shutdown drain).
 pub const LABEL_FINISHED_REASON: &str = "finished_reason";
+/// Label of [`REQUEST_ERRORS_TOTAL`]: `timeout`, `client_disconnect`, `engine_error`,
+/// `shutdown` or `rejected`.
+pub const LABEL_CAUSE: &str = "cause";
 
 pub const NUM_REQUESTS_RUNNING: &str = "moeserve:num_requests_running";
 pub const NUM_REQUESTS_WAITING: &str = "moeserve:num_requests_waiting";
@@ -25,6 +29,7 @@ pub const NUM_PREEMPTIONS_TOTAL: &str = "moeserve:num_preemptions_total";
 pub const PROMPT_TOKENS_TOTAL: &str = "moeserve:prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "moeserve:generation_tokens_total";
 pub const REQUEST_SUCCESS_TOTAL: &str = "moeserve:request_success_total";
+pub const REQUEST_ERRORS_TOTAL: &str = "moeserve:request_errors_total";
 pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "moeserve:time_to_first_token_seconds";
 pub const TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "moeserve:time_per_output_token_seconds";
 pub const INTER_TOKEN_LATENCY_SECONDS: &str = "moeserve:inter_token_latency_seconds";
@@ -154,6 +159,11 @@ pub const ALL: &[MetricDef] = &[
         REQUEST_SUCCESS_TOTAL,
         Counter,
         "Count of successfully processed requests.",
+    ),
+    def(
+        REQUEST_ERRORS_TOTAL,
+        Counter,
+        "Requests that did not finish normally, by cause (timeout, client_disconnect, engine_error, shutdown; rejected: refused before running).",
     ),
     hist(
         TIME_TO_FIRST_TOKEN_SECONDS,

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 
 use crate::drain::InFlight;
 use crate::error::ApiError;
+use crate::metrics::ErrorCause;
 use crate::state::{AppState, WaitingSlot};
 
 /// A prompt turned into token ids, with the room it leaves for the output.
@@ -32,6 +33,8 @@ pub struct Target {
     state: AppState,
     engine: Arc<Engine>,
     in_flight: InFlight,
+    /// When the request arrived (its `--request-timeout` and an abort's times count from it).
+    arrived: Instant,
     /// When `--request-timeout` runs out for this request, and the timeout.
     deadline: Option<(Instant, Duration)>,
 }
@@ -40,11 +43,13 @@ impl Target {
     pub fn new(state: &AppState) -> Result<Target, ApiError> {
         // Counted before the shutdown check, so a drain that begins in between waits for it.
         let in_flight = state.drain().enter();
-        let deadline = state.time_limits().request.map(|d| (Instant::now() + d, d));
+        let arrived = Instant::now();
+        let deadline = state.time_limits().request.map(|d| (arrived + d, d));
         Ok(Target {
             state: state.clone(),
             engine: state.engine()?,
             in_flight,
+            arrived,
             deadline,
         })
     }
@@ -65,19 +70,30 @@ impl Target {
 
     /// Queues the request; 429 when too many wait already, 400 when the engine refuses it.
     pub async fn submit(self, request: GenerateRequest) -> Result<Generation, ApiError> {
-        let slot = self.state.reserve_waiting_slot()?;
+        let rejected = |e: ApiError| {
+            self.state.metrics().observe_rejected();
+            e
+        };
+        let slot = self.state.reserve_waiting_slot().map_err(rejected)?;
         let prompt_len = match &request.prompt {
             Prompt::TokenIds(ids) => ids.len(),
             Prompt::Text(_) | Prompt::Chat(_) => 0,
         };
-        let stream = self.engine.submit(request).await?;
+        let stream = self
+            .engine
+            .submit(request)
+            .await
+            .map_err(|e| rejected(e.into()))?;
         Ok(Generation {
             stream,
             cancelled: self.state.drain().cancelled(),
             state: self.state,
             slot,
             prompt_len,
+            arrived: self.arrived,
+            first_token_at: None,
             last_token_at: None,
+            ended: None,
             deadline: self.deadline,
             _in_flight: self.in_flight,
         })
@@ -91,7 +107,12 @@ pub struct Generation {
     /// Held until the first token: until then the request counts as waiting.
     slot: WaitingSlot,
     prompt_len: usize,
+    arrived: Instant,
+    first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
+    /// How the request ended, once it has: `None` (finished normally) or the cause. A
+    /// generation dropped without an end is a client that went away.
+    ended: Option<Option<ErrorCause>>,
     deadline: Option<(Instant, Duration)>,
     /// Turns `true` when the shutdown drain gives up waiting.
     cancelled: watch::Receiver<bool>,
@@ -109,11 +130,13 @@ impl Generation {
             event = self.stream.next() => event,
             () = sleep_until(deadline.map(|(at, _)| at)) => {
                 self.slot.release();
+                self.ended.get_or_insert(Some(ErrorCause::Timeout));
                 let seconds = deadline.map_or(0.0, |(_, limit)| limit.as_secs_f64());
                 return Err(ApiError::RequestTimeout { seconds });
             }
             () = wait_cancelled(cancelled) => {
                 self.slot.release();
+                self.ended.get_or_insert(Some(ErrorCause::Shutdown));
                 return Err(ApiError::ShuttingDown);
             }
         };
@@ -128,12 +151,19 @@ impl Generation {
                     None => {
                         self.slot.release();
                         metrics.observe_prefilled(self.prompt_len);
+                        self.first_token_at = Some(now);
                     }
                 }
                 self.last_token_at = Some(now);
             }
-            Some(RequestEvent::Finished { output, .. }) => metrics.observe_finished(output),
-            Some(RequestEvent::Failed { .. }) | None => self.slot.release(),
+            Some(RequestEvent::Finished { output, .. }) => {
+                metrics.observe_finished(output);
+                self.ended.get_or_insert(None);
+            }
+            Some(RequestEvent::Failed { .. }) | None => {
+                self.slot.release();
+                self.ended.get_or_insert(Some(ErrorCause::EngineError));
+            }
         }
         match event {
             Some(RequestEvent::Failed { error, .. }) => Err(ApiError::Internal(error)),
@@ -149,6 +179,24 @@ impl Generation {
                 return Ok(output);
             }
         }
+    }
+}
+
+impl Drop for Generation {
+    /// Counts a request that did not finish normally, whatever ended it; dropped before its
+    /// end, the client went away (the stream's drop cancels it in the engine).
+    fn drop(&mut self) {
+        let cause = match self.ended {
+            Some(None) => return,
+            Some(Some(cause)) => cause,
+            None => ErrorCause::ClientDisconnect,
+        };
+        let since = |t: Instant| t.duration_since(self.arrived).as_secs_f64();
+        self.state.metrics().observe_aborted(
+            cause,
+            since(Instant::now()),
+            self.first_token_at.map(since),
+        );
     }
 }
 

@@ -107,6 +107,9 @@ pub struct ServerMetrics {
     generation_tokens: Series<Counter>,
     success_stop: Series<Counter>,
     success_length: Series<Counter>,
+    success_abort: Series<Counter>,
+    /// `request_errors_total` by [`ErrorCause`], in its order.
+    errors: Vec<Series<Counter>>,
     time_to_first_token: Series<Histogram>,
     time_per_output_token: Series<Histogram>,
     inter_token_latency: Series<Histogram>,
@@ -120,13 +123,50 @@ pub struct ServerMetrics {
     recent_latencies: LatencyWindow,
 }
 
+/// Why a request did not finish normally (`cause` of `request_errors_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorCause {
+    /// `--request-timeout` ran out (504).
+    Timeout,
+    /// The client went away before the end.
+    ClientDisconnect,
+    /// The engine failed the request, or died.
+    EngineError,
+    /// The shutdown drain cancelled it (503).
+    Shutdown,
+    /// Refused before running: the queue was full (429) or admission refused it (400).
+    Rejected,
+}
+
+impl ErrorCause {
+    const ALL: [ErrorCause; 5] = [
+        ErrorCause::Timeout,
+        ErrorCause::ClientDisconnect,
+        ErrorCause::EngineError,
+        ErrorCause::Shutdown,
+        ErrorCause::Rejected,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            ErrorCause::Timeout => "timeout",
+            ErrorCause::ClientDisconnect => "client_disconnect",
+            ErrorCause::EngineError => "engine_error",
+            ErrorCause::Shutdown => "shutdown",
+            ErrorCause::Rejected => "rejected",
+        }
+    }
+}
+
 impl ServerMetrics {
     /// Handles on the installed recorder; `exporter` renders `/metrics`.
     pub fn new(exporter: PrometheusHandle, model_name: &str, compat: MetricsCompat) -> Self {
         let metrics = Self::build(Some(exporter), model_name, compat);
-        // Both outcomes are listed from the start, as vLLM does.
+        // Every outcome is listed from the start, as vLLM does.
         metrics.success_stop.increment(0);
         metrics.success_length.increment(0);
+        metrics.success_abort.increment(0);
+        metrics.errors.iter().for_each(|e| e.increment(0));
         metrics
     }
 
@@ -167,6 +207,18 @@ impl ServerMetrics {
                     .collect(),
             )
         };
+        let error = |cause: ErrorCause| {
+            Series(
+                exported_names(names::REQUEST_ERRORS_TOTAL, compat)
+                    .into_iter()
+                    .map(|n| {
+                        metrics::counter!(
+                            n, label => model.clone(), names::LABEL_CAUSE => cause.label()
+                        )
+                    })
+                    .collect(),
+            )
+        };
         let histogram = |name: &str| {
             Series(
                 exported_names(name, compat)
@@ -195,6 +247,8 @@ impl ServerMetrics {
             generation_tokens: counter(names::GENERATION_TOKENS_TOTAL),
             success_stop: success("stop"),
             success_length: success("length"),
+            success_abort: success("abort"),
+            errors: ErrorCause::ALL.into_iter().map(error).collect(),
             time_to_first_token: histogram(names::TIME_TO_FIRST_TOKEN_SECONDS),
             time_per_output_token: histogram(names::TIME_PER_OUTPUT_TOKEN_SECONDS),
             inter_token_latency: histogram(names::INTER_TOKEN_LATENCY_SECONDS),
@@ -261,6 +315,23 @@ impl ServerMetrics {
             FinishReason::Stop => self.success_stop.increment(1),
             FinishReason::Length => self.success_length.increment(1),
         }
+    }
+
+    /// A request that ended before finishing (`cause`), `elapsed` seconds after it arrived:
+    /// counted as `finished_reason="abort"` and by cause, its end-to-end time recorded, and its
+    /// time to first token — or, when it never got one, the time it waited, a lower bound — so
+    /// latency alerts see exactly the requests that time out.
+    pub fn observe_aborted(&self, cause: ErrorCause, elapsed: f64, first_token: Option<f64>) {
+        self.success_abort.increment(1);
+        self.errors[cause as usize].increment(1);
+        self.e2e_latency.record(elapsed);
+        self.time_to_first_token
+            .record(first_token.unwrap_or(elapsed));
+    }
+
+    /// A request refused before it ran (429, or the engine's admission 400).
+    pub fn observe_rejected(&self) {
+        self.errors[ErrorCause::Rejected as usize].increment(1);
     }
 
     /// Latencies of the requests finished in the last minutes.

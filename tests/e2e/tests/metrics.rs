@@ -13,13 +13,14 @@ const GAUGES: [&str; 3] = [
     "moeserve:num_requests_waiting",
     "moeserve:kv_cache_usage_perc",
 ];
-const COUNTERS: [&str; 6] = [
+const COUNTERS: [&str; 7] = [
     "moeserve:prefix_cache_queries_total",
     "moeserve:prefix_cache_hits_total",
     "moeserve:num_preemptions_total",
     "moeserve:prompt_tokens_total",
     "moeserve:generation_tokens_total",
     "moeserve:request_success_total",
+    "moeserve:request_errors_total",
 ];
 const HISTOGRAMS: [&str; 9] = [
     "moeserve:time_to_first_token_seconds",
@@ -197,11 +198,64 @@ async fn a_client_that_disconnects_mid_stream_frees_its_blocks() {
     let samples = scrape_until(&server.url("/metrics"), engine_idle).await;
     assert_eq!(value(&samples, "moeserve:num_requests_running"), 0.0);
     assert_eq!(value(&samples, "moeserve:kv_cache_usage_perc"), 0.0);
-    // Cancelled, not finished: no success counted, far fewer tokens than asked for.
-    assert_eq!(value(&samples, "moeserve:request_success_total"), 0.0);
+    // Cancelled, not finished: counted as an abort by a client that went away, with the time
+    // it had run; far fewer tokens than asked for.
+    let success = "moeserve:request_success_total";
+    assert_eq!(
+        labelled(&samples, success, ("finished_reason", "length")),
+        0.0
+    );
+    assert_eq!(
+        labelled(&samples, success, ("finished_reason", "abort")),
+        1.0
+    );
+    let errors = "moeserve:request_errors_total";
+    assert_eq!(
+        labelled(&samples, errors, ("cause", "client_disconnect")),
+        1.0
+    );
+    assert_eq!(value(&samples, errors), 1.0);
+    assert_eq!(
+        value(&samples, "moeserve:e2e_request_latency_seconds_count"),
+        1.0
+    );
+    assert_eq!(
+        value(&samples, "moeserve:time_to_first_token_seconds_count"),
+        1.0
+    );
     let generated = value(&samples, "moeserve:generation_tokens_total");
     assert!(
         generated < f64::from(max_tokens) / 2.0,
         "{generated} tokens"
+    );
+}
+
+/// A request that ends early is counted whatever its end: here a `--request-timeout` (504).
+#[tokio::test]
+async fn a_timed_out_request_is_counted_as_an_abort_by_cause() {
+    let model = tiny_model(Some(32768));
+    let server = Server::start(&[
+        "--model",
+        tiny_model_path(&model).to_str().unwrap(),
+        "--request-timeout",
+        "0.3",
+    ])
+    .await;
+    let long = json!({"prompt": "a long one", "max_tokens": 30000, "ignore_eos": true});
+    let r = post_json(&server.url("/v1/completions"), &long).await;
+    assert_eq!(r.status, 504, "{}", r.body);
+    let samples = scrape_until(&server.url("/metrics"), engine_idle).await;
+    let success = "moeserve:request_success_total";
+    assert_eq!(
+        labelled(&samples, success, ("finished_reason", "abort")),
+        1.0
+    );
+    let errors = "moeserve:request_errors_total";
+    assert_eq!(labelled(&samples, errors, ("cause", "timeout")), 1.0);
+    // Its end-to-end time is at least the timeout.
+    assert!(value(&samples, "moeserve:e2e_request_latency_seconds_sum") >= 0.3);
+    assert_eq!(
+        value(&samples, "moeserve:time_to_first_token_seconds_count"),
+        1.0
     );
 }

@@ -23,7 +23,7 @@ fn promtool_accepts_the_config_the_rules_and_their_tests() {
     let config = promtool(&dir, &["check", "config", "prometheus.yml"]);
     assert!(config.contains("SUCCESS: 1 rule files found"), "{config}");
     let rules = promtool(&dir, &["check", "rules", "alerts.yml"]);
-    assert!(rules.contains("SUCCESS: 6 rules found"), "{rules}");
+    assert!(rules.contains("SUCCESS: 7 rules found"), "{rules}");
     let tests = promtool(&dir, &["test", "rules", "alerts.test.yml"]);
     assert!(tests.contains("SUCCESS"), "{tests}");
 }
@@ -211,7 +211,7 @@ async fn prometheus_scrapes_moe_series_and_answers_every_grafana_query() {
     let groups = rules["groups"].as_array().expect("rule groups");
     assert_eq!(groups.len(), 1, "{rules}");
     let loaded = groups[0]["rules"].as_array().unwrap();
-    assert_eq!(loaded.len(), 6, "{rules}");
+    assert_eq!(loaded.len(), 7, "{rules}");
     for rule in loaded {
         assert_eq!(rule["health"], "ok", "{rule}");
     }
