@@ -5,7 +5,10 @@
 //! Dropping a [`Generation`] drops its `RequestStream`, which cancels the request: the engine
 //! frees its blocks before the next step. A client that disconnects drops it with the response;
 //! so does a request past `--request-timeout` (504) or one cancelled by the shutdown drain (503).
-//! From [`Target::new`] on, the request counts as in flight for the drain.
+//! From [`Target::new`] on, the request counts as in flight for the drain, and holds its place in
+//! the waiting queue: `--max-waiting-requests` is checked before any costly work, and the
+//! chat template and the tokenizer run on tokio's blocking pool, a bounded number at a time,
+//! never on the runtime's workers (a few large prompts must not stall every connection).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,6 +36,8 @@ pub struct Target {
     state: AppState,
     engine: Arc<Engine>,
     in_flight: InFlight,
+    /// Its place in the waiting queue, taken first (429 before any work).
+    slot: WaitingSlot,
     /// When the request arrived (its `--request-timeout` and an abort's times count from it).
     arrived: Instant,
     /// When `--request-timeout` runs out for this request, and the timeout.
@@ -45,10 +50,15 @@ impl Target {
         let in_flight = state.drain().enter();
         let arrived = Instant::now();
         let deadline = state.time_limits().request.map(|d| (arrived + d, d));
+        let engine = state.engine()?;
+        let slot = state.reserve_waiting_slot().inspect_err(|_| {
+            state.metrics().observe_rejected();
+        })?;
         Ok(Target {
             state: state.clone(),
-            engine: state.engine()?,
+            engine,
             in_flight,
+            slot,
             arrived,
             deadline,
         })
@@ -58,9 +68,17 @@ impl Target {
         self.engine.assets()
     }
 
-    /// Tokenizes (chat: renders the template first) and checks the ids, as the engine would.
-    pub fn tokenize(&self, prompt: &Prompt) -> Result<TokenizedPrompt, ApiError> {
-        let ids = self.assets().prompt_ids(prompt)?;
+    /// Tokenizes (chat: renders the template first) and checks the ids, as the engine would,
+    /// on the blocking pool.
+    pub async fn tokenize(&self, prompt: Prompt) -> Result<TokenizedPrompt, ApiError> {
+        let permit = self.state.text_work_permit().await;
+        let assets = self.assets().clone();
+        let ids = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            assets.prompt_ids(&prompt)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenization failed: {e}")))??;
         let max_model_len = self.engine.stats().max_model_len;
         Ok(TokenizedPrompt {
             room: max_model_len.saturating_sub(ids.len()),
@@ -74,7 +92,7 @@ impl Target {
             self.state.metrics().observe_rejected();
             e
         };
-        let slot = self.state.reserve_waiting_slot().map_err(rejected)?;
+        let slot = self.slot;
         let prompt_len = match &request.prompt {
             Prompt::TokenIds(ids) => ids.len(),
             Prompt::Text(_) | Prompt::Chat(_) => 0,

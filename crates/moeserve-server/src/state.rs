@@ -57,6 +57,11 @@ impl Default for TimeLimits {
     }
 }
 
+/// Prompts rendered and tokenized at once: the cores less one, at least one.
+fn text_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
+}
+
 /// Shared state of the router.
 #[derive(Clone)]
 pub struct AppState(Arc<Shared>);
@@ -70,6 +75,9 @@ struct Shared {
     drain: Drain,
     /// Requests submitted that have not produced their first token yet.
     num_waiting: AtomicUsize,
+    /// Bounds the chat-template renderings and tokenizations running at once on tokio's
+    /// blocking pool (one core is left to the runtime: `/health` and streaming stay prompt).
+    text_work: Arc<tokio::sync::Semaphore>,
     metrics: ServerMetrics,
     /// Unix time the server started (`created` of `/v1/models`).
     started_at: u64,
@@ -83,9 +91,20 @@ impl AppState {
             shutting_down: AtomicBool::new(false),
             drain: Drain::default(),
             num_waiting: AtomicUsize::new(0),
+            text_work: Arc::new(tokio::sync::Semaphore::new(text_workers())),
             metrics,
             started_at: unix_now(),
         }))
+    }
+
+    /// A permit to render and tokenize one prompt on the blocking pool.
+    pub async fn text_work_permit(&self) -> tokio::sync::OwnedSemaphorePermit {
+        self.0
+            .text_work
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the text-work semaphore is never closed")
     }
 
     /// Makes the server ready. A second engine is refused (returned).

@@ -256,7 +256,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
-    let tokenized = target.tokenize(&Prompt::Chat(messages))?;
+    let tokenized = target.tokenize(Prompt::Chat(messages)).await?;
     // With no limit the answer may fill the context; a full prompt is refused by the engine.
     let max_tokens = request
         .max_completion_tokens

@@ -145,7 +145,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
-    let tokenized = target.tokenize(&prompt)?;
+    let tokenized = target.tokenize(prompt).await?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
     let generation = target
         .submit(GenerateRequest {
