@@ -18,7 +18,9 @@ use crate::convert::tokenizer::{
     AddedToken, BpeTokenizerSpec, PreTokenizer, TokenizerConfig, byte_to_unicode,
 };
 use crate::convert::{CheckpointSpec, MAX_SHARD_BYTES, SpecFamily, SpecTensor, TensorRng};
-use crate::writer::{CheckpointWriter, ShardLayout, TensorSource, human_bytes, human_count};
+use crate::writer::{
+    CheckpointWriter, ShardLayout, StagedDir, TensorSource, human_bytes, human_count,
+};
 
 /// A named random model shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -211,7 +213,8 @@ pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
         .into_iter()
         .map(|tensor| random_tensor(&spec, tensor, options.seed))
         .collect();
-    let writer = CheckpointWriter::create(&options.out)?;
+    let staged = StagedDir::new(&options.out)?;
+    let writer = CheckpointWriter::create(staged.path())?;
     let written = writer.write_tensors(sources, ShardLayout::MaxShardBytes(MAX_SHARD_BYTES))?;
     writer.write_config(&spec.config_json())?;
     writer.write_json("generation_config.json", &spec.generation_config_json())?;
@@ -219,10 +222,12 @@ pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
     writer.write_json("tokenizer.json", &tokenizer)?;
     writer.write_json("tokenizer_config.json", &tokenizer_config)?;
     writer.write_text("chat_template.jinja", CHAT_TEMPLATE)?;
+    let files = written.files.iter().map(|f| staged.final_path(f)).collect();
+    staged.commit()?;
     Ok(MadeModel {
         preset: options.preset,
         out: options.out.clone(),
-        files: written.files,
+        files,
         num_parameters: written.num_parameters,
         total_bytes: written.total_bytes,
     })

@@ -88,6 +88,60 @@ pub struct WrittenTensors {
     pub total_bytes: u64,
 }
 
+/// A directory written under a temporary name beside its final one (`.NAME.partial`, same
+/// parent, so the rename stays on one file system) and put in place only once complete: a run
+/// killed half way leaves no directory under the final name that `serve` would load.
+#[derive(Debug)]
+pub struct StagedDir {
+    staging: PathBuf,
+    out: PathBuf,
+}
+
+impl StagedDir {
+    /// Starts a fresh staging directory for `out` (removing one an earlier killed run left).
+    pub fn new(out: impl Into<PathBuf>) -> Result<Self> {
+        let out = out.into();
+        let name = out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| FormatError::config(&out, "the output needs a directory name"))?;
+        let staging = out.with_file_name(format!(".{name}.partial"));
+        // Errors name the directory asked for, not its temporary name.
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging).map_err(|e| FormatError::io(&out, e))?;
+        }
+        std::fs::create_dir_all(&staging).map_err(|e| FormatError::io(&out, e))?;
+        Ok(StagedDir { staging, out })
+    }
+
+    /// Where the files are written until [`StagedDir::commit`].
+    pub fn path(&self) -> &Path {
+        &self.staging
+    }
+
+    /// The final directory.
+    pub fn out(&self) -> &Path {
+        &self.out
+    }
+
+    /// `file` (written under the staging directory) at its final place.
+    pub fn final_path(&self, file: &Path) -> PathBuf {
+        match file.strip_prefix(&self.staging) {
+            Ok(relative) => self.out.join(relative),
+            Err(_) => file.to_path_buf(),
+        }
+    }
+
+    /// Puts the complete directory in place, replacing what was at the final name.
+    pub fn commit(self) -> Result<PathBuf> {
+        if self.out.exists() {
+            std::fs::remove_dir_all(&self.out).map_err(|e| FormatError::io(&self.out, e))?;
+        }
+        std::fs::rename(&self.staging, &self.out).map_err(|e| FormatError::io(&self.out, e))?;
+        Ok(self.out)
+    }
+}
+
 /// Writes the files of one checkpoint directory.
 #[derive(Clone, Debug)]
 pub struct CheckpointWriter {
@@ -372,6 +426,29 @@ pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_staged_directory_appears_under_its_name_only_when_committed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("model");
+        std::fs::create_dir(&out).unwrap();
+        std::fs::write(out.join("old.txt"), "old").unwrap();
+        let staged = super::StagedDir::new(&out).unwrap();
+        std::fs::write(staged.path().join("config.json"), "{}").unwrap();
+        // Not yet: the old directory is untouched, the new files are elsewhere.
+        assert!(out.join("old.txt").exists() && !out.join("config.json").exists());
+        let file = staged.final_path(&staged.path().join("config.json"));
+        assert_eq!(file, out.join("config.json"));
+        staged.commit().unwrap();
+        assert!(out.join("config.json").exists() && !out.join("old.txt").exists());
+        // A run killed before its commit leaves only the staging directory, which the next
+        // run removes.
+        let killed = super::StagedDir::new(&out).unwrap();
+        std::fs::write(killed.path().join("half.safetensors"), "x").unwrap();
+        drop(killed);
+        let again = super::StagedDir::new(&out).unwrap();
+        assert!(!again.path().join("half.safetensors").exists());
+    }
+
     use super::*;
 
     fn constant(name: &str, shape: Vec<usize>, value: f32) -> TensorSource {

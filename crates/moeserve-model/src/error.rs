@@ -41,6 +41,9 @@ pub enum ModelError {
     /// The generation config (`moeserve quantize` reads its end-of-sequence ids).
     #[error(transparent)]
     Text(#[from] moeserve_text::TextError),
+    /// Writing a checkpoint directory (`moeserve quantize`).
+    #[error(transparent)]
+    Format(#[from] moeserve_formats::FormatError),
     #[error(transparent)]
     Backend(#[from] moeserve_backend::BackendError),
     /// A forward batch that does not fit the model (token id out of vocabulary, bad lengths).

@@ -227,3 +227,37 @@ async fn a_dead_engine_is_unhealthy_fails_its_requests_and_exits_non_zero() {
     assert!(log.contains("asked the engine to panic"), "{log}");
     assert!(log.contains("the engine failed"), "{log}");
 }
+
+/// `make-model` writes under a temporary name and renames the directory into place at the end:
+/// killed half way, it leaves nothing under the name asked for that `serve` would load (it used
+/// to leave half the shards and, depending on where it stopped, a config.json beside them).
+#[tokio::test]
+async fn a_killed_make_model_leaves_no_model_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("big");
+    // mixtral-bench-1b is 3.1 GB of bf16: many seconds of writing.
+    let mut child = std::process::Command::new(moeserve_e2e::moeserve_bin())
+        .args(["make-model", "--preset", "mixtral-bench-1b", "--out"])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let staging = tmp.path().join(".big.partial");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !staging.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Well into the writing of the 3.1 GB.
+    std::thread::sleep(Duration::from_millis(1500));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(staging.exists(), "the run was killed while writing");
+    assert!(!out.exists(), "a killed run left {}", out.display());
+    let (status, log) = run_to_exit(
+        &["serve", "--model", out.to_str().unwrap(), "--port", "0"],
+        Duration::from_secs(60),
+    );
+    assert!(!status.success(), "{log}");
+    std::fs::remove_dir_all(&staging).unwrap();
+}

@@ -33,7 +33,9 @@ pub use random::TensorRng;
 pub use spec::{CheckpointSpec, SpecFamily, SpecTensor};
 
 use crate::gguf::GgufFile;
-use crate::writer::{CheckpointWriter, ShardLayout, TensorSource, human_bytes, human_count};
+use crate::writer::{
+    CheckpointWriter, ShardLayout, StagedDir, TensorSource, human_bytes, human_count,
+};
 use crate::{FormatError, Result};
 
 /// Shards are cut at this size, as transformers' `max_shard_size="5GB"`.
@@ -116,7 +118,8 @@ pub fn upcycle_gguf(options: &UpcycleOptions) -> Result<UpcycleReport> {
         .map(|tensor| tensor_source(&gguf, &spec, tensor, options))
         .collect::<Result<Vec<_>>>()?;
 
-    let writer = CheckpointWriter::create(&options.out)?;
+    let staged = StagedDir::new(&options.out)?;
+    let writer = CheckpointWriter::create(staged.path())?;
     let written = writer.write_tensors(sources, ShardLayout::MaxShardBytes(MAX_SHARD_BYTES))?;
     writer.write_config(&spec.config_json())?;
     writer.write_json("generation_config.json", &spec.generation_config_json())?;
@@ -125,10 +128,12 @@ pub fn upcycle_gguf(options: &UpcycleOptions) -> Result<UpcycleReport> {
     if let Some(template) = &tokenizer.chat_template {
         writer.write_text("chat_template.jinja", template)?;
     }
+    let files = written.files.iter().map(|f| staged.final_path(f)).collect();
+    staged.commit()?;
     Ok(UpcycleReport {
         out: options.out.clone(),
         spec,
-        files: written.files,
+        files,
         num_parameters: written.num_parameters,
         total_bytes: written.total_bytes,
     })

@@ -45,6 +45,7 @@ use crate::models::decoder::{ForwardOptions, LogitsFor};
 use crate::models::workspace::ForwardWorkspace;
 use crate::moe::Expert;
 use crate::{ModelError, Result};
+use moeserve_formats::writer::StagedDir;
 use moeserve_text::generation_config::GenerationConfig;
 
 /// `quantization_config.quant_method` of a checkpoint this module wrote.
@@ -124,8 +125,11 @@ pub fn quantize_checkpoint(
     let generation = GenerationConfig::from_dir(src)?;
     let bos = generation.bos_token_id.unwrap_or(0);
     let mut report = QuantizeReport::default();
-    // The output directory first: an unwritable one fails before minutes of calibration.
-    let mut weight_map = link_source_files(src, dst)?;
+    // The output directory first: an unwritable one fails before minutes of calibration. It is
+    // written under a temporary name and put in place only when complete.
+    let staged = StagedDir::new(dst)?;
+    let out = staged.path();
+    let mut weight_map = link_source_files(src, out)?;
 
     let clock = std::time::Instant::now();
     progress(&format!(
@@ -169,10 +173,11 @@ pub fn quantize_checkpoint(
             let s = job.weight.shape();
             tensors.push((job.prefix.as_str(), rows, [s[0], s[1]]));
         }
-        write_int8_tensors(&dst.join(&file), &tensors, &mut weight_map)?;
+        write_int8_tensors(&out.join(&file), &tensors, &mut weight_map)?;
     }
     progress(&format!("writing {}", dst.display()));
-    write_index_and_config(src, dst, weight_map, opts, &report)?;
+    write_index_and_config(src, out, weight_map, opts, &report)?;
+    staged.commit()?;
     Ok(report)
 }
 
