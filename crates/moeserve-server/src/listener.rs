@@ -5,7 +5,9 @@
 //! - the request head (request line and headers) at most `--max-header-bytes` (431 beyond) and
 //!   received within `--request-read-timeout` (the connection is closed otherwise), so slow or
 //!   idle clients cannot pin connections forever;
-//! - `TCP_NODELAY`, so each streamed token leaves at once.
+//! - `TCP_NODELAY`, so each streamed token leaves at once;
+//! - half-closed connections served: a read-side EOF after a complete request is not a
+//!   disconnect.
 //!
 //! [`accept`] runs until its stop future resolves and hands back the open connections, which
 //! [`Connections::close`] lets finish their current response.
@@ -57,7 +59,10 @@ pub async fn accept(
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
-        .max_header_size(limits.max_header_bytes);
+        .max_header_size(limits.max_header_bytes)
+        // A client that shuts down its write side after a complete request (`nc -N`, some
+        // HTTP/1.0 scripts) still gets its answer: only a failed write or a reset cancels.
+        .half_close(true);
     tokio::pin!(stop);
     loop {
         let permit = tokio::select! {

@@ -413,3 +413,28 @@ async fn a_request_past_request_timeout_is_cancelled_with_504() {
         moeserve_e2e::scrape_until(&server.url("/metrics"), moeserve_e2e::engine_idle).await;
     assert!(moeserve_e2e::engine_idle(&samples));
 }
+
+/// A client that half-closes its side after sending a complete request (`shutdown(SHUT_WR)`,
+/// as `nc -N` does) gets its full answer: the read-side EOF is not a disconnect.
+#[tokio::test]
+async fn a_half_closed_client_still_gets_its_answer() {
+    let model = tiny_model(None);
+    let server = Server::start(&["--model", tiny_model_path(&model).to_str().unwrap()]).await;
+    let address = server.url("").trim_start_matches("http://").to_string();
+    let body = r#"{"prompt": "hello", "max_tokens": 4, "ignore_eos": true}"#;
+    let mut socket = std::net::TcpStream::connect(address.trim_end_matches('/')).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).unwrap();
+    socket.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    socket.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(answer.contains("\"completion_tokens\":4"), "{answer}");
+}
