@@ -39,6 +39,10 @@ pub fn app(state: AppState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.max_request_bytes()))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::origin::check_origin,
+        ))
         .with_state(state)
 }
 

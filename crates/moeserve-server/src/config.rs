@@ -98,6 +98,8 @@ pub struct ServeFile {
     pub max_waiting_requests: Option<usize>,
     pub metrics_compat: Option<MetricsCompat>,
     pub metrics_auth: Option<bool>,
+    pub allowed_hosts: Option<String>,
+    pub allowed_origins: Option<String>,
     pub max_connections: Option<usize>,
     pub max_header_bytes: Option<SizeValue>,
     pub request_read_timeout: Option<f64>,
@@ -140,6 +142,8 @@ pub struct ServeConfig {
     pub metrics_compat: MetricsCompat,
     /// `/metrics` needs the API key too.
     pub metrics_auth: bool,
+    /// `--allowed-hosts` / `--allowed-origins` (or their defaults for the bind address).
+    pub origin_policy: crate::origin::OriginPolicy,
     pub limits: ServerLimits,
     pub engine: EngineConfig,
 }

@@ -53,6 +53,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         max_request_bytes: config.max_request_bytes,
         max_waiting_requests: config.max_waiting_requests,
         metrics_auth: config.metrics_auth,
+        origin_policy: config.origin_policy.clone(),
         time_limits: TimeLimits {
             read: limits.request_read_timeout,
             request: limits.request_timeout,

@@ -24,6 +24,8 @@ pub struct AppOptions {
     /// `--metrics-auth`: `/metrics` needs the API key too.
     pub metrics_auth: bool,
     pub time_limits: TimeLimits,
+    /// `--allowed-hosts`, `--allowed-origins`.
+    pub origin_policy: crate::origin::OriginPolicy,
 }
 
 impl Default for AppOptions {
@@ -35,6 +37,7 @@ impl Default for AppOptions {
             max_waiting_requests: 1024,
             metrics_auth: false,
             time_limits: TimeLimits::default(),
+            origin_policy: crate::origin::OriginPolicy::any(),
         }
     }
 }
@@ -158,6 +161,10 @@ impl AppState {
 
     pub fn metrics_auth(&self) -> bool {
         self.0.options.metrics_auth
+    }
+
+    pub fn origin_policy(&self) -> &crate::origin::OriginPolicy {
+        &self.0.options.origin_policy
     }
 
     pub fn time_limits(&self) -> TimeLimits {

@@ -156,6 +156,9 @@ async fn the_dashboard_shows_live_expert_load_in_chromium() {
         "smolmoe-8x135m",
         "--kv-cache-memory",
         "32MiB",
+        // 32 MiB hold 720 tokens of the demo model: the longest request must fit.
+        "--max-model-len",
+        "512",
         "--expert-parallel-size",
         "2",
         "--num-redundant-experts",

@@ -140,3 +140,67 @@ async fn json_routes_refuse_bodies_not_declared_json_with_415() {
     }
     assert!(server.log_shows("ready", Duration::from_secs(1)));
 }
+
+/// Bound to loopback, the server answers only requests naming a loopback `Host` (a rebound DNS
+/// name is refused) and only browser origins on a loopback host, whose CORS preflight it
+/// answers; `--allowed-hosts` / `--allowed-origins` widen that.
+#[tokio::test]
+async fn a_loopback_server_refuses_foreign_hosts_and_origins() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let server = Server::start(&["--model", path.to_str().unwrap()]).await;
+    let c = client();
+    let health = server.url("/health");
+    assert_eq!(status_of(c.get(&health)).await, 200);
+    let rebound = send(c.get(&health).header("host", "evil.example:8000")).await;
+    assert_eq!(rebound.status, 403, "{}", rebound.body);
+    assert!(rebound.error_message().contains("--allowed-hosts"));
+    let completions = server.url("/v1/completions");
+    let body = json!({"prompt": "x", "max_tokens": 2});
+    let foreign = c
+        .post(&completions)
+        .header("origin", "http://evil.example")
+        .json(&body);
+    assert_eq!(status_of(foreign).await, 403);
+    let local = send(
+        c.post(&completions)
+            .header("origin", "http://localhost:3000")
+            .json(&body),
+    )
+    .await;
+    assert_eq!(local.status, 200, "{}", local.body);
+    assert_eq!(
+        local.headers["access-control-allow-origin"],
+        "http://localhost:3000"
+    );
+    let preflight = c
+        .request(reqwest::Method::OPTIONS, &completions)
+        .header("origin", "http://localhost:3000")
+        .header("access-control-request-method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(preflight.status(), 204);
+    let allowed = preflight.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap();
+    assert!(allowed.contains("content-type") && allowed.contains("authorization"));
+    drop(server);
+
+    let server = Server::start(&[
+        "--model",
+        path.to_str().unwrap(),
+        "--allowed-hosts",
+        "models.internal, 127.0.0.1",
+        "--allowed-origins",
+        "https://app.example",
+    ])
+    .await;
+    let health = server.url("/health");
+    let named = c.get(&health).header("host", "models.internal");
+    assert_eq!(status_of(named).await, 200);
+    let from_app = c.get(&health).header("origin", "https://app.example");
+    assert_eq!(status_of(from_app).await, 200);
+    let from_localhost = c.get(&health).header("origin", "http://localhost:3000");
+    assert_eq!(status_of(from_localhost).await, 403);
+}

@@ -17,6 +17,7 @@ use crate::config::{
     DtypeChoice, MetricsCompat, ServeConfig, ServeFile, ServerLimits, SizeValue,
     default_served_model_name, parse_seconds, seconds_to_duration,
 };
+use crate::origin::{Allowed, OriginPolicy};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -34,6 +35,14 @@ pub struct ServeArgs {
     /// The model name clients send and see (default: the model directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Host names requests may carry in `Host`, comma-separated, or `*` (default: localhost,
+    /// 127.0.0.1 and [::1] when bound to loopback, which stops DNS rebinding; any otherwise).
+    #[arg(long)]
+    allowed_hosts: Option<String>,
+    /// Browser origins allowed to call the API (CORS), comma-separated `scheme://host[:port]`,
+    /// or `*` (default: origins on an allowed host).
+    #[arg(long)]
+    allowed_origins: Option<String>,
     /// Require `Authorization: Bearer KEY` on /v1/* (a trailing newline is removed). Read as
     /// text and checked after parsing, so that no error message can echo the key.
     #[arg(long, env = "MOESERVE_API_KEY", hide_env_values = true)]
@@ -257,8 +266,21 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
     if max_request_bytes == 0 {
         anyhow::bail!("--max-request-bytes 0 would refuse every body: it must be at least 1");
     }
+    let host = x.pick("host", args.host, file.host);
+    let mut origin_policy = OriginPolicy::defaults_for(&host);
+    if let Some(hosts) = x.pick_opt("allowed_hosts", args.allowed_hosts, file.allowed_hosts) {
+        origin_policy.hosts = Allowed::parse(&hosts);
+    }
+    if let Some(origins) = x.pick_opt(
+        "allowed_origins",
+        args.allowed_origins,
+        file.allowed_origins,
+    ) {
+        origin_policy.origins = Some(Allowed::parse(&origins));
+    }
     Ok(ServeConfig {
-        host: x.pick("host", args.host, file.host),
+        host,
+        origin_policy,
         port: x.pick("port", args.port, file.port),
         api_key,
         dtype: x.pick("dtype", args.dtype, file.dtype),
