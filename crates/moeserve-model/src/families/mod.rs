@@ -9,7 +9,7 @@ mod olmoe;
 mod qwen_moe;
 
 use crate::Result;
-use crate::config::{ConfigFields, ModelConfig};
+use crate::config::{AttentionConfig, ConfigFields, ModelConfig, TensorNames};
 
 /// The `architectures` entries this crate serves, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str =
@@ -81,6 +81,22 @@ pub(crate) fn read_config(
     }
 }
 
+/// The widths and expert counts of a family's MoE block.
+pub(crate) struct MoeShape {
+    /// A dense layer's MLP width.
+    pub intermediate_size: usize,
+    /// A routed expert's width.
+    pub moe_intermediate_size: usize,
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+}
+
+/// The tensor names of the families whose block is `mlp` with `{gate,up,down}_proj` experts.
+pub(crate) const MLP_NAMES: TensorNames = TensorNames {
+    moe_block: "mlp",
+    expert_proj: ["gate_proj", "up_proj", "down_proj"],
+};
+
 /// What every family reads the same way: vocabulary, widths, heads, norms, RoPE, positions,
 /// tying and dtype. `rope_theta` is the config class's default.
 pub(crate) struct Common {
@@ -98,6 +114,39 @@ pub(crate) struct Common {
 }
 
 impl Common {
+    /// A config of `architecture` from these shared fields and the MoE shape, with Mixtral's
+    /// plain options (no attention extras, every layer sparse, renormalised top-k, no shared
+    /// expert, Mixtral's tensor names); each family overrides what it adds.
+    pub(crate) fn config(self, architecture: Architecture, moe: MoeShape) -> ModelConfig {
+        ModelConfig {
+            architecture,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: moe.intermediate_size,
+            moe_intermediate_size: moe.moe_intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            num_local_experts: moe.num_experts,
+            num_experts_per_tok: moe.num_experts_per_tok,
+            norm_topk_prob: true,
+            shared_expert: None,
+            sparse_layers: vec![true; self.num_hidden_layers],
+            attention: AttentionConfig::PLAIN,
+            names: TensorNames {
+                moe_block: "block_sparse_moe",
+                expert_proj: ["w1", "w3", "w2"],
+            },
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta: self.rope_theta,
+            sliding_window: None,
+            max_position_embeddings: self.max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings,
+            dtype: self.dtype,
+        }
+    }
+
     pub(crate) fn read(
         fields: &ConfigFields<'_>,
         rope_theta: f64,

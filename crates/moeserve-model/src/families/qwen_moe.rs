@@ -8,10 +8,8 @@
 //! - Qwen2-MoE: q/k/v biases; a shared expert of `shared_expert_intermediate_size` scaled by
 //!   `sigmoid(shared_expert_gate · x)`.
 
-use super::{Architecture, Common};
-use crate::config::{
-    AttentionConfig, ConfigFields, ModelConfig, QkNorm, SharedExpertConfig, TensorNames,
-};
+use super::{Architecture, Common, MLP_NAMES, MoeShape};
+use crate::config::{AttentionConfig, ConfigFields, ModelConfig, QkNorm, SharedExpertConfig};
 use crate::{ModelError, Result};
 
 pub(super) fn read_config(
@@ -67,31 +65,18 @@ pub(super) fn read_config(
         }),
         _ => None,
     };
-    Ok(ModelConfig {
-        architecture,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
+    let moe = MoeShape {
         intermediate_size: fields.usize("intermediate_size")?,
         moe_intermediate_size: fields.usize("moe_intermediate_size")?,
-        num_hidden_layers: c.num_hidden_layers,
-        num_attention_heads: c.num_attention_heads,
-        num_key_value_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        num_local_experts: num_experts,
+        num_experts,
         num_experts_per_tok: fields.usize("num_experts_per_tok")?,
+    };
+    Ok(ModelConfig {
         norm_topk_prob: fields.opt_bool("norm_topk_prob")?.unwrap_or(false),
         shared_expert,
         sparse_layers,
         attention,
-        names: TensorNames {
-            moe_block: "mlp",
-            expert_proj: ["gate_proj", "up_proj", "down_proj"],
-        },
-        rms_norm_eps: c.rms_norm_eps,
-        rope_theta: c.rope_theta,
-        sliding_window: None,
-        max_position_embeddings: c.max_position_embeddings,
-        tie_word_embeddings: c.tie_word_embeddings,
-        dtype: c.dtype,
+        names: MLP_NAMES,
+        ..c.config(architecture, moe)
     })
 }
