@@ -305,7 +305,7 @@ async fn slow_heads_and_bodies_time_out_and_oversized_heads_are_431() {
     // A head that never ends: the connection is closed after the timeout, without an answer.
     let mut slow_head = connect(&server);
     slow_head
-        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         .unwrap();
     let started = Instant::now();
     let answer = read_all(&mut slow_head);
@@ -319,7 +319,7 @@ async fn slow_heads_and_bodies_time_out_and_oversized_heads_are_431() {
     let mut slow_body = connect(&server);
     slow_body
         .write_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
               Content-Length: 100\r\n\r\n{\"prompt\"",
         )
         .unwrap();
@@ -329,7 +329,7 @@ async fn slow_heads_and_bodies_time_out_and_oversized_heads_are_431() {
     // A head over --max-header-bytes: 431.
     let mut big_head = connect(&server);
     let header = format!(
-        "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {}\r\n\r\n",
         "a".repeat(10_000)
     );
     big_head.write_all(header.as_bytes()).unwrap();
@@ -353,7 +353,7 @@ async fn connections_beyond_the_limit_wait_until_one_closes() {
     let mut second = connect(&server);
     for stream in [&mut first, &mut second] {
         stream
-            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             .unwrap();
         let mut buf = [0u8; 64];
         let n = stream.read(&mut buf).unwrap();
@@ -365,7 +365,7 @@ async fn connections_beyond_the_limit_wait_until_one_closes() {
         .set_read_timeout(Some(Duration::from_millis(500)))
         .unwrap();
     third
-        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut buf = [0u8; 64];
     assert!(third.read(&mut buf).is_err(), "served beyond the limit");
@@ -427,7 +427,7 @@ async fn a_half_closed_client_still_gets_its_answer() {
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
     let request = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
