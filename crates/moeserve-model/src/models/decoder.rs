@@ -239,17 +239,9 @@ impl MoeModel {
         let mut all = vec![&self.lm_head];
         for layer in &self.layers {
             all.extend(layer.self_attn.weights());
-            match &layer.mlp {
-                FeedForward::Sparse { moe, .. } => {
-                    all.push(&moe.gate);
-                    all.extend(moe.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]));
-                    if let Some(shared) = &moe.shared {
-                        let e = &shared.mlp;
-                        all.extend([&e.w1, &e.w2, &e.w3]);
-                        all.extend(&shared.gate);
-                    }
-                }
-                FeedForward::Dense(e) => all.extend([&e.w1, &e.w2, &e.w3]),
+            all.extend(layer.always_read());
+            if let Some(moe) = layer.moe() {
+                all.extend(moe.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]));
             }
         }
         all
