@@ -5,7 +5,7 @@
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::middleware;
 use axum::response::{IntoResponse, Json};
 use axum::routing::{get, post};
@@ -72,9 +72,7 @@ async fn version() -> impl IntoResponse {
 /// exist is not told to a client without it.
 fn unauthorized_under_v1(state: &AppState, uri: &Uri, headers: &HeaderMap) -> Option<ApiError> {
     let under_v1 = uri.path() == "/v1" || uri.path().starts_with("/v1/");
-    let key = state.api_key().filter(|_| under_v1)?;
-    let given = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-    (!key.accepts(given)).then_some(ApiError::Unauthorized)
+    (under_v1 && !crate::auth::carries_key(state, headers)).then_some(ApiError::Unauthorized)
 }
 
 async fn not_found(

@@ -77,16 +77,16 @@ pub async fn require_api_key(
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    if let Some(key) = state.api_key() {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .map(|v| v.as_bytes());
-        if !key.accepts(given) {
-            return Err(ApiError::Unauthorized);
-        }
+    if !carries_key(&state, request.headers()) {
+        return Err(ApiError::Unauthorized);
     }
     Ok(next.run(request).await)
+}
+
+/// Whether `headers` carry the API key (always, when none is set).
+pub fn carries_key(state: &AppState, headers: &axum::http::HeaderMap) -> bool {
+    let given = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    state.api_key().is_none_or(|key| key.accepts(given))
 }
 
 #[cfg(test)]
