@@ -8,7 +8,8 @@
 //! - `generation`: one request's trip through the engine (queue limit, events, metrics).
 //! - `error`: [`ApiError`], the one HTTP error type; `auth`: the API key.
 //! - `listener`: the accept loop (connection, header-size and header-time limits);
-//!   `drain`: requests in flight, waited for or cancelled at shutdown.
+//!   `length_guard`: the read-side filter that keeps hyper from answering 431 to a huge
+//!   `Content-Length`; `drain`: requests in flight, waited for or cancelled at shutdown.
 //! - `metrics`: the Prometheus exporter and `/metrics`; `moe`: the MoE series and
 //!   `GET /v1/moe/load`; `dashboard`: `GET /dashboard` and its stats JSON `GET /v1/stats`;
 //!   `latency_window`: the recent latencies behind its percentiles.
@@ -22,6 +23,7 @@ pub mod drain;
 pub mod error;
 pub mod generation;
 pub mod latency_window;
+pub mod length_guard;
 pub mod listener;
 pub mod metrics;
 pub mod moe;

@@ -7,7 +7,9 @@
 //!   idle clients cannot pin connections forever;
 //! - `TCP_NODELAY`, so each streamed token leaves at once;
 //! - half-closed connections served: a read-side EOF after a complete request is not a
-//!   disconnect.
+//!   disconnect;
+//! - a `Content-Length` hyper reserves (2^64 - 3 and up) answered 413 like any other body over
+//!   the limit, not 431 ([`LengthGuard`]).
 //!
 //! [`accept`] runs until its stop future resolves and hands back the open connections, which
 //! [`Connections::close`] lets finish their current response.
@@ -23,6 +25,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+
+use crate::length_guard::LengthGuard;
 
 /// Connection limits of the listener.
 #[derive(Clone, Copy, Debug)]
@@ -85,7 +89,8 @@ pub async fn accept(
         };
         let _ = socket.set_nodelay(true);
         let service = TowerToHyperService::new(app.clone());
-        let connection = graceful.watch(http.serve_connection(TokioIo::new(socket), service));
+        let connection =
+            graceful.watch(http.serve_connection(TokioIo::new(LengthGuard::new(socket)), service));
         tokio::spawn(async move {
             // Errors here are the client's (reset, timeout, malformed head): nothing to report.
             let _ = connection.await;

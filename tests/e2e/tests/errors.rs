@@ -124,6 +124,25 @@ async fn a_prompt_longer_than_the_context_is_400_with_the_limit_and_the_length()
     .await;
     assert_error(&r, 400, None);
     assert!(r.error_message().contains("1024"), "{}", r.error_message());
+    // Near a megabyte of text is refused from its length alone, before it is tokenized: the
+    // tokenizer's longest token bounds the bytes one token can stand for.
+    let huge = "x".repeat(1_000_000);
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": huge})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": huge}]}),
+        ),
+    ] {
+        let r = post_json(&server.url(path), &body).await;
+        assert_error(&r, 400, None);
+        assert_eq!(r.error()["code"], "context_length_exceeded");
+        let message = r.error_message();
+        assert!(
+            message.contains("1024") && message.contains("bytes of text"),
+            "{message}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -195,6 +214,19 @@ async fn a_body_over_the_limit_is_413() {
         started.elapsed() < Duration::from_secs(5),
         "{:?}",
         started.elapsed()
+    );
+    // hyper keeps the three largest u64 values for itself and used to answer them with 431
+    // (headers too large); they are bodies too large like any other.
+    for length in [u64::MAX, u64::MAX - 1, u64::MAX - 2, u64::MAX - 3] {
+        let head = declared_length_reply(&address, length);
+        assert!(head.starts_with("HTTP/1.1 413"), "{length}: {head}");
+    }
+    // The server still serves.
+    assert_eq!(
+        post_json(&server.url("/v1/completions"), &small)
+            .await
+            .status,
+        200
     );
 }
 
