@@ -9,6 +9,7 @@ use moeserve_text::generation_config::GenerationConfig;
 use moeserve_text::tokenizer::Tokenizer;
 
 use crate::request::Prompt;
+use crate::scheduler::AdmissionError;
 use crate::{EngineError, Result};
 
 /// A model directory, loaded.
@@ -57,13 +58,32 @@ impl ModelAssets {
 
     /// The prompt's token ids: text is tokenized as is (no special tokens added, as vLLM does
     /// for models whose tokenizer adds none); chat messages go through the chat template.
-    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+    /// Text that surely makes more than `max_model_len` tokens is refused from its length,
+    /// before the tokenizer spends time on it.
+    pub fn prompt_ids(&self, prompt: &Prompt, max_model_len: usize) -> Result<Vec<u32>> {
+        let measured = |tokenizer: &Tokenizer, text: &str| {
+            let fewest_tokens = tokenizer.fewest_tokens(text);
+            if fewest_tokens > max_model_len {
+                return Err(EngineError::Admission(AdmissionError::PromptTextTooLong {
+                    max_model_len,
+                    bytes: text.len(),
+                    fewest_tokens,
+                }));
+            }
+            Ok(())
+        };
         let ids = match prompt {
             Prompt::TokenIds(ids) => ids.clone(),
-            Prompt::Text(text) => self.tokenizer("prompt")?.encode_with_special_tokens(text)?,
+            Prompt::Text(text) => {
+                let tokenizer = self.tokenizer("prompt")?;
+                measured(tokenizer, text)?;
+                tokenizer.encode_with_special_tokens(text)?
+            }
             Prompt::Chat(messages) => {
                 let text = self.render_chat(messages)?;
-                self.tokenizer("messages")?.encode(&text)?
+                let tokenizer = self.tokenizer("messages")?;
+                measured(tokenizer, &text)?;
+                tokenizer.encode(&text)?
             }
         };
         let vocab = self.model.config().vocab_size;

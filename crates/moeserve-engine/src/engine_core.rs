@@ -249,10 +249,10 @@ impl EngineCore {
         request.params.validate()?;
         self.assets
             .check_stop_token_ids(&request.params.stop_token_ids)?;
-        let prompt_ids = self.assets.prompt_ids(&request.prompt)?;
+        let max_model_len = self.scheduler.limits().max_model_len;
+        let prompt_ids = self.assets.prompt_ids(&request.prompt, max_model_len)?;
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        let max_model_len = self.scheduler.limits().max_model_len;
         let ctx = OutputContext {
             tokenizer: self.assets.tokenizer.as_ref(),
             eos_token_ids: &self.assets.generation_config.eos_token_ids,

@@ -258,7 +258,9 @@ impl From<EngineError> for ApiError {
         match error {
             EngineError::InvalidParams(e) => ApiError::invalid(e.field, message),
             EngineError::InvalidRequest { field, .. } => ApiError::invalid(field, message),
-            EngineError::Admission(AdmissionError::ContextTooLong { .. }) => ApiError::BadRequest {
+            EngineError::Admission(
+                AdmissionError::ContextTooLong { .. } | AdmissionError::PromptTextTooLong { .. },
+            ) => ApiError::BadRequest {
                 message,
                 param: None,
                 code: Some("context_length_exceeded"),

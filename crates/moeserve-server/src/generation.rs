@@ -73,13 +73,15 @@ impl Target {
     pub async fn tokenize(&self, prompt: Prompt) -> Result<TokenizedPrompt, ApiError> {
         let permit = self.state.text_work_permit().await;
         let assets = self.assets().clone();
+        let max_model_len = self.engine.stats().max_model_len;
         let ids = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            assets.prompt_ids(&prompt)
+            assets.prompt_ids(&prompt, max_model_len)
         })
         .await
-        .map_err(|e| ApiError::Internal(format!("tokenization failed: {e}")))??;
-        let max_model_len = self.engine.stats().max_model_len;
+        .map_err(|e| ApiError::Internal(format!("tokenization failed: {e}")))?
+        // A prompt the template, the tokenizer or the context cannot take is refused here.
+        .inspect_err(|_| self.state.metrics().observe_rejected())?;
         Ok(TokenizedPrompt {
             room: max_model_len.saturating_sub(ids.len()),
             ids,

@@ -1,12 +1,14 @@
 //! Text in and out of a model, apart from its weights:
 //!
-//! - `tokenizer`: the HF `tokenizer.json` tokenizer, streaming detokenization, stop strings.
+//! - `tokenizer`: the HF `tokenizer.json` tokenizer, streaming detokenization, stop strings;
+//!   `token_bound`: the fewest tokens a text can become, from its length alone.
 //! - `chat_template`: messages rendered into a prompt as transformers' `apply_chat_template`.
 //! - `generation_config`: `generation_config.json`'s end-of-sequence ids and sampling defaults.
 
 pub mod chat_template;
 mod error;
 pub mod generation_config;
+pub mod token_bound;
 pub mod tokenizer;
 
 pub use error::{Result, TextError};

@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::token_bound::TokenBound;
 use crate::{Result, TextError};
 
 /// File name of the tokenizer inside a model directory.
@@ -34,6 +35,8 @@ impl SpecialTokens {
 pub struct Tokenizer {
     inner: Arc<tokenizers::Tokenizer>,
     path: PathBuf,
+    /// `None` when the pipeline may drop text (then only tokenizing measures a prompt).
+    bound: Option<TokenBound>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -41,6 +44,7 @@ impl std::fmt::Debug for Tokenizer {
         f.debug_struct("Tokenizer")
             .field("path", &self.path)
             .field("vocab_size", &self.vocab_size())
+            .field("bound", &self.bound)
             .finish()
     }
 }
@@ -58,10 +62,24 @@ impl Tokenizer {
             path: path.clone(),
             message: format!("invalid tokenizer file: {e}"),
         })?;
+        let bound = serde_json::from_str(&json)
+            .ok()
+            .and_then(|v| TokenBound::from_json(&v));
         Ok(Tokenizer {
             inner: Arc::new(inner),
             path,
+            bound,
         })
+    }
+
+    /// At least this many tokens come out of `text`, known without tokenizing it (0 when the
+    /// tokenizer gives no sure bound); see [`TokenBound`].
+    pub fn fewest_tokens(&self, text: &str) -> usize {
+        self.bound.map_or(0, |b| b.fewest_tokens(text))
+    }
+
+    pub fn token_bound(&self) -> Option<TokenBound> {
+        self.bound
     }
 
     pub fn path(&self) -> &Path {

@@ -259,3 +259,39 @@ async fn a_timed_out_request_is_counted_as_an_abort_by_cause() {
         1.0
     );
 }
+
+/// Requests the server refuses are counted too (`cause="rejected"`): a full queue (429), a
+/// prompt too long for the context (400, found by the tokenizer or from its bytes alone).
+#[tokio::test]
+async fn refused_requests_are_counted_as_rejected() {
+    let model = tiny_model(Some(32768));
+    let server = Server::start(&[
+        "--model",
+        tiny_model_path(&model).to_str().unwrap(),
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+    ])
+    .await;
+    let url = server.url("/v1/completions");
+    let long = json!({"prompt": "run", "max_tokens": 1000, "ignore_eos": true, "stream": true});
+    let mut running = post_stream(&url, &long).await;
+    assert!(matches!(running.next().await, Some(SseData::Json(_))));
+    let waiting = post_stream(&url, &long).await;
+    let full = post_json(&url, &json!({"prompt": "x", "max_tokens": 1})).await;
+    assert_eq!(full.status, 429, "{}", full.body);
+    drop(running);
+    drop(waiting);
+    let samples = scrape_until(&server.url("/metrics"), engine_idle).await;
+    let errors = "moeserve:request_errors_total";
+    assert_eq!(labelled(&samples, errors, ("cause", "rejected")), 1.0);
+    for prompt in ["y".repeat(1100), "z".repeat(100_000)] {
+        let r = post_json(&url, &json!({"prompt": prompt, "max_tokens": 1})).await;
+        assert_eq!(r.status, 400, "{}", r.body);
+    }
+    let samples = scrape(&server.url("/metrics")).await;
+    assert_eq!(labelled(&samples, errors, ("cause", "rejected")), 3.0);
+}

@@ -1,6 +1,7 @@
 //! Soak: 220 concurrent clients stream completions for a bounded time against a KV cache too
 //! small for all of them (so admission waits and preempts), and walk away at random: before the
-//! response starts, after a few chunks, or not at all. Afterwards every KV block is free, no
+//! response starts, after a few chunks, or not at all; some send long chat prompts and walk
+//! away while the server is still rendering and tokenizing them. Afterwards every KV block is free, no
 //! request is running or waiting, the server still answers, and its resident memory after a
 //! second round equals that after the first within a bound (no per-request leak).
 //!
@@ -40,6 +41,7 @@ struct Tally {
     completed: AtomicU64,
     dropped_early: AtomicU64,
     dropped_mid_stream: AtomicU64,
+    dropped_tokenizing: AtomicU64,
     refused: AtomicU64,
     tokens: AtomicU64,
 }
@@ -49,11 +51,12 @@ impl Tally {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         format!(
             "{} completed ({} tokens), {} dropped before the response, {} dropped mid-stream, \
-             {} refused (429)",
+             {} dropped while tokenizing, {} refused (429)",
             get(&self.completed),
             get(&self.tokens),
             get(&self.dropped_early),
             get(&self.dropped_mid_stream),
+            get(&self.dropped_tokenizing),
             get(&self.refused),
         )
     }
@@ -74,11 +77,26 @@ fn request(rng: &mut Rng) -> Value {
     })
 }
 
+fn chat_url(completions_url: &str) -> String {
+    completions_url.replace("/v1/completions", "/v1/chat/completions")
+}
+
 /// One client's loop until `deadline`.
 async fn client_loop(url: String, seed: u64, deadline: Instant, tally: Arc<Tally>) {
     let mut rng = Rng(seed | 1);
     let http = client();
     while Instant::now() < deadline {
+        if rng.below(8) == 0 {
+            // A long chat prompt (some 15,000 tokens of this byte-level tokenizer: measured by
+            // tokenizing it, then refused for the context), left while it is being tokenized.
+            let content = "tokenize me ".repeat(1200 + rng.below(400) as usize);
+            let body = json!({"messages": [{"role": "user", "content": content}]});
+            let send = http.post(chat_url(&url)).json(&body).send();
+            let wait = Duration::from_millis(2 + rng.below(20));
+            let _ = tokio::time::timeout(wait, send).await;
+            tally.dropped_tokenizing.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
         let body = request(&mut rng);
         let send = http.post(&url).json(&body).send();
         if rng.below(6) == 0 {
@@ -217,6 +235,7 @@ async fn hundreds_of_streaming_clients_with_random_disconnects_leave_nothing_beh
     assert!(served(&warm) > 0 && served(&measured) > 0);
     assert!(measured.dropped_mid_stream.load(Ordering::Relaxed) > 0);
     assert!(measured.dropped_early.load(Ordering::Relaxed) > 0);
+    assert!(measured.dropped_tokenizing.load(Ordering::Relaxed) > 0);
     assert!(
         after_soak <= after_warm_up + MAX_RSS_GROWTH_BYTES,
         "resident memory grew from {:.1} MiB to {:.1} MiB",

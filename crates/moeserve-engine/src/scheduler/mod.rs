@@ -32,6 +32,16 @@ pub enum AdmissionError {
         prompt_len: usize,
         max_tokens: usize,
     },
+    /// Known from the prompt's length in bytes, before tokenizing it.
+    #[error(
+        "this model's maximum context length is {max_model_len} tokens, but the prompt is \
+         {bytes} bytes of text, which this tokenizer makes into at least {fewest_tokens} tokens"
+    )]
+    PromptTextTooLong {
+        max_model_len: usize,
+        bytes: usize,
+        fewest_tokens: usize,
+    },
     #[error(
         "the request needs {needed} KV blocks for {tokens} tokens but the cache has only {available}"
     )]
