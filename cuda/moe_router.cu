@@ -1,4 +1,5 @@
-// The MoE router in one kernel: logits → softmax → top-k → renormalise → capacity slots.
+// The MoE router in one kernel: logits → softmax → top-k → renormalise (`renormalize`: Mixtral,
+// `norm_topk_prob`; else the kept pairs keep their softmax probabilities) → capacity slots.
 // Follows HF `MixtralSparseMoeBlock` (softmax in f32, `torch.topk`, divide by the chosen sum);
 // ties go to the lower expert index, as in the CPU router.
 //
@@ -21,7 +22,7 @@
 template <typename T>
 __device__ void route_top_k(const T* logits, const float* bias, int* topk_ids,
                             float* topk_weights, int* slots, int* expert_counts, int num_tokens,
-                            int num_experts, int top_k, int capacity) {
+                            int num_experts, int top_k, int capacity, int renormalize) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= num_tokens) return;
@@ -75,15 +76,17 @@ __device__ void route_top_k(const T* logits, const float* bias, int* topk_ids,
     }
     for (int j = 0; j < top_k; ++j) {
         const bool kept = slots[(i64)t * top_k + j] >= 0;
-        topk_weights[(i64)t * top_k + j] = kept ? chosen_prob[j] / kept_sum : 0.0f;
+        const float w = renormalize ? chosen_prob[j] / kept_sum : chosen_prob[j];
+        topk_weights[(i64)t * top_k + j] = kept ? w : 0.0f;
     }
 }
 
 #define DEFINE_ROUTE_TOP_K(SUFFIX, T)                                                          \
     extern "C" __global__ void route_top_k_##SUFFIX(                                           \
         const T* logits, const float* bias, int* topk_ids, float* topk_weights, int* slots,    \
-        int* expert_counts, int num_tokens, int num_experts, int top_k, int capacity) {        \
+        int* expert_counts, int num_tokens, int num_experts, int top_k, int capacity,          \
+        int renormalize) {                                                                     \
         route_top_k<T>(logits, bias, topk_ids, topk_weights, slots, expert_counts, num_tokens, \
-                       num_experts, top_k, capacity);                                          \
+                       num_experts, top_k, capacity, renormalize);                             \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_ROUTE_TOP_K)

@@ -35,3 +35,28 @@ __device__ void rms_norm_residual(float* residual, const T* delta, const T* weig
         rms_norm_residual<T>(residual, delta, weight, out, hidden, eps);                        \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_RMS_NORM)
+
+// RMSNorm in place over rows of `width` (Qwen3-MoE's q/k norm per head: width = head_dim, the
+// rows are every token's heads; OLMoE's over the whole projection: width = q_dim or kv_dim).
+// Grid: one block per row; any multiple of 32 threads up to 1024.
+template <typename T>
+__device__ void rms_norm_rows(T* x, const T* weight, int width, float eps) {
+    __shared__ float scratch[32];
+    T* row = x + (i64)blockIdx.x * width;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = to_f32(row[i]);
+        sum_sq += v * v;
+    }
+    const float inv = rsqrtf(block_sum(sum_sq, scratch) / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        row[i] = from_f32<T>(to_f32(weight[i]) * (to_f32(row[i]) * inv));
+    }
+}
+
+#define DEFINE_RMS_NORM_ROWS(SUFFIX, T)                                                         \
+    extern "C" __global__ void rms_norm_rows_##SUFFIX(T* x, const T* weight, int width,         \
+                                                      float eps) {                              \
+        rms_norm_rows<T>(x, weight, width, eps);                                                \
+    }
+MOESERVE_FOR_EACH_DTYPE(DEFINE_RMS_NORM_ROWS)

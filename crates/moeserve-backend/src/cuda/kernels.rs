@@ -18,10 +18,11 @@ pub enum KernelFile {
     SwiGlu,
     Sampling,
     Init,
+    Elementwise,
 }
 
 impl KernelFile {
-    pub const ALL: [KernelFile; 10] = [
+    pub const ALL: [KernelFile; 11] = [
         KernelFile::Embedding,
         KernelFile::RmsNorm,
         KernelFile::Rope,
@@ -32,6 +33,7 @@ impl KernelFile {
         KernelFile::SwiGlu,
         KernelFile::Sampling,
         KernelFile::Init,
+        KernelFile::Elementwise,
     ];
 
     /// The file name under `cuda/`.
@@ -47,6 +49,7 @@ impl KernelFile {
             KernelFile::SwiGlu => "swiglu.cu",
             KernelFile::Sampling => "sampling.cu",
             KernelFile::Init => "init.cu",
+            KernelFile::Elementwise => "elementwise.cu",
         }
     }
 
@@ -63,6 +66,7 @@ impl KernelFile {
             KernelFile::SwiGlu => include_str!("../../../../cuda/swiglu.cu"),
             KernelFile::Sampling => include_str!("../../../../cuda/sampling.cu"),
             KernelFile::Init => include_str!("../../../../cuda/init.cu"),
+            KernelFile::Elementwise => include_str!("../../../../cuda/elementwise.cu"),
         }
     }
 
@@ -70,7 +74,7 @@ impl KernelFile {
     pub fn typed_kernels(self) -> &'static [&'static str] {
         match self {
             KernelFile::Embedding => &["embedding"],
-            KernelFile::RmsNorm => &["rms_norm_residual"],
+            KernelFile::RmsNorm => &["rms_norm_residual", "rms_norm_rows"],
             KernelFile::Rope => &["rope"],
             KernelFile::KvCache => &["write_kv"],
             KernelFile::PagedAttention => &["paged_attention"],
@@ -79,6 +83,7 @@ impl KernelFile {
             KernelFile::SwiGlu => &["silu_mul"],
             KernelFile::Sampling => &["argmax_logprob"],
             KernelFile::Init => &["fill_uniform"],
+            KernelFile::Elementwise => &["add_bias", "clamp", "add_gated"],
         }
     }
 

@@ -1,5 +1,6 @@
 //! Row-wise kernels and the dense GEMM: embedding, row gather, RMSNorm with the residual add,
-//! SwiGLU, RoPE, the KV-cache write, cuBLAS `x · wᵀ`.
+//! SwiGLU, RoPE, the KV-cache write, cuBLAS `x · wᵀ`, and the families' options (bias, clamp,
+//! gated add, q/k RMSNorm).
 
 use moeserve_backend::cpu;
 use moeserve_backend::cuda::CudaElement;
@@ -276,3 +277,79 @@ for_each_dtype!(
     fill_uniform_is_seeded_and_in_range,
     fill_uniform_is_seeded_and_in_range
 );
+
+/// The families' options: a projection bias, the `clip_qkv` clamp, the shared expert's gated
+/// add and the q/k RMSNorm over rows of a head or a projection, each against the CPU's.
+fn family_options_match_the_cpu<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (rows, width) = (6, 96);
+    let tol = tolerance(T::DTYPE);
+    let (x, x_f32) = rounded::<T>(&random(rows * width, 60, 3.0));
+    let (bias, bias_f32) = rounded::<T>(&random(width, 61, 1.0));
+    let mut x_d = upload(gpu, &x);
+    ops::add_bias(gpu, x_d.as_view_mut(), upload(gpu, &bias).as_view()).unwrap();
+    let mut want = x_f32.clone();
+    cpu::add_bias(&mut want, &weight_of::<T>(vec![width], &bias_f32));
+    assert_close("add_bias", T::DTYPE, &download_f32(gpu, &x_d), &want, tol);
+
+    let mut x_d = upload(gpu, &x);
+    ops::clamp(gpu, x_d.as_view_mut(), 1.5).unwrap();
+    let want: Vec<f32> = x_f32.iter().map(|v| v.clamp(-1.5, 1.5)).collect();
+    assert_eq!(download_f32(gpu, &x_d), want, "clamping is exact");
+
+    let (src, src_f32) = rounded::<T>(&random(rows * width, 62, 2.0));
+    let (gate, gate_f32) = rounded::<T>(&random(rows, 63, 4.0));
+    for gated in [true, false] {
+        let mut delta_d = upload(gpu, &x);
+        let gate_d = upload(gpu, &gate);
+        ops::add_gated(
+            gpu,
+            delta_d.as_view_mut(),
+            upload(gpu, &src).as_view(),
+            gated.then(|| gate_d.as_view()),
+            width,
+        )
+        .unwrap();
+        let want: Vec<f32> = x_f32
+            .iter()
+            .zip(&src_f32)
+            .enumerate()
+            .map(|(i, (d, s))| {
+                let g = if gated {
+                    1.0 / (1.0 + (-gate_f32[i / width]).exp())
+                } else {
+                    1.0
+                };
+                d + g * s
+            })
+            .collect();
+        assert_close(
+            "add_gated",
+            T::DTYPE,
+            &download_f32(gpu, &delta_d),
+            &want,
+            tol,
+        );
+    }
+
+    // Per head (rows of 32) and over the whole row.
+    for norm_width in [32, width] {
+        let (gain, gain_f32) = rounded::<T>(&random(norm_width, 64, 2.0));
+        let mut x_d = upload(gpu, &x);
+        ops::rms_norm_rows(gpu, x_d.as_view_mut(), upload(gpu, &gain).as_view(), 1e-6).unwrap();
+        let mut want = x_f32.clone();
+        cpu::rms_norm_in_place(
+            &mut want,
+            &weight_of::<T>(vec![norm_width], &gain_f32),
+            1e-6,
+        );
+        assert_close(
+            "rms_norm_rows",
+            T::DTYPE,
+            &download_f32(gpu, &x_d),
+            &want,
+            tol,
+        );
+    }
+}
+for_each_dtype!(family_options_match_the_cpu, family_options_match_the_cpu);

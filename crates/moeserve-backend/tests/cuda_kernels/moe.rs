@@ -48,6 +48,7 @@ fn route_on<T: CudaElement>(
     logits: &CudaSlice<T>,
     shape: (usize, usize, usize),
     capacity: Option<usize>,
+    renormalize: bool,
 ) -> RouterBuffers {
     let (tokens, experts, top_k) = shape;
     let mut b = RouterBuffers {
@@ -67,6 +68,7 @@ fn route_on<T: CudaElement>(
             expert_counts: b.counts.as_view_mut(),
             top_k,
             capacity,
+            renormalize,
         },
     )
     .unwrap();
@@ -108,7 +110,7 @@ fn router_matches_the_cpu_router<T: CudaElement>() {
         let logits_d = upload(gpu, &logits);
         let r = download(
             gpu,
-            &route_on(gpu, &logits_d, (tokens, experts, top_k), None),
+            &route_on(gpu, &logits_d, (tokens, experts, top_k), None, true),
         );
         let (want_ids, want_weights) = reference_route(&logits_f32, experts, top_k);
         assert_eq!(r.ids, want_ids, "{experts} experts");
@@ -132,6 +134,42 @@ fn router_matches_the_cpu_router<T: CudaElement>() {
 }
 for_each_dtype!(router_matches_the_cpu_router, router_matches_the_cpu_router);
 
+/// Without `norm_topk_prob` (Qwen2-MoE, OLMoE) the chosen pairs keep their softmax
+/// probabilities over all experts.
+fn router_without_renormalisation_keeps_the_probabilities<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (tokens, experts, top_k) = (9, 64, 8);
+    let (logits, logits_f32) = rounded::<T>(&random(tokens * experts, 45, 4.0));
+    let logits_d = upload(gpu, &logits);
+    let r = download(
+        gpu,
+        &route_on(gpu, &logits_d, (tokens, experts, top_k), None, false),
+    );
+    let (want_ids, _) = reference_route(&logits_f32, experts, top_k);
+    assert_eq!(r.ids, want_ids);
+    let mut want = Vec::new();
+    for (t, row) in logits_f32.chunks_exact(experts).enumerate() {
+        let mut probs = row.to_vec();
+        cpu::softmax_in_place(&mut probs);
+        want.extend(
+            r.ids[t * top_k..][..top_k]
+                .iter()
+                .map(|e| probs[*e as usize]),
+        );
+    }
+    assert_close(
+        "router weights",
+        moeserve_core::DType::F32,
+        &r.weights,
+        &want,
+        1e-12,
+    );
+}
+for_each_dtype!(
+    router_without_renormalisation_keeps_the_probabilities,
+    router_without_renormalisation_keeps_the_probabilities
+);
+
 fn router_capacity_drops_overflow_and_renormalises<T: CudaElement>() {
     let Some(gpu) = gpu() else { return };
     let (tokens, experts, top_k, capacity) = (64, 8, 2, 10);
@@ -139,7 +177,13 @@ fn router_capacity_drops_overflow_and_renormalises<T: CudaElement>() {
     let logits_d = upload(gpu, &logits);
     let r = download(
         gpu,
-        &route_on(gpu, &logits_d, (tokens, experts, top_k), Some(capacity)),
+        &route_on(
+            gpu,
+            &logits_d,
+            (tokens, experts, top_k),
+            Some(capacity),
+            true,
+        ),
     );
     assert_slots_partition(&r, experts, Some(capacity));
     assert!(
@@ -193,7 +237,7 @@ fn moe_layer_matches_the_scalar_experts<T: CudaElement>() {
     let w2_d: Vec<CudaSlice<T>> = w2.iter().map(|(w, _)| upload(gpu, w)).collect();
 
     let (x_d, logits_d) = (upload(gpu, &x), upload(gpu, &logits));
-    let routed = route_on(gpu, &logits_d, (tokens, experts, top_k), None);
+    let routed = route_on(gpu, &logits_d, (tokens, experts, top_k), None, true);
     let mut offsets_d = gpu.zeros::<i32>(experts + 1).unwrap();
     ops::moe_segment_offsets(gpu, routed.counts.as_view(), offsets_d.as_view_mut(), None).unwrap();
     let offsets: Vec<usize> = gpu

@@ -6,11 +6,13 @@
 use cudarc::driver::LaunchConfig;
 
 mod attention;
+mod elementwise;
 mod moe;
 mod rows;
 mod sampling;
 
 pub use attention::{AttentionShape, PagedAttentionArgs, paged_attention};
+pub use elementwise::{add_bias, add_gated, clamp, rms_norm_rows};
 pub use moe::{
     DeviceRouting, RouteArgs, moe_permute, moe_segment_offsets, moe_unpermute, route_top_k,
 };

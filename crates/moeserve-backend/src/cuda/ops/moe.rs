@@ -21,6 +21,8 @@ pub struct RouteArgs<'a, T> {
     pub top_k: usize,
     /// Pairs per expert per step; `None` is dropless.
     pub capacity: Option<usize>,
+    /// Whether the kept weights are renormalised to sum to 1 (`norm_topk_prob`).
+    pub renormalize: bool,
 }
 
 pub fn route_top_k<T: CudaElement>(
@@ -57,6 +59,7 @@ pub fn route_top_k<T: CudaElement>(
     let f = typed(b, KernelFile::MoeRouter, "route_top_k", T::SUFFIX)?;
     let (num_tokens, num_experts, top_k) = (n as i32, e as i32, a.top_k as i32);
     let capacity = a.capacity.unwrap_or(0) as i32;
+    let renormalize = i32::from(a.renormalize);
     let null = 0u64;
     let mut l = b.stream().launch_builder(&f);
     l.arg(&a.logits);
@@ -71,7 +74,8 @@ pub fn route_top_k<T: CudaElement>(
     l.arg(&num_tokens)
         .arg(&num_experts)
         .arg(&top_k)
-        .arg(&capacity);
+        .arg(&capacity)
+        .arg(&renormalize);
     let blocks = (n as u32).div_ceil(ROUTER_WARPS);
     // SAFETY: lengths and the kernel's compiled limits checked above.
     unsafe {
