@@ -1,10 +1,13 @@
-//! The Mixtral forward on a CUDA GPU (`models::CudaMoeModel`) against the transformers fixtures
-//! of `reference.rs`: per-layer outputs, greedy tokens and logprobs in f32; the same fixtures run
-//! in bf16 (teacher-forced logprobs within bf16 tolerance); batched steps (sequences joining
-//! while others decode, over one paged cache) against each sequence run alone; a capacity
-//! factor against the CPU forward (same drops, reroutes and spills, close logits); and expert
-//! parallelism over every GPU present (with replicas, so even one GPU runs several slots of an
-//! expert and the NCCL exchange) against the plain forward.
+//! The forward of every family on a CUDA GPU (`models::CudaMoeModel`, the decoder of
+//! `models/ops.rs` on the CUDA backend's operations) against the transformers fixtures of
+//! `reference.rs` (Mixtral's four, Qwen3-MoE per-expert and fused, Qwen2-MoE, OLMoE): per-layer
+//! outputs, greedy tokens and logprobs in f32; the same fixtures run in bf16 (teacher-forced
+//! logprobs within bf16 tolerance); batched steps (sequences joining while others decode, over
+//! one paged cache) against each sequence run alone; a capacity factor against the CPU forward
+//! (same drops, reroutes and spills, close logits; a shared expert outside the capacity); and
+//! expert parallelism over every GPU present (with replicas, so even one GPU runs several slots
+//! of an expert and the NCCL exchange; MoE layers numbered among the sparse ones) against the
+//! plain forward.
 //!
 //! Compiled with `--features cuda` everywhere (CI); without a GPU each test returns early with a
 //! note, unless `MOESERVE_REQUIRE_GPU=1` (set by bench/gpu_check.sh), which makes that a failure.
@@ -48,23 +51,9 @@ fn gpu_available() -> bool {
     }
 }
 
-/// The CUDA forward implements Mixtral-shaped models only so far: every other family's fixture
-/// is refused by name before any device is touched (so this runs without a GPU too), never
-/// computed with its attention options, dense layers or shared experts left out.
-#[test]
-fn other_families_are_refused_by_name_not_run_wrongly() {
-    for case in FAMILY_CASES {
-        let model = load(case);
-        let layout = model.kv_layout(4, BLOCK_SIZE);
-        let err = CudaMoeModel::new(&model, layout, 0).err().expect("refused");
-        let msg = err.to_string();
-        let arch = model.config().architecture.name();
-        assert!(
-            msg.contains("Mixtral-shaped models only") && msg.contains(arch),
-            "{case}: {msg}"
-        );
-    }
-}
+/// A Mixtral, a family with dense layers and q/k norms (Qwen3-MoE), and one with a gated shared
+/// expert and q/k/v biases (Qwen2-MoE): the runs that are not fixture parity.
+const MIXED_CASES: [&str; 3] = ["mixtral-gqa", "qwen3-moe", "qwen2-moe"];
 
 fn load(case: &str) -> MoeModel {
     MoeModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
@@ -164,7 +153,7 @@ fn layer_outputs_match_transformers_in_f32() {
     if !gpu_available() {
         return;
     }
-    for case in MIXTRAL_CASES {
+    for case in all_cases() {
         let dir = fixtures_dir().join(case);
         let model = load(case);
         let expected = read_expected(&dir);
@@ -185,7 +174,7 @@ fn greedy_tokens_and_logprobs_match_transformers_in_f32() {
     if !gpu_available() {
         return;
     }
-    for case in MIXTRAL_CASES {
+    for case in all_cases() {
         let model = load(case);
         let reference = read_reference(&fixtures_dir().join(case));
         let mut worst = 0.0f32;
@@ -216,7 +205,7 @@ fn bf16_follows_transformers_within_bf16_tolerance() {
     if !gpu_available() {
         return;
     }
-    for case in MIXTRAL_CASES {
+    for case in all_cases() {
         let model = load(case);
         let reference = read_reference(&fixtures_dir().join(case));
         let (mut sum, mut agree, mut count) = (0.0f64, 0usize, 0usize);
@@ -263,7 +252,12 @@ fn batched_steps_give_each_sequence_its_tokens_alone() {
     if !gpu_available() {
         return;
     }
-    let case = "mixtral-gqa";
+    for case in MIXED_CASES {
+        batched_steps_match_alone(case);
+    }
+}
+
+fn batched_steps_match_alone(case: &str) {
     let model = load(case);
     let prompts: Vec<Vec<u32>> = read_reference(&fixtures_dir().join(case))
         .prompts
@@ -323,12 +317,12 @@ fn batched_steps_give_each_sequence_its_tokens_alone() {
         assert_eq!(
             ids(a),
             ids(b),
-            "sequence {s}: tokens differ alone and batched"
+            "{case} sequence {s}: tokens differ alone and batched"
         );
         for (i, ((_, x), (_, y))) in a.iter().zip(b).enumerate() {
             assert!(
                 (x - y).abs() < BATCH_LOGPROB_TOLERANCE,
-                "sequence {s} token {i}: logprob {x} alone, {y} batched"
+                "{case} sequence {s} token {i}: logprob {x} alone, {y} batched"
             );
         }
     }
@@ -341,7 +335,12 @@ fn capacity_factor_routes_as_on_the_cpu() {
     if !gpu_available() {
         return;
     }
-    let case = "mixtral-gqa";
+    for case in MIXED_CASES {
+        capacity_routes_as_on_the_cpu(case);
+    }
+}
+
+fn capacity_routes_as_on_the_cpu(case: &str) {
     let model = load(case);
     let prompt = read_reference(&fixtures_dir().join(case)).prompts[2]
         .prompt_ids
@@ -381,10 +380,13 @@ fn capacity_factor_routes_as_on_the_cpu() {
         };
         let gpu_logits = prefill_on(&mut gpu_for(&model, &prompt), &prompt, opts);
         for (l, (c, g)) in cpu_record.layers.iter().zip(&gpu_record.layers).enumerate() {
-            assert_eq!(c.counts, g.counts, "{overflow}: layer {l}'s routing counts");
+            assert_eq!(
+                c.counts, g.counts,
+                "{case} {overflow}: layer {l}'s routing counts"
+            );
             assert_eq!(
                 c.expert_load, g.expert_load,
-                "{overflow}: layer {l}'s expert load"
+                "{case} {overflow}: layer {l}'s expert load"
             );
         }
         assert!(
@@ -392,12 +394,12 @@ fn capacity_factor_routes_as_on_the_cpu() {
                 .layers
                 .iter()
                 .any(|l| l.counts.dropped + l.counts.rerouted + l.counts.spilled > 0),
-            "{overflow}: the capacity must bind somewhere"
+            "{case} {overflow}: the capacity must bind somewhere"
         );
         let d = max_rel_diff(&gpu_logits, &cpu_logits);
         assert!(
             d < F32_ACTIVATION_TOLERANCE,
-            "{overflow}: logits differ by {d}"
+            "{case} {overflow}: logits differ by {d}"
         );
     }
 }
@@ -411,12 +413,17 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
     if !gpu_available() {
         return;
     }
+    for case in MIXED_CASES {
+        expert_parallel_matches_plain(case);
+    }
+}
+
+fn expert_parallel_matches_plain(case: &str) {
     let devices = moeserve_backend::cuda::probe().unwrap().num_devices.min(4);
-    let case = "mixtral-gqa";
     let model = load(case);
     let c = model.config();
     let placement = |redundant| {
-        ExpertPlacement::round_robin(c.num_hidden_layers, c.num_local_experts, devices, redundant)
+        ExpertPlacement::round_robin(c.num_moe_layers(), c.num_local_experts, devices, redundant)
             .unwrap()
     };
     let exchange = std::sync::Arc::new(InProcessAllToAll::new(devices, 1).unwrap());
@@ -446,15 +453,19 @@ fn expert_parallel_over_the_gpus_matches_the_plain_forward() {
         let d = max_rel_diff(&parallel, &plain);
         assert!(
             d < F32_ACTIVATION_TOLERANCE,
-            "{what} on {devices} GPUs: logits differ by {d}"
+            "{case} {what} on {devices} GPUs: logits differ by {d}"
         );
         for (l, layer) in record.layers.iter().enumerate() {
-            assert_eq!(layer.device_pairs.len(), devices, "{what}: layer {l}");
+            assert_eq!(
+                layer.device_pairs.len(),
+                devices,
+                "{case} {what}: layer {l}"
+            );
             let pairs: u64 = layer.device_pairs.iter().sum();
             assert_eq!(
                 pairs,
                 layer.counts.computed(),
-                "{what}: layer {l}: every pair once"
+                "{case} {what}: layer {l}: every pair once"
             );
         }
     }

@@ -1,10 +1,11 @@
-//! Grouped-query self-attention with rotary embeddings over a paged KV cache, with each family's
-//! options ([`AttentionConfig`]): projection biases, q/k RMSNorm per head (Qwen3-MoE) or over the
-//! whole projection (OLMoE), q/k/v clamped (OLMoE's `clip_qkv`).
+//! One layer's grouped-query self-attention on the CPU: its weights with each family's options
+//! ([`AttentionConfig`]: projection biases, q/k RMSNorm per head (Qwen3-MoE) or over the whole
+//! projection (OLMoE)), and the attention operations the decoder (`models/ops.rs`) composes:
+//! rotary embeddings, the paged KV cache write, and attention over it.
 //!
-//! Follows HF `MixtralAttention` (eager): q/k/v projections, `apply_rotary_pos_emb` with
-//! `rotate_half`, `softmax(q·kᵀ · head_dim^-0.5)` in f32 under a causal (optionally sliding-window)
-//! mask, `o_proj`. The window admits keys `j` with `q_pos - j < sliding_window`, as HF's
+//! Follows HF `MixtralAttention` (eager): `apply_rotary_pos_emb` with `rotate_half`,
+//! `softmax(q·kᵀ · head_dim^-0.5)` in f32 under a causal (optionally sliding-window) mask. The
+//! window admits keys `j` with `q_pos - j < sliding_window`, as HF's
 //! `sliding_window_causal_mask_function` does.
 
 use moeserve_backend::Weight;
@@ -16,7 +17,7 @@ use crate::batch::{ForwardBatch, TokenPlace};
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, ModelConfig, QkNorm};
 use crate::kv_cache::{PagedKvCache, slot_of};
-use crate::models::workspace::zeroed;
+use crate::models::ops::LayerWeight;
 
 /// The attention weights of one layer plus the shapes they imply.
 pub struct Attention {
@@ -29,8 +30,6 @@ pub struct Attention {
     o_bias: Option<Weight>,
     /// `q_norm`, `k_norm`: `[head_dim]` each (per head) or the projections' widths (flat).
     qk_norm: Option<(Weight, Weight)>,
-    clip_qkv: Option<f32>,
-    rms_norm_eps: f32,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -47,7 +46,7 @@ impl Attention {
             qkv_bias,
             o_bias,
             qk_norm,
-            clip_qkv,
+            clip_qkv: _,
         } = config.attention;
         let vector = |name: &str, len: usize| ckpt.weight(&format!("{prefix}.{name}"), &[len]);
         let qkv_bias = match qkv_bias {
@@ -76,8 +75,6 @@ impl Attention {
             qkv_bias,
             o_bias: o_bias.then(|| vector("o_proj.bias", h)).transpose()?,
             qk_norm,
-            clip_qkv,
-            rms_norm_eps: config.rms_norm_eps,
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
@@ -100,75 +97,87 @@ impl Attention {
         all
     }
 
-    /// Attention of every step token of `batch`; writes this step's keys and values to `kv` at
-    /// `layer` first, so a token sees itself and its sequence's earlier tokens.
-    ///
-    /// `x: [num_tokens, hidden]` (already normed) → `out: [num_tokens, hidden]`; `bufs` holds
-    /// the step's queries, keys, values and attention outputs, `tiled` the projections'
-    /// activations in tile order (both reused across layers and steps).
-    pub fn forward(
+    /// The weight of `role`, if this layer has it (biases and q/k norms are options).
+    pub(crate) fn weight(&self, role: LayerWeight) -> Option<&Weight> {
+        let [qb, kb, vb] = match &self.qkv_bias {
+            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
+            None => [None; 3],
+        };
+        let (qn, kn) = match &self.qk_norm {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        match role {
+            LayerWeight::QProj => Some(&self.q_proj),
+            LayerWeight::KProj => Some(&self.k_proj),
+            LayerWeight::VProj => Some(&self.v_proj),
+            LayerWeight::OProj => Some(&self.o_proj),
+            LayerWeight::QBias => qb,
+            LayerWeight::KBias => kb,
+            LayerWeight::VBias => vb,
+            LayerWeight::OBias => self.o_bias.as_ref(),
+            LayerWeight::QNorm => qn,
+            LayerWeight::KNorm => kn,
+            LayerWeight::InputNorm | LayerWeight::PostNorm => None,
+        }
+    }
+
+    /// Rotary embeddings on every step token's queries and keys, at its position.
+    pub(crate) fn rope(
         &self,
-        step: &AttentionStep<'_>,
-        kv: &mut PagedKvCache,
-        bufs: &mut AttentionBuffers,
-        tiled: &mut Vec<f32>,
-        out: &mut [f32],
+        places: &[TokenPlace],
+        q: &mut [f32],
+        k: &mut [f32],
+        angles: &mut cpu::RopeAngles,
     ) {
-        let t = step.places.len();
         let (qd, kvd) = (
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         );
-        let AttentionBuffers {
-            q,
-            k,
-            v,
-            attn,
-            angles,
-        } = bufs;
-        zeroed(q, t * qd);
-        zeroed(k, t * kvd);
-        zeroed(v, t * kvd);
-        cpu::matmul_wt_in(step.x, t, &self.q_proj, q, tiled);
-        cpu::matmul_wt_in(step.x, t, &self.k_proj, k, tiled);
-        cpu::matmul_wt_in(step.x, t, &self.v_proj, v, tiled);
-        if let Some([qb, kb, vb]) = &self.qkv_bias {
-            cpu::add_bias(q, qb);
-            cpu::add_bias(k, kb);
-            cpu::add_bias(v, vb);
+        for ((place, q), k) in places
+            .iter()
+            .zip(q.chunks_exact_mut(qd))
+            .zip(k.chunks_exact_mut(kvd))
+        {
+            angles.set(place.position, &self.inv_freq);
+            cpu::apply_rope(q, self.head_dim, angles);
+            cpu::apply_rope(k, self.head_dim, angles);
         }
-        if let Some((q_norm, k_norm)) = &self.qk_norm {
-            // Rows of `head_dim` (per head) or of the whole projection (flat): the norm's
-            // width says which.
-            cpu::rms_norm_in_place(q, q_norm, self.rms_norm_eps);
-            cpu::rms_norm_in_place(k, k_norm, self.rms_norm_eps);
-        }
-        if let Some(clip) = self.clip_qkv {
-            for x in [&mut *q, &mut *k, &mut *v] {
-                x.iter_mut().for_each(|x| *x = x.clamp(-clip, clip));
-            }
-        }
+    }
+
+    /// Every step token's key and value into `kv` at `layer`, at its slot.
+    pub(crate) fn write_kv(
+        &self,
+        step: &AttentionStep<'_>,
+        kv: &mut PagedKvCache,
+        k: &[f32],
+        v: &[f32],
+    ) {
+        let kvd = self.num_kv_heads * self.head_dim;
         let block_size = kv.layout().block_size;
         for (i, place) in step.places.iter().enumerate() {
-            angles.set(place.position, &self.inv_freq);
-            cpu::apply_rope(&mut q[i * qd..(i + 1) * qd], self.head_dim, angles);
-            cpu::apply_rope(&mut k[i * kvd..(i + 1) * kvd], self.head_dim, angles);
             let table = step.batch.sequences[place.sequence].block_table;
             let slot = slot_of(table, block_size, place.position);
-            kv.write(
-                step.layer,
-                slot,
-                &k[i * kvd..(i + 1) * kvd],
-                &v[i * kvd..(i + 1) * kvd],
-            );
+            let rows = i * kvd..(i + 1) * kvd;
+            kv.write(step.layer, slot, &k[rows.clone()], &v[rows]);
         }
-        zeroed(attn, t * qd);
-        let kv = &*kv;
+    }
+
+    /// Attention of every step token's queries `q` over the keys and values its sequence has
+    /// in `kv` (this step's included, written first), into `out: [num_tokens, q_dim]`.
+    pub(crate) fn attend_all(
+        &self,
+        step: &AttentionStep<'_>,
+        kv: &PagedKvCache,
+        q: &[f32],
+        out: &mut [f32],
+    ) {
         let d = self.head_dim;
+        let qd = self.num_heads * d;
         let group = self.num_heads / self.num_kv_heads;
         // One task per (token, KV head): the heads of a group share their K/V rows, and a
         // batch-1 decode still spreads over the cores.
-        attn.par_chunks_mut(group * d)
+        out.par_chunks_mut(group * d)
             .enumerate()
             .for_each(|(i, out)| {
                 let (token, kvh) = (i / self.num_kv_heads, i % self.num_kv_heads);
@@ -179,10 +188,6 @@ impl Attention {
                     self.attend(step.layer, kv, (place, table, kvh), q, scratch, out)
                 });
             });
-        cpu::matmul_wt_in(attn, t, &self.o_proj, out, tiled);
-        if let Some(ob) = &self.o_bias {
-            cpu::add_bias(out, ob);
-        }
     }
 
     /// The query heads of KV head `kvh` of one token against its visible keys; `scratch` holds
@@ -222,26 +227,6 @@ impl Attention {
     }
 }
 
-/// The buffers of a step's attention, reused across layers and steps.
-#[derive(Default)]
-pub struct AttentionBuffers {
-    /// `[num_tokens, num_heads * head_dim]`
-    q: Vec<f32>,
-    /// `[num_tokens, num_kv_heads * head_dim]`
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// `[num_tokens, num_heads * head_dim]`: attention outputs before `o_proj`.
-    attn: Vec<f32>,
-    angles: cpu::RopeAngles,
-}
-
-impl AttentionBuffers {
-    /// The last step's attention outputs before `o_proj`, `[num_tokens, num_heads * head_dim]`.
-    pub fn outputs(&self) -> &[f32] {
-        &self.attn
-    }
-}
-
 thread_local! {
     /// A kernel thread's visible slots and scores of its current (token, KV head) task; kept
     /// per thread so the tasks of a step allocate nothing once the threads have seen a context
@@ -267,6 +252,4 @@ pub struct AttentionStep<'a> {
     pub layer: usize,
     pub batch: &'a ForwardBatch<'a>,
     pub places: &'a [TokenPlace],
-    /// `[num_tokens, hidden]`, normed input.
-    pub x: &'a [f32],
 }

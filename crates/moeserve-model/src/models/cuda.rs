@@ -1,24 +1,28 @@
-//! [`MoeModel`]'s forward on one CUDA device (feature `cuda`): the layer order of
-//! `mixtral.rs` on the kernels of `cuda/` and cuBLAS (`moeserve_backend::cuda`):
-//! embedding → per layer (RMSNorm + residual → q/k/v GEMMs → RoPE → KV write → paged attention
-//! → o GEMM → RMSNorm + residual → router GEMM → top-k → permute → grouped `w1 | w3` GEMM →
-//! SwiGLU → grouped `w2` GEMM → unpermute) → final norm → lm_head.
+//! [`MoeModel`]'s forward on one CUDA device (feature `cuda`): the decoder's operations
+//! (`ops::DecoderOps`) on the kernels of `cuda/` and cuBLAS (`moeserve_backend::cuda`), so
+//! every family runs here in the layer order `ops::decode` gives, as on the CPU. This file
+//! holds no family logic: a layer's attention options (biases, q/k norms, clamp) and its
+//! feed-forward block (sparse MoE with an optional shared expert, or a dense MLP) are what the
+//! config and the uploaded weights say.
 //!
 //! Weights are uploaded once from the loaded host model, in the checkpoint's dtype (f32, f16 or
 //! bf16). Activations between kernels are in that dtype; the residual stream and every
 //! reduction are f32. So an f32 checkpoint follows the CPU forward to f32 rounding and a bf16 one
-//! to bf16 tolerance; the GPU parity test (`tests/cuda_forward.rs`) checks both against the
-//! transformers fixtures. The KV cache lives on the device, `[num_slots, kv_dim]` per layer in
-//! the weights' dtype, addressed by the slots of the engine's block tables, as on the CPU.
+//! to bf16 tolerance; the GPU parity test (`tests/cuda_forward.rs`) checks every family's
+//! fixtures against transformers. The KV cache lives on the device, `[num_slots, kv_dim]` per
+//! layer in the weights' dtype, addressed by the slots of the engine's block tables, as on the
+//! CPU.
 //!
 //! Routing: dropless steps route on the device (`moe_router.cu`). With a capacity factor the
 //! router logits are copied back and routed on the host by the CPU's own `moe::route` (drop,
 //! reroute and spill exactly as on the CPU, in token order; the router kernel's atomics would
-//! hand out slots in arrival order), then the device permutes by that routing.
+//! hand out slots in arrival order), then the device permutes by that routing. A shared expert
+//! runs on every token, outside the capacity.
 //!
 //! Expert parallelism (`--expert-parallel-size N`): GPUs `0..N` hold the experts of the
-//! engine's placement and exchange rows with NCCL (`expert_parallel.rs`); routing is then made
-//! on the host too, so pairs reach the same slots as on the CPU.
+//! engine's placement (MoE layers numbered among the sparse layers, as on the CPU) and exchange
+//! rows with NCCL (`expert_parallel.rs`); routing is then made on the host too, so pairs reach
+//! the same slots as on the CPU.
 
 mod expert_parallel;
 mod host_step;
@@ -33,17 +37,18 @@ use moeserve_backend::{BackendError, cpu};
 use moeserve_core::{DType, ExpertId};
 
 use super::decoder::{ForwardOptions, MoeModel};
+use super::ops::{Act, DecoderOps, LayerWeight, Point, decode, read_write};
 use crate::batch::{BatchLimits, ForwardBatch};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, QkNorm};
 use crate::kv_cache::KvCacheLayout;
 use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RouterConfig, route};
 use crate::{ModelError, Result};
 use expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
 use host_step::{HostRouting, StepInputs, dropless_routing, step_inputs};
-use weights::{HostWeights, RandomWeights, Tensor, WeightSource, host_values, stacked_w13};
+use weights::{HostWeights, RandomWeights, Tensor, WeightSource};
 
-/// A Mixtral model and its KV cache on one CUDA device.
+/// A model of any family and its KV cache on one CUDA device.
 pub struct CudaMoeModel {
     info: CudaDeviceInfo,
     dtype: DType,
@@ -55,21 +60,6 @@ enum Typed {
     F32(DeviceModel<f32>),
     F16(DeviceModel<f16>),
     BF16(DeviceModel<bf16>),
-}
-
-/// The CUDA forward implements the Mixtral shape only so far (no attention options, dense
-/// layers or shared experts): anything else is refused here, by name, not computed wrongly.
-fn check_mixtral_shaped(c: &ModelConfig) -> Result<()> {
-    if c.is_mixtral_shaped() {
-        return Ok(());
-    }
-    Err(ModelError::InvalidInput {
-        message: format!(
-            "the CUDA backend runs Mixtral-shaped models only so far; {} needs its attention \
-             options, dense layers or shared experts (run it with --device cpu)",
-            c.architecture
-        ),
-    })
 }
 
 impl CudaMoeModel {
@@ -87,7 +77,6 @@ impl CudaMoeModel {
         ordinal: usize,
         dtype: DType,
     ) -> Result<Self> {
-        check_mixtral_shaped(model.config())?;
         let gpu = CudaBackend::new(ordinal).map_err(backend)?;
         gpu.load_all_kernels().map_err(backend)?;
         let info = gpu.info().clone();
@@ -108,7 +97,6 @@ impl CudaMoeModel {
         ordinal: usize,
         seed: u64,
     ) -> Result<Self> {
-        check_mixtral_shaped(&config)?;
         let gpu = CudaBackend::new(ordinal).map_err(backend)?;
         gpu.load_all_kernels().map_err(backend)?;
         let info = gpu.info().clone();
@@ -152,13 +140,27 @@ fn backend(e: CudaError) -> ModelError {
     ModelError::Backend(BackendError::Cuda(e))
 }
 
-struct DeviceLayer<T> {
-    input_norm: CudaSlice<T>,
+/// A layer's attention weights; biases and q/k norms where the family has them.
+struct DeviceAttention<T> {
     q: CudaSlice<T>,
     k: CudaSlice<T>,
     v: CudaSlice<T>,
     o: CudaSlice<T>,
-    post_norm: CudaSlice<T>,
+    /// `[q, k, v, o]` biases.
+    biases: [Option<CudaSlice<T>>; 4],
+    q_norm: Option<CudaSlice<T>>,
+    k_norm: Option<CudaSlice<T>>,
+}
+
+/// A SwiGLU MLP: `[w1; w3]` stacked (`[2 · intermediate, hidden]`, one GEMM) and `w2`.
+struct DeviceMlp<T> {
+    w13: CudaSlice<T>,
+    w2: CudaSlice<T>,
+    intermediate: usize,
+}
+
+/// A sparse layer's router, experts and shared expert.
+struct DeviceMoe<T> {
     gate: CudaSlice<T>,
     router_bias: Option<CudaSlice<f32>>,
     /// The same bias on the host, for routing there (capacity factor).
@@ -167,19 +169,63 @@ struct DeviceLayer<T> {
     w13: Vec<CudaSlice<T>>,
     /// Per expert `[hidden, intermediate]`.
     w2: Vec<CudaSlice<T>>,
-    k_cache: CudaSlice<T>,
-    v_cache: CudaSlice<T>,
+    /// Always computed, outside the capacity; `gate: [1, hidden]` scales it by a sigmoid.
+    shared: Option<(DeviceMlp<T>, Option<CudaSlice<T>>)>,
+}
+
+enum DeviceFeedForward<T> {
+    Sparse(Box<DeviceMoe<T>>),
+    Dense(DeviceMlp<T>),
+}
+
+struct DeviceLayer<T> {
+    input_norm: CudaSlice<T>,
+    attention: DeviceAttention<T>,
+    post_norm: CudaSlice<T>,
+    mlp: DeviceFeedForward<T>,
+}
+
+/// One layer's KV cache, `[num_slots, kv_dim]` each.
+struct LayerCache<T> {
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+}
+
+/// Every weight of the model on the device (read only during a step).
+struct DeviceWeights<T> {
+    embed: CudaSlice<T>,
+    layers: Vec<DeviceLayer<T>>,
+    norm: CudaSlice<T>,
+    lm_head: CudaSlice<T>,
+    inv_freq: CudaSlice<f32>,
+}
+
+impl<T> DeviceLayer<T> {
+    fn weight(&self, role: LayerWeight) -> Option<&CudaSlice<T>> {
+        let a = &self.attention;
+        match role {
+            LayerWeight::InputNorm => Some(&self.input_norm),
+            LayerWeight::PostNorm => Some(&self.post_norm),
+            LayerWeight::QProj => Some(&a.q),
+            LayerWeight::KProj => Some(&a.k),
+            LayerWeight::VProj => Some(&a.v),
+            LayerWeight::OProj => Some(&a.o),
+            LayerWeight::QBias => a.biases[0].as_ref(),
+            LayerWeight::KBias => a.biases[1].as_ref(),
+            LayerWeight::VBias => a.biases[2].as_ref(),
+            LayerWeight::OBias => a.biases[3].as_ref(),
+            LayerWeight::QNorm => a.q_norm.as_ref(),
+            LayerWeight::KNorm => a.k_norm.as_ref(),
+        }
+    }
 }
 
 struct DeviceModel<T> {
     gpu: CudaBackend,
     config: ModelConfig,
     layout: KvCacheLayout,
-    embed: CudaSlice<T>,
-    layers: Vec<DeviceLayer<T>>,
-    norm: CudaSlice<T>,
-    lm_head: CudaSlice<T>,
-    inv_freq: CudaSlice<f32>,
+    weights: DeviceWeights<T>,
+    kv: Vec<LayerCache<T>>,
     /// Set up at the first step with expert parallelism.
     experts: Option<ExpertGpus<T>>,
 }
@@ -196,27 +242,70 @@ impl<T: CudaElement> DeviceModel<T> {
         let slots = layout.num_slots() * layout.kv_dim;
         let mut get = |t: Tensor| source.tensor(&gpu, t).map_err(backend);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let mut kv = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
-            let experts = 0..c.num_local_experts;
+            let a = &c.attention;
+            let mut attn = |role| get(Tensor::Attention(l, role));
+            let bias = |on: bool, role, attn: &mut dyn FnMut(_) -> Result<_>| {
+                on.then(|| attn(role)).transpose()
+            };
+            let has_norm = a.qk_norm != QkNorm::None;
+            let attention = DeviceAttention {
+                q: attn(LayerWeight::QProj)?,
+                k: attn(LayerWeight::KProj)?,
+                v: attn(LayerWeight::VProj)?,
+                o: attn(LayerWeight::OProj)?,
+                biases: [
+                    bias(a.qkv_bias, LayerWeight::QBias, &mut attn)?,
+                    bias(a.qkv_bias, LayerWeight::KBias, &mut attn)?,
+                    bias(a.qkv_bias, LayerWeight::VBias, &mut attn)?,
+                    bias(a.o_bias, LayerWeight::OBias, &mut attn)?,
+                ],
+                q_norm: bias(has_norm, LayerWeight::QNorm, &mut attn)?,
+                k_norm: bias(has_norm, LayerWeight::KNorm, &mut attn)?,
+            };
+            let mlp = if c.sparse_layers[l] {
+                let experts = 0..c.num_local_experts;
+                let shared = match c.shared_expert {
+                    Some(s) => Some((
+                        DeviceMlp {
+                            w13: get(Tensor::SharedW13(l))?,
+                            w2: get(Tensor::SharedW2(l))?,
+                            intermediate: s.intermediate_size,
+                        },
+                        s.gated.then(|| get(Tensor::SharedGate(l))).transpose()?,
+                    )),
+                    None => None,
+                };
+                DeviceFeedForward::Sparse(Box::new(DeviceMoe {
+                    gate: get(Tensor::Gate(l))?,
+                    router_bias: None,
+                    router_bias_host: None,
+                    w13: experts
+                        .clone()
+                        .map(|e| get(Tensor::W13(l, e)))
+                        .collect::<Result<_>>()?,
+                    w2: experts
+                        .map(|e| get(Tensor::W2(l, e)))
+                        .collect::<Result<_>>()?,
+                    shared,
+                }))
+            } else {
+                DeviceFeedForward::Dense(DeviceMlp {
+                    w13: get(Tensor::DenseW13(l))?,
+                    w2: get(Tensor::DenseW2(l))?,
+                    intermediate: c.intermediate_size,
+                })
+            };
             layers.push(DeviceLayer {
                 input_norm: get(Tensor::InputNorm(l))?,
-                q: get(Tensor::Q(l))?,
-                k: get(Tensor::K(l))?,
-                v: get(Tensor::V(l))?,
-                o: get(Tensor::O(l))?,
+                attention,
                 post_norm: get(Tensor::PostNorm(l))?,
-                gate: get(Tensor::Gate(l))?,
-                router_bias: None,
-                router_bias_host: None,
-                w13: experts
-                    .clone()
-                    .map(|e| get(Tensor::W13(l, e)))
-                    .collect::<Result<_>>()?,
-                w2: experts
-                    .map(|e| get(Tensor::W2(l, e)))
-                    .collect::<Result<_>>()?,
-                k_cache: gpu.zeros(slots).map_err(backend)?,
-                v_cache: gpu.zeros(slots).map_err(backend)?,
+                mlp,
+            });
+            kv.push(LayerCache {
+                k: gpu.zeros(slots).map_err(backend)?,
+                v: gpu.zeros(slots).map_err(backend)?,
             });
         }
         let (embed, norm, lm_head) = (
@@ -225,12 +314,14 @@ impl<T: CudaElement> DeviceModel<T> {
             get(Tensor::LmHead)?,
         );
         for (l, layer) in layers.iter_mut().enumerate() {
-            if let Some(bias) = source.router_bias(l) {
-                layer.router_bias = Some(gpu.upload(&bias).map_err(backend)?);
-                layer.router_bias_host = Some(bias);
+            if let (Some(bias), DeviceFeedForward::Sparse(moe)) =
+                (source.router_bias(l), &mut layer.mlp)
+            {
+                moe.router_bias = Some(gpu.upload(&bias).map_err(backend)?);
+                moe.router_bias_host = Some(bias);
             }
         }
-        Ok(DeviceModel {
+        let weights = DeviceWeights {
             embed,
             layers,
             norm,
@@ -238,6 +329,10 @@ impl<T: CudaElement> DeviceModel<T> {
             inv_freq: gpu
                 .upload(&cpu::rope_inv_freq(c.head_dim, c.rope_theta))
                 .map_err(backend)?,
+        };
+        Ok(DeviceModel {
+            weights,
+            kv,
             config: c,
             layout,
             gpu,
@@ -249,13 +344,13 @@ impl<T: CudaElement> DeviceModel<T> {
         if let Some(ep) = opts.moe.experts {
             let p = ep.placement();
             let c = &self.config;
-            if p.num_layers() != c.num_hidden_layers || p.num_experts() != c.num_local_experts {
+            if p.num_layers() != c.num_moe_layers() || p.num_experts() != c.num_local_experts {
                 return Err(ModelError::ExpertParallel {
                     message: format!(
                         "the expert placement is for {} layers of {} experts, the model has {} of {}",
                         p.num_layers(),
                         p.num_experts(),
-                        c.num_hidden_layers,
+                        c.num_moe_layers(),
                         c.num_local_experts
                     ),
                 });
@@ -301,7 +396,7 @@ impl<T: CudaElement> DeviceModel<T> {
             capacity: opts.moe.capacity,
             expert_parallel,
         };
-        self.run(&x, wants, &mut |event| match event {
+        let mut observe = |event| match event {
             Observed::LayerOutput(v) => {
                 if let Some(t) = trace.as_deref_mut() {
                     t.layer_outputs.push(v);
@@ -317,343 +412,31 @@ impl<T: CudaElement> DeviceModel<T> {
                     rec.layers.push(r);
                 }
             }
-        })
-        .map_err(backend)
-    }
-
-    /// The step on the device; `observe` receives the values a trace or routing record holds.
-    fn run(
-        &mut self,
-        x: &StepInputs,
-        wants: StepMode,
-        observe: &mut dyn FnMut(Observed),
-    ) -> std::result::Result<Vec<f32>, CudaError> {
-        let gpu = &self.gpu;
-        let c = &self.config;
-        let (t, h) = (x.ids.len(), c.hidden_size);
-        let (qd, kvd, e, k) = (
-            c.q_dim(),
-            c.kv_dim(),
-            c.num_local_experts,
-            c.num_experts_per_tok,
-        );
-        let (inter, pairs, eps) = (c.intermediate_size, t * k, c.rms_norm_eps);
-        let ids = gpu.upload(&x.ids)?;
-        let positions = gpu.upload(&x.positions)?;
-        let token_seq = gpu.upload(&x.token_seq)?;
-        let slots = gpu.upload(&x.slots)?;
-        let tables = gpu.upload(&x.block_tables)?;
-        let logit_rows = gpu.upload(&x.logit_rows)?;
-        let mut residual = gpu.zeros::<f32>(t * h)?;
-        let mut normed = gpu.zeros::<T>(t * h)?;
-        let mut delta = gpu.zeros::<T>(t * h)?;
-        let mut q = gpu.zeros::<T>(t * qd)?;
-        let mut kk = gpu.zeros::<T>(t * kvd)?;
-        let mut v = gpu.zeros::<T>(t * kvd)?;
-        let mut attn = gpu.zeros::<T>(t * qd)?;
-        let mut router_logits = gpu.zeros::<T>(t * e)?;
-        let mut topk_ids = gpu.zeros::<i32>(pairs)?;
-        let mut topk_w = gpu.zeros::<f32>(pairs)?;
-        let mut topk_slots = gpu.zeros::<i32>(pairs)?;
-        let mut counts = gpu.zeros::<i32>(e)?;
-        let mut offsets_d = gpu.zeros::<i32>(e + 1)?;
-        let mut permuted = gpu.zeros::<T>(pairs * h)?;
-        let mut pair_of_row = gpu.zeros::<i32>(pairs)?;
-        let mut gate_up = gpu.zeros::<T>(pairs * 2 * inter)?;
-        let mut act = gpu.zeros::<T>(pairs * inter)?;
-        let mut expert_out = gpu.zeros::<T>(pairs * h)?;
-        let shape = AttentionShape {
-            num_heads: c.num_attention_heads,
-            num_kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            block_size: self.layout.block_size,
-            max_blocks_per_seq: x.max_blocks,
-            sliding_window: c.sliding_window,
         };
-        ops::embedding(
+        let DeviceModel {
             gpu,
-            ops::EmbeddingArgs {
-                table: self.embed.as_view(),
-                ids: ids.as_view(),
-                out: residual.as_view_mut(),
-                hidden: h,
+            config,
+            layout,
+            weights,
+            kv,
+            experts,
+        } = self;
+        let mut step = CudaStep::new(
+            StepModel {
+                gpu,
+                config,
+                block_size: layout.block_size,
+                weights,
+                experts: experts.as_ref().filter(|_| wants.expert_parallel),
             },
-        )?;
-        for (l, layer) in self.layers.iter_mut().enumerate() {
-            // The previous layer's MoE output is added to the residual by this norm.
-            ops::rms_norm_residual(
-                gpu,
-                RmsNormArgs {
-                    residual: residual.as_view_mut(),
-                    delta: (l > 0).then(|| delta.as_view()),
-                    weight: layer.input_norm.as_view(),
-                    out: normed.as_view_mut(),
-                    eps,
-                },
-            )?;
-            if l > 0 && wants.trace {
-                observe(Observed::LayerOutput(gpu.download(&residual)?));
-            }
-            let proj = |w: &CudaSlice<T>, y: &mut CudaSlice<T>, n: usize| {
-                matmul_wt(
-                    gpu,
-                    &normed.as_view(),
-                    &w.as_view(),
-                    &mut y.as_view_mut(),
-                    GemmShape { m: t, n, k: h },
-                )
-            };
-            proj(&layer.q, &mut q, qd)?;
-            proj(&layer.k, &mut kk, kvd)?;
-            proj(&layer.v, &mut v, kvd)?;
-            ops::rope(
-                gpu,
-                ops::RopeArgs {
-                    q: q.as_view_mut(),
-                    k: kk.as_view_mut(),
-                    positions: positions.as_view(),
-                    inv_freq: self.inv_freq.as_view(),
-                    num_heads: c.num_attention_heads,
-                    num_kv_heads: c.num_key_value_heads,
-                    head_dim: c.head_dim,
-                },
-            )?;
-            ops::write_kv(
-                gpu,
-                ops::WriteKvArgs {
-                    k: kk.as_view(),
-                    v: v.as_view(),
-                    k_cache: layer.k_cache.as_view_mut(),
-                    v_cache: layer.v_cache.as_view_mut(),
-                    slot_mapping: slots.as_view(),
-                    kv_dim: kvd,
-                },
-            )?;
-            ops::paged_attention(
-                gpu,
-                ops::PagedAttentionArgs {
-                    out: attn.as_view_mut(),
-                    q: q.as_view(),
-                    k_cache: layer.k_cache.as_view(),
-                    v_cache: layer.v_cache.as_view(),
-                    block_tables: tables.as_view(),
-                    token_seq: token_seq.as_view(),
-                    positions: positions.as_view(),
-                    shape,
-                },
-            )?;
-            matmul_wt(
-                gpu,
-                &attn.as_view(),
-                &layer.o.as_view(),
-                &mut delta.as_view_mut(),
-                GemmShape { m: t, n: h, k: qd },
-            )?;
-            ops::rms_norm_residual(
-                gpu,
-                RmsNormArgs {
-                    residual: residual.as_view_mut(),
-                    delta: Some(delta.as_view()),
-                    weight: layer.post_norm.as_view(),
-                    out: normed.as_view_mut(),
-                    eps,
-                },
-            )?;
-            matmul_wt(
-                gpu,
-                &normed.as_view(),
-                &layer.gate.as_view(),
-                &mut router_logits.as_view_mut(),
-                GemmShape { m: t, n: e, k: h },
-            )?;
-            // Set by host routing; sent once the experts ran (with their devices' rows).
-            let mut pending: Option<LayerRouting> = None;
-            let mut layout: Option<SegmentLayout> = None;
-            let offsets = if wants.capacity == Capacity::Dropless && !wants.expert_parallel {
-                ops::route_top_k(
-                    gpu,
-                    ops::RouteArgs {
-                        logits: router_logits.as_view(),
-                        bias: layer.router_bias.as_ref().map(|b| b.as_view()),
-                        topk_ids: topk_ids.as_view_mut(),
-                        topk_weights: topk_w.as_view_mut(),
-                        slots: topk_slots.as_view_mut(),
-                        expert_counts: counts.as_view_mut(),
-                        top_k: k,
-                        capacity: None,
-                    },
-                )?;
-                ops::moe_segment_offsets(gpu, counts.as_view(), offsets_d.as_view_mut(), None)?;
-                // The per-expert GEMMs need the segment sizes on the host: one small copy per
-                // layer (the grouped kernel that would avoid it is future work, see gemm.rs).
-                let offsets: Vec<usize> = gpu
-                    .download(&offsets_d)?
-                    .iter()
-                    .map(|o| *o as usize)
-                    .collect();
-                if wants.trace {
-                    let logits = gpu.download(&router_logits)?;
-                    observe(Observed::RouterLogits(
-                        logits.iter().map(|v| v.to_f32()).collect(),
-                    ));
-                }
-                if wants.routing {
-                    let chosen = gpu.download(&topk_ids)?;
-                    observe(Observed::Routing(dropless_routing(&offsets, chosen, k)));
-                }
-                offsets
-            } else {
-                let mut logits: Vec<f32> = gpu
-                    .download(&router_logits)?
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect();
-                if let Some(bias) = &layer.router_bias_host {
-                    for row in logits.chunks_exact_mut(e) {
-                        row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
-                    }
-                }
-                let config = RouterConfig {
-                    top_k: k,
-                    capacity: wants.capacity,
-                    renormalize: true,
-                };
-                let routed = route(&logits, e, &config);
-                let host = match self.experts.as_ref().filter(|_| wants.expert_parallel) {
-                    Some(gpus) => {
-                        let placement = gpus.placement();
-                        let segments = SegmentLayout::new(placement, l);
-                        let host = HostRouting::with_segments(
-                            &routed,
-                            segments.num_segments(),
-                            |expert, ordinal| {
-                                let slot = placement.slot_for(l, ExpertId(expert), ordinal);
-                                segments.segment_of_slot(slot)
-                            },
-                        );
-                        layout = Some(segments);
-                        host
-                    }
-                    None => HostRouting::new(&routed, e),
-                };
-                topk_ids = gpu.upload(&host.topk_ids)?;
-                topk_w = gpu.upload(&host.weights)?;
-                topk_slots = gpu.upload(&host.slots)?;
-                offsets_d = gpu.upload(&host.offsets)?;
-                if wants.routing {
-                    pending = Some(LayerRouting::from_routed(&routed, &wants.capacity));
-                }
-                if wants.trace {
-                    observe(Observed::RouterLogits(logits));
-                }
-                host.offsets.iter().map(|o| *o as usize).collect()
-            };
-            let routing = DeviceRouting {
-                topk_ids: topk_ids.as_view(),
-                topk_weights: topk_w.as_view(),
-                slots: topk_slots.as_view(),
-                offsets: offsets_d.as_view(),
-                top_k: k,
-            };
-            ops::moe_permute(
-                gpu,
-                normed.as_view(),
-                &routing,
-                permuted.as_view_mut(),
-                pair_of_row.as_view_mut(),
-            )?;
-            let device_pairs = match (&self.experts, &layout) {
-                (Some(gpus), Some(layout)) => {
-                    let rows = LayerRows {
-                        layer: l,
-                        layout,
-                        offsets: &offsets,
-                    };
-                    gpus.run(gpu, rows, &permuted, &mut expert_out, h, inter)?
-                }
-                _ => {
-                    grouped_expert_matmul(
-                        gpu,
-                        GroupedGemm {
-                            x: permuted.as_view(),
-                            weights: &layer.w13,
-                            y: gate_up.as_view_mut(),
-                            offsets: &offsets,
-                            n: 2 * inter,
-                            k: h,
-                        },
-                    )?;
-                    ops::silu_mul(gpu, gate_up.as_view(), act.as_view_mut(), inter)?;
-                    grouped_expert_matmul(
-                        gpu,
-                        GroupedGemm {
-                            x: act.as_view(),
-                            weights: &layer.w2,
-                            y: expert_out.as_view_mut(),
-                            offsets: &offsets,
-                            n: h,
-                            k: inter,
-                        },
-                    )?;
-                    Vec::new()
-                }
-            };
-            if let Some(mut summary) = pending {
-                summary.device_pairs = device_pairs;
-                observe(Observed::Routing(summary));
-            }
-            ops::moe_unpermute(gpu, expert_out.as_view(), &routing, delta.as_view_mut())?;
-        }
-        // The last MoE output joins the residual (the norm's output over all tokens is unused:
-        // only the logits rows go through the final norm below).
-        ops::rms_norm_residual(
-            gpu,
-            RmsNormArgs {
-                residual: residual.as_view_mut(),
-                delta: (!self.layers.is_empty()).then(|| delta.as_view()),
-                weight: self.norm.as_view(),
-                out: normed.as_view_mut(),
-                eps,
-            },
-        )?;
-        if !self.layers.is_empty() && wants.trace {
-            observe(Observed::LayerOutput(gpu.download(&residual)?));
-        }
-        let rows = x.logit_rows.len();
-        let mut last = gpu.zeros::<f32>(rows * h)?;
-        ops::gather_rows(
-            gpu,
-            ops::GatherRowsArgs {
-                src: residual.as_view(),
-                rows: logit_rows.as_view(),
-                dst: last.as_view_mut(),
-                hidden: h,
-            },
-        )?;
-        let mut last_normed = gpu.zeros::<T>(rows * h)?;
-        ops::rms_norm_residual(
-            gpu,
-            RmsNormArgs {
-                residual: last.as_view_mut(),
-                delta: None,
-                weight: self.norm.as_view(),
-                out: last_normed.as_view_mut(),
-                eps,
-            },
-        )?;
-        let mut logits = gpu.zeros::<T>(rows * c.vocab_size)?;
-        matmul_wt(
-            gpu,
-            &last_normed.as_view(),
-            &self.lm_head.as_view(),
-            &mut logits.as_view_mut(),
-            GemmShape {
-                m: rows,
-                n: c.vocab_size,
-                k: h,
-            },
-        )?;
-        Ok(gpu.download(&logits)?.iter().map(|v| v.to_f32()).collect())
+            kv,
+            &x,
+            wants,
+            &mut observe,
+        )
+        .map_err(backend)?;
+        decode(config, &mut step).map_err(backend)?;
+        Ok(step.logits)
     }
 }
 
@@ -678,4 +461,598 @@ struct StepMode {
     capacity: Capacity,
     /// The experts run on the expert GPUs (routing on the host, to place pairs on slots).
     expert_parallel: bool,
+}
+
+/// The step's index arrays on the device.
+struct DeviceInputs {
+    ids: CudaSlice<u32>,
+    positions: CudaSlice<i32>,
+    token_seq: CudaSlice<i32>,
+    slots: CudaSlice<i64>,
+    tables: CudaSlice<i32>,
+    logit_rows: CudaSlice<i32>,
+}
+
+/// The MoE block's buffers of a step, `pairs = num_tokens · top_k` rows.
+struct MoeBuffers<T> {
+    router_logits: CudaSlice<T>,
+    topk_ids: CudaSlice<i32>,
+    topk_w: CudaSlice<f32>,
+    topk_slots: CudaSlice<i32>,
+    counts: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    permuted: CudaSlice<T>,
+    pair_of_row: CudaSlice<i32>,
+    gate_up: CudaSlice<T>,
+    act: CudaSlice<T>,
+    expert_out: CudaSlice<T>,
+}
+
+/// A dense MLP's or a shared expert's buffers (`[num_tokens, …]`, sized for the widest).
+struct MlpBuffers<T> {
+    gate_up: CudaSlice<T>,
+    act: CudaSlice<T>,
+    out: CudaSlice<T>,
+    gate_logit: CudaSlice<T>,
+}
+
+/// What a step reads of the device model.
+struct StepModel<'m, T> {
+    gpu: &'m CudaBackend,
+    config: &'m ModelConfig,
+    block_size: usize,
+    weights: &'m DeviceWeights<T>,
+    /// The expert GPUs when this step runs its experts there.
+    experts: Option<&'m ExpertGpus<T>>,
+}
+
+/// One step on the device: the decoder's operations over the step's buffers.
+struct CudaStep<'m, T> {
+    m: StepModel<'m, T>,
+    /// The layers' KV caches, written by the step.
+    kv: &'m mut [LayerCache<T>],
+    x: &'m StepInputs,
+    inputs: DeviceInputs,
+    wants: StepMode,
+    observe: &'m mut dyn FnMut(Observed),
+    residual: CudaSlice<f32>,
+    acts: [CudaSlice<T>; Act::COUNT],
+    moe: MoeBuffers<T>,
+    mlp: MlpBuffers<T>,
+    logits: Vec<f32>,
+}
+
+impl<'m, T: CudaElement> CudaStep<'m, T> {
+    fn new(
+        m: StepModel<'m, T>,
+        kv: &'m mut [LayerCache<T>],
+        x: &'m StepInputs,
+        wants: StepMode,
+        observe: &'m mut dyn FnMut(Observed),
+    ) -> std::result::Result<Self, CudaError> {
+        let (gpu, c) = (m.gpu, m.config);
+        let (t, h) = (x.ids.len(), c.hidden_size);
+        let (qd, kvd, e, pairs) = (
+            c.q_dim(),
+            c.kv_dim(),
+            c.num_local_experts,
+            t * c.num_experts_per_tok,
+        );
+        let inter = c.moe_intermediate_size;
+        let mlp_inter = m
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mlp {
+                DeviceFeedForward::Dense(mlp) => Some(mlp.intermediate),
+                DeviceFeedForward::Sparse(moe) => moe.shared.as_ref().map(|s| s.0.intermediate),
+            })
+            .max()
+            .unwrap_or(0);
+        let inputs = DeviceInputs {
+            ids: gpu.upload(&x.ids)?,
+            positions: gpu.upload(&x.positions)?,
+            token_seq: gpu.upload(&x.token_seq)?,
+            slots: gpu.upload(&x.slots)?,
+            tables: gpu.upload(&x.block_tables)?,
+            logit_rows: gpu.upload(&x.logit_rows)?,
+        };
+        let [normed, q, k, v, attn, delta] =
+            [t * h, t * qd, t * kvd, t * kvd, t * qd, t * h].map(|n| gpu.zeros::<T>(n));
+        let moe = MoeBuffers {
+            router_logits: gpu.zeros(t * e)?,
+            topk_ids: gpu.zeros(pairs)?,
+            topk_w: gpu.zeros(pairs)?,
+            topk_slots: gpu.zeros(pairs)?,
+            counts: gpu.zeros(e)?,
+            offsets: gpu.zeros(e + 1)?,
+            permuted: gpu.zeros(pairs * h)?,
+            pair_of_row: gpu.zeros(pairs)?,
+            gate_up: gpu.zeros(pairs * 2 * inter)?,
+            act: gpu.zeros(pairs * inter)?,
+            expert_out: gpu.zeros(pairs * h)?,
+        };
+        let mlp = MlpBuffers {
+            gate_up: gpu.zeros(t * 2 * mlp_inter)?,
+            act: gpu.zeros(t * mlp_inter)?,
+            out: gpu.zeros(t * h)?,
+            gate_logit: gpu.zeros(t)?,
+        };
+        Ok(CudaStep {
+            residual: gpu.zeros::<f32>(t * h)?,
+            m,
+            kv,
+            x,
+            inputs,
+            wants,
+            observe,
+            acts: [normed?, q?, k?, v?, attn?, delta?],
+            moe,
+            mlp,
+            logits: Vec::new(),
+        })
+    }
+
+    fn num_tokens(&self) -> usize {
+        self.x.ids.len()
+    }
+
+    fn layer_weight(&self, layer: usize, role: LayerWeight) -> &'m CudaSlice<T> {
+        let weights: &'m DeviceWeights<T> = self.m.weights;
+        weights.layers[layer]
+            .weight(role)
+            .unwrap_or_else(|| panic!("layer {layer} has no {role:?} (the config says it has)"))
+    }
+
+    /// `out = mlp(Normed)` for a dense MLP or a shared expert: `[w1; w3]` GEMM → SwiGLU → `w2`.
+    fn mlp_into(&mut self, mlp: &DeviceMlp<T>) -> std::result::Result<(), CudaError> {
+        let (gpu, t, h) = (self.m.gpu, self.num_tokens(), self.m.config.hidden_size);
+        let i = mlp.intermediate;
+        let normed = &self.acts[Act::Normed.index()];
+        let b = &mut self.mlp;
+        matmul_wt(
+            gpu,
+            &normed.as_view(),
+            &mlp.w13.as_view(),
+            &mut b.gate_up.slice_mut(..t * 2 * i),
+            GemmShape {
+                m: t,
+                n: 2 * i,
+                k: h,
+            },
+        )?;
+        ops::silu_mul(
+            gpu,
+            b.gate_up.slice(..t * 2 * i),
+            b.act.slice_mut(..t * i),
+            i,
+        )?;
+        matmul_wt(
+            gpu,
+            &b.act.slice(..t * i),
+            &mlp.w2.as_view(),
+            &mut b.out.as_view_mut(),
+            GemmShape { m: t, n: h, k: i },
+        )
+    }
+}
+
+impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
+    type Error = CudaError;
+
+    fn embed(&mut self) -> std::result::Result<(), CudaError> {
+        ops::embedding(
+            self.m.gpu,
+            ops::EmbeddingArgs {
+                table: self.m.weights.embed.as_view(),
+                ids: self.inputs.ids.as_view(),
+                out: self.residual.as_view_mut(),
+                hidden: self.m.config.hidden_size,
+            },
+        )
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        layer: usize,
+        w: LayerWeight,
+        add: bool,
+    ) -> std::result::Result<(), CudaError> {
+        let weight = self.layer_weight(layer, w);
+        let (delta, normed) = read_write(&mut self.acts, Act::Delta, Act::Normed);
+        ops::rms_norm_residual(
+            self.m.gpu,
+            RmsNormArgs {
+                residual: self.residual.as_view_mut(),
+                delta: add.then(|| delta.as_view()),
+                weight: weight.as_view(),
+                out: normed.as_view_mut(),
+                eps: self.m.config.rms_norm_eps,
+            },
+        )
+    }
+
+    fn linear(
+        &mut self,
+        layer: usize,
+        x: Act,
+        w: LayerWeight,
+        bias: Option<LayerWeight>,
+        y: Act,
+    ) -> std::result::Result<(), CudaError> {
+        let t = self.num_tokens();
+        let w = self.layer_weight(layer, w);
+        let bias = bias.map(|b| self.layer_weight(layer, b));
+        let (x, y) = read_write(&mut self.acts, x, y);
+        let (m, n) = (t, y.len() / t.max(1));
+        let k = w.len() / n.max(1);
+        matmul_wt(
+            self.m.gpu,
+            &x.as_view(),
+            &w.as_view(),
+            &mut y.as_view_mut(),
+            GemmShape { m, n, k },
+        )?;
+        match bias {
+            Some(b) => ops::add_bias(self.m.gpu, y.as_view_mut(), b.as_view()),
+            None => Ok(()),
+        }
+    }
+
+    fn rms_norm_rows(
+        &mut self,
+        layer: usize,
+        x: Act,
+        w: LayerWeight,
+    ) -> std::result::Result<(), CudaError> {
+        let weight = self.layer_weight(layer, w);
+        let eps = self.m.config.rms_norm_eps;
+        let x = &mut self.acts[x.index()];
+        ops::rms_norm_rows(self.m.gpu, x.as_view_mut(), weight.as_view(), eps)
+    }
+
+    fn clamp(&mut self, x: Act, limit: f32) -> std::result::Result<(), CudaError> {
+        ops::clamp(self.m.gpu, self.acts[x.index()].as_view_mut(), limit)
+    }
+
+    fn rope(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        let c = self.m.config;
+        let [_, q, k, ..] = &mut self.acts;
+        ops::rope(
+            self.m.gpu,
+            ops::RopeArgs {
+                q: q.as_view_mut(),
+                k: k.as_view_mut(),
+                positions: self.inputs.positions.as_view(),
+                inv_freq: self.m.weights.inv_freq.as_view(),
+                num_heads: c.num_attention_heads,
+                num_kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+            },
+        )
+    }
+
+    fn write_kv(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let cache = &mut self.kv[layer];
+        ops::write_kv(
+            self.m.gpu,
+            ops::WriteKvArgs {
+                k: self.acts[Act::K.index()].as_view(),
+                v: self.acts[Act::V.index()].as_view(),
+                k_cache: cache.k.as_view_mut(),
+                v_cache: cache.v.as_view_mut(),
+                slot_mapping: self.inputs.slots.as_view(),
+                kv_dim: self.m.config.kv_dim(),
+            },
+        )
+    }
+
+    fn paged_attention(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let c = self.m.config;
+        let cache = &self.kv[layer];
+        let (q, out) = read_write(&mut self.acts, Act::Q, Act::Attn);
+        ops::paged_attention(
+            self.m.gpu,
+            ops::PagedAttentionArgs {
+                out: out.as_view_mut(),
+                q: q.as_view(),
+                k_cache: cache.k.as_view(),
+                v_cache: cache.v.as_view(),
+                block_tables: self.inputs.tables.as_view(),
+                token_seq: self.inputs.token_seq.as_view(),
+                positions: self.inputs.positions.as_view(),
+                shape: AttentionShape {
+                    num_heads: c.num_attention_heads,
+                    num_kv_heads: c.num_key_value_heads,
+                    head_dim: c.head_dim,
+                    block_size: self.m.block_size,
+                    max_blocks_per_seq: self.x.max_blocks,
+                    sliding_window: c.sliding_window,
+                },
+            },
+        )
+    }
+
+    fn sparse_moe(&mut self, layer: usize, moe_layer: usize) -> std::result::Result<(), CudaError> {
+        let weights: &DeviceWeights<T> = self.m.weights;
+        let DeviceFeedForward::Sparse(block) = &weights.layers[layer].mlp else {
+            panic!("layer {layer} has no MoE block (the config says it has)");
+        };
+        self.routed_experts(block, moe_layer)?;
+        if let Some((mlp, gate)) = &block.shared {
+            self.shared_expert(mlp, gate.as_ref())?;
+        }
+        Ok(())
+    }
+
+    fn dense_mlp(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let weights: &DeviceWeights<T> = self.m.weights;
+        let DeviceFeedForward::Dense(mlp) = &weights.layers[layer].mlp else {
+            panic!("layer {layer} has no dense MLP (the config says it has)");
+        };
+        self.mlp_into(mlp)?;
+        let delta = &mut self.acts[Act::Delta.index()];
+        let stream = self.m.gpu.stream();
+        stream.memcpy_dtod(&self.mlp.out, delta)?;
+        Ok(())
+    }
+
+    fn add_last_delta(&mut self) -> std::result::Result<(), CudaError> {
+        // The norm's output over all tokens is unused: only the logits rows go through the
+        // final norm (in `logits`).
+        let layers = self.m.config.num_hidden_layers;
+        let (delta, normed) = read_write(&mut self.acts, Act::Delta, Act::Normed);
+        ops::rms_norm_residual(
+            self.m.gpu,
+            RmsNormArgs {
+                residual: self.residual.as_view_mut(),
+                delta: (layers > 0).then(|| delta.as_view()),
+                weight: self.m.weights.norm.as_view(),
+                out: normed.as_view_mut(),
+                eps: self.m.config.rms_norm_eps,
+            },
+        )
+    }
+
+    fn logits(&mut self) -> std::result::Result<(), CudaError> {
+        let (gpu, c) = (self.m.gpu, self.m.config);
+        let (h, rows) = (c.hidden_size, self.x.logit_rows.len());
+        let mut last = gpu.zeros::<f32>(rows * h)?;
+        ops::gather_rows(
+            gpu,
+            ops::GatherRowsArgs {
+                src: self.residual.as_view(),
+                rows: self.inputs.logit_rows.as_view(),
+                dst: last.as_view_mut(),
+                hidden: h,
+            },
+        )?;
+        let mut last_normed = gpu.zeros::<T>(rows * h)?;
+        ops::rms_norm_residual(
+            gpu,
+            RmsNormArgs {
+                residual: last.as_view_mut(),
+                delta: None,
+                weight: self.m.weights.norm.as_view(),
+                out: last_normed.as_view_mut(),
+                eps: c.rms_norm_eps,
+            },
+        )?;
+        let mut logits = gpu.zeros::<T>(rows * c.vocab_size)?;
+        matmul_wt(
+            gpu,
+            &last_normed.as_view(),
+            &self.m.weights.lm_head.as_view(),
+            &mut logits.as_view_mut(),
+            GemmShape {
+                m: rows,
+                n: c.vocab_size,
+                k: h,
+            },
+        )?;
+        self.logits = gpu.download(&logits)?.iter().map(|v| v.to_f32()).collect();
+        Ok(())
+    }
+
+    fn observe(&mut self, at: Point) -> std::result::Result<(), CudaError> {
+        if at == Point::LayerOutput && self.wants.trace {
+            let residual = self.m.gpu.download(&self.residual)?;
+            (self.observe)(Observed::LayerOutput(residual));
+        }
+        Ok(())
+    }
+}
+
+impl<T: CudaElement> CudaStep<'_, T> {
+    /// `Delta` = the routed experts of `block` on `Normed`: router GEMM → top-k (on the device
+    /// when dropless on one GPU, else on the host) → permute → experts → unpermute.
+    fn routed_experts(
+        &mut self,
+        block: &DeviceMoe<T>,
+        moe_layer: usize,
+    ) -> std::result::Result<(), CudaError> {
+        let (gpu, c, wants) = (self.m.gpu, self.m.config, self.wants);
+        let (t, h) = (self.num_tokens(), c.hidden_size);
+        let (e, k, inter) = (
+            c.num_local_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+        );
+        let b = &mut self.moe;
+        let normed = &self.acts[Act::Normed.index()];
+        matmul_wt(
+            gpu,
+            &normed.as_view(),
+            &block.gate.as_view(),
+            &mut b.router_logits.as_view_mut(),
+            GemmShape { m: t, n: e, k: h },
+        )?;
+        // Set by host routing; sent once the experts ran (with their devices' rows).
+        let mut pending: Option<LayerRouting> = None;
+        let mut layout: Option<SegmentLayout> = None;
+        let offsets = if wants.capacity == Capacity::Dropless && !wants.expert_parallel {
+            ops::route_top_k(
+                gpu,
+                ops::RouteArgs {
+                    logits: b.router_logits.as_view(),
+                    bias: block.router_bias.as_ref().map(|b| b.as_view()),
+                    topk_ids: b.topk_ids.as_view_mut(),
+                    topk_weights: b.topk_w.as_view_mut(),
+                    slots: b.topk_slots.as_view_mut(),
+                    expert_counts: b.counts.as_view_mut(),
+                    top_k: k,
+                    capacity: None,
+                    renormalize: c.norm_topk_prob,
+                },
+            )?;
+            ops::moe_segment_offsets(gpu, b.counts.as_view(), b.offsets.as_view_mut(), None)?;
+            // The per-expert GEMMs need the segment sizes on the host: one small copy per
+            // layer (the grouped kernel that would avoid it is future work, see gemm.rs).
+            let offsets: Vec<usize> = gpu
+                .download(&b.offsets)?
+                .iter()
+                .map(|o| *o as usize)
+                .collect();
+            if wants.trace {
+                let logits = gpu.download(&b.router_logits)?;
+                (self.observe)(Observed::RouterLogits(
+                    logits.iter().map(|v| v.to_f32()).collect(),
+                ));
+            }
+            if wants.routing {
+                let chosen = gpu.download(&b.topk_ids)?;
+                (self.observe)(Observed::Routing(dropless_routing(&offsets, chosen, k)));
+            }
+            offsets
+        } else {
+            let mut logits: Vec<f32> = gpu
+                .download(&b.router_logits)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            if let Some(bias) = &block.router_bias_host {
+                for row in logits.chunks_exact_mut(e) {
+                    row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
+                }
+            }
+            let config = RouterConfig {
+                top_k: k,
+                capacity: wants.capacity,
+                renormalize: c.norm_topk_prob,
+            };
+            let routed = route(&logits, e, &config);
+            let host = match self.m.experts {
+                Some(gpus) => {
+                    let placement = gpus.placement();
+                    let segments = SegmentLayout::new(placement, moe_layer);
+                    let host = HostRouting::with_segments(
+                        &routed,
+                        segments.num_segments(),
+                        |expert, ordinal| {
+                            let slot = placement.slot_for(moe_layer, ExpertId(expert), ordinal);
+                            segments.segment_of_slot(slot)
+                        },
+                    );
+                    layout = Some(segments);
+                    host
+                }
+                None => HostRouting::new(&routed, e),
+            };
+            b.topk_ids = gpu.upload(&host.topk_ids)?;
+            b.topk_w = gpu.upload(&host.weights)?;
+            b.topk_slots = gpu.upload(&host.slots)?;
+            b.offsets = gpu.upload(&host.offsets)?;
+            if wants.routing {
+                pending = Some(LayerRouting::from_routed(&routed, &wants.capacity));
+            }
+            if wants.trace {
+                (self.observe)(Observed::RouterLogits(logits));
+            }
+            host.offsets.iter().map(|o| *o as usize).collect()
+        };
+        let routing = DeviceRouting {
+            topk_ids: b.topk_ids.as_view(),
+            topk_weights: b.topk_w.as_view(),
+            slots: b.topk_slots.as_view(),
+            offsets: b.offsets.as_view(),
+            top_k: k,
+        };
+        ops::moe_permute(
+            gpu,
+            normed.as_view(),
+            &routing,
+            b.permuted.as_view_mut(),
+            b.pair_of_row.as_view_mut(),
+        )?;
+        let device_pairs = match (self.m.experts, &layout) {
+            (Some(gpus), Some(layout)) => {
+                let rows = LayerRows {
+                    layer: moe_layer,
+                    layout,
+                    offsets: &offsets,
+                };
+                gpus.run(gpu, rows, &b.permuted, &mut b.expert_out, h, inter)?
+            }
+            _ => {
+                grouped_expert_matmul(
+                    gpu,
+                    GroupedGemm {
+                        x: b.permuted.as_view(),
+                        weights: &block.w13,
+                        y: b.gate_up.as_view_mut(),
+                        offsets: &offsets,
+                        n: 2 * inter,
+                        k: h,
+                    },
+                )?;
+                ops::silu_mul(gpu, b.gate_up.as_view(), b.act.as_view_mut(), inter)?;
+                grouped_expert_matmul(
+                    gpu,
+                    GroupedGemm {
+                        x: b.act.as_view(),
+                        weights: &block.w2,
+                        y: b.expert_out.as_view_mut(),
+                        offsets: &offsets,
+                        n: h,
+                        k: inter,
+                    },
+                )?;
+                Vec::new()
+            }
+        };
+        if let Some(mut summary) = pending {
+            summary.device_pairs = device_pairs;
+            (self.observe)(Observed::Routing(summary));
+        }
+        let delta = &mut self.acts[Act::Delta.index()];
+        ops::moe_unpermute(gpu, b.expert_out.as_view(), &routing, delta.as_view_mut())
+    }
+
+    /// `Delta += g · shared_mlp(Normed)`, `g = sigmoid(gate · Normed)` per token (or 1): every
+    /// token, outside the capacity.
+    fn shared_expert(
+        &mut self,
+        mlp: &DeviceMlp<T>,
+        gate: Option<&CudaSlice<T>>,
+    ) -> std::result::Result<(), CudaError> {
+        let (gpu, t, h) = (self.m.gpu, self.num_tokens(), self.m.config.hidden_size);
+        self.mlp_into(mlp)?;
+        if let Some(gate) = gate {
+            matmul_wt(
+                gpu,
+                &self.acts[Act::Normed.index()].as_view(),
+                &gate.as_view(),
+                &mut self.mlp.gate_logit.as_view_mut(),
+                GemmShape { m: t, n: 1, k: h },
+            )?;
+        }
+        let delta = &mut self.acts[Act::Delta.index()];
+        ops::add_gated(
+            gpu,
+            delta.as_view_mut(),
+            self.mlp.out.as_view(),
+            gate.map(|_| self.mlp.gate_logit.as_view()),
+            h,
+        )
+    }
 }

@@ -11,7 +11,7 @@ use crate::batch::ForwardBatch;
 use crate::kv_cache::KvCacheLayout;
 use crate::{ModelError, Result};
 
-/// A Mixtral model on a CUDA device; never constructed without the feature.
+/// A model on a CUDA device; never constructed without the feature.
 pub struct CudaMoeModel {
     never: std::convert::Infallible,
 }

@@ -1,9 +1,10 @@
-//! The decoder every family runs: embedding → N × (RMSNorm → attention → residual → RMSNorm →
-//! feed-forward → residual) → RMSNorm → lm_head, where a layer's attention variant and its
-//! feed-forward block (the sparse MoE block, with or without a shared expert, or a dense MLP)
-//! come from the family's [`ModelConfig`]. Follows HF `modeling_mixtral.py`,
-//! `modeling_qwen3_moe.py`, `modeling_qwen2_moe.py` and `modeling_olmoe.py`; every activation is
-//! f32, weights stay in their stored dtype and are widened inside the kernels.
+//! A loaded model of any family ([`MoeModel`]): its weights per layer (attention with the
+//! family's options, then the sparse MoE block, with or without a shared expert, or a dense
+//! MLP) and its CPU forward. The layer order itself is written once, in `ops::decode`, over
+//! the operations each backend implements (`cpu_step.rs` here, `cuda.rs` on a GPU). Follows HF
+//! `modeling_mixtral.py`, `modeling_qwen3_moe.py`, `modeling_qwen2_moe.py` and
+//! `modeling_olmoe.py`; on the CPU every activation is f32, weights stay in their stored dtype
+//! and are widened inside the kernels.
 
 use std::path::Path;
 
@@ -13,10 +14,12 @@ use crate::batch::{BatchLimits, ForwardBatch};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv_cache::{KvCacheLayout, PagedKvCache};
-use crate::layers::attention::{Attention, AttentionStep};
-use crate::models::workspace::{ForwardWorkspace, zeroed};
+use crate::layers::attention::Attention;
+use crate::models::cpu_step::CpuStep;
+use crate::models::ops::decode;
+use crate::models::workspace::ForwardWorkspace;
 use crate::moe::experts::check_router_bias;
-use crate::moe::{Expert, MoeLayerStep, MoeOptions, SparseMoe};
+use crate::moe::{Expert, MoeOptions, SparseMoe};
 use crate::quantize::Hessians;
 use crate::{ModelError, Result};
 
@@ -29,20 +32,18 @@ pub(crate) struct DecoderLayer {
 
 /// A decoder layer's feed-forward block.
 pub(crate) enum FeedForward {
-    /// The sparse MoE block; `moe_layer` is its index among the model's sparse layers (what
-    /// expert placement, load tracking and the routing record count).
-    Sparse {
-        moe: Box<SparseMoe>,
-        moe_layer: usize,
-    },
+    /// The sparse MoE block. Its index among the model's sparse layers (what expert
+    /// placement, load tracking and the routing record count) is that of its layer among
+    /// `ModelConfig::sparse_layers`.
+    Sparse(Box<SparseMoe>),
     /// A dense SwiGLU MLP (`mlp_only_layers`, `decoder_sparse_step`).
-    Dense(Expert),
+    Dense(Box<Expert>),
 }
 
 impl DecoderLayer {
     pub(crate) fn moe(&self) -> Option<&SparseMoe> {
         match &self.mlp {
-            FeedForward::Sparse { moe, .. } => Some(moe.as_ref()),
+            FeedForward::Sparse(moe) => Some(moe.as_ref()),
             FeedForward::Dense(_) => None,
         }
     }
@@ -63,7 +64,7 @@ impl DecoderLayer {
     /// shared expert of a sparse block, or the dense MLP.
     fn always_read(&self) -> Vec<&Weight> {
         match &self.mlp {
-            FeedForward::Sparse { moe, .. } => {
+            FeedForward::Sparse(moe) => {
                 let mut all = vec![&moe.gate];
                 if let Some(shared) = &moe.shared {
                     let e = &shared.mlp;
@@ -152,25 +153,19 @@ impl MoeModel {
         } else {
             ckpt.weight("lm_head.weight", &[v, h])?
         };
-        let mut moe_layers = 0;
         let layers = (0..config.num_hidden_layers)
             .map(|l| {
                 let p = format!("model.layers.{l}");
                 let block = format!("{p}.{}", config.names.moe_block);
                 let mlp = if config.sparse_layers[l] {
-                    let moe = Box::new(SparseMoe::load(ckpt, &block, &config)?);
-                    moe_layers += 1;
-                    FeedForward::Sparse {
-                        moe,
-                        moe_layer: moe_layers - 1,
-                    }
+                    FeedForward::Sparse(Box::new(SparseMoe::load(ckpt, &block, &config)?))
                 } else {
-                    FeedForward::Dense(Expert::load_mlp(
+                    FeedForward::Dense(Box::new(Expert::load_mlp(
                         ckpt,
                         &format!("{p}.mlp"),
                         h,
                         config.intermediate_size,
-                    )?)
+                    )?))
                 };
                 Ok(DecoderLayer {
                     input_layernorm: ckpt.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
@@ -217,7 +212,7 @@ impl MoeModel {
     pub fn add_router_bias(&mut self, bias: &[f32]) -> Result<()> {
         check_router_bias(bias, self.config.num_local_experts)?;
         for layer in &mut self.layers {
-            if let FeedForward::Sparse { moe, .. } = &mut layer.mlp {
+            if let FeedForward::Sparse(moe) = &mut layer.mlp {
                 moe.router_bias = Some(bias.to_vec());
             }
         }
@@ -420,7 +415,7 @@ impl MoeModel {
         kv: &mut PagedKvCache,
         opts: ForwardOptions<'_>,
         ws: &mut ForwardWorkspace,
-        mut calibration: Option<&mut Hessians>,
+        calibration: Option<&mut Hessians>,
     ) -> Result<()> {
         let c = &self.config;
         let layout = *kv.layout();
@@ -437,112 +432,19 @@ impl MoeModel {
         };
         batch.places_into(&limits, &mut ws.places)?;
         self.check_moe_options(&opts.moe)?;
-        let (t, h) = (batch.num_tokens(), c.hidden_size);
-        let mut trace = opts.trace;
-        let mut moe = opts.moe;
-        let ForwardWorkspace {
-            places,
-            hidden,
-            normed,
-            delta,
-            attention,
-            tiled,
-            router_logits,
-            moe: moe_ws,
-            logit_rows,
-            selected,
-            final_normed,
-            logits,
-        } = ws;
-        zeroed(hidden, t * h);
-        for (row, id) in hidden.chunks_exact_mut(h).zip(batch.token_ids) {
-            cpu::convert::widen_row(self.embed_tokens.data(), *id as usize, row);
+        let mut step = CpuStep {
+            model: self,
+            batch,
+            kv,
+            ws,
+            logits_for: opts.logits,
+            trace: opts.trace,
+            moe: opts.moe,
+            calibration,
+        };
+        match decode(c, &mut step) {
+            Ok(()) => Ok(()),
         }
-        zeroed(normed, t * h);
-        zeroed(delta, t * h);
-        for (l, layer) in self.layers.iter().enumerate() {
-            // The previous layer's MoE residual is added in the same pass as this norm.
-            if l == 0 {
-                cpu::rms_norm(hidden, &layer.input_layernorm, c.rms_norm_eps, normed);
-            } else {
-                let w = &layer.input_layernorm;
-                cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
-                if let Some(trace) = trace.as_deref_mut() {
-                    trace.layer_outputs.push(hidden.clone());
-                }
-            }
-            if let Some(hs) = calibration.as_deref_mut() {
-                hs.attention_input(l, normed);
-            }
-            let step = AttentionStep {
-                layer: l,
-                batch,
-                places,
-                x: normed,
-            };
-            layer.self_attn.forward(&step, kv, attention, tiled, delta);
-            if let Some(hs) = calibration.as_deref_mut() {
-                hs.attention_output(l, attention.outputs(), t);
-            }
-            let w = &layer.post_attention_layernorm;
-            cpu::add_rms_norm(hidden, delta, w, c.rms_norm_eps, normed);
-            let (block, moe_layer) = match &layer.mlp {
-                FeedForward::Sparse { moe, moe_layer } => (moe.as_ref(), *moe_layer),
-                FeedForward::Dense(mlp) => {
-                    if let Some(hs) = calibration.as_deref_mut() {
-                        hs.dense_input(l, mlp, normed);
-                    }
-                    mlp.forward_in(normed, t, delta, &mut moe_ws.grouped);
-                    continue;
-                }
-            };
-            block.router_logits_into(normed, t, router_logits, tiled);
-            if let Some(hs) = calibration.as_deref_mut() {
-                hs.moe_input(l, block, normed, router_logits);
-            }
-            let step = MoeLayerStep {
-                layer: moe_layer,
-                x: normed,
-                router_logits,
-                capacity: moe.capacity,
-                experts: moe.experts,
-            };
-            let summary = moe.record.as_deref_mut().map(|r| r.push_layer());
-            block.forward_in(&step, moe_ws, delta, summary);
-            if let Some(trace) = trace.as_deref_mut() {
-                trace.router_logits.push(router_logits.clone());
-            }
-        }
-        // The last layer's MoE residual (zeros without layers).
-        cpu::add_assign(hidden, delta);
-        if let Some(trace) = trace.filter(|_| !self.layers.is_empty()) {
-            trace.layer_outputs.push(hidden.clone());
-        }
-        if let Some(hs) = calibration.filter(|hs| hs.records_lm_head()) {
-            // lm_head's input at every position, not only the rows that get logits.
-            let mut all_normed = vec![0.0; hidden.len()];
-            cpu::rms_norm(hidden, &self.norm, c.rms_norm_eps, &mut all_normed);
-            hs.lm_head_input(&all_normed);
-        }
-        logit_rows.clear();
-        match opts.logits {
-            LogitsFor::AllTokens => logit_rows.extend(0..t),
-            LogitsFor::LastTokens => logit_rows.extend(
-                batch
-                    .sequences
-                    .iter()
-                    .map(|s| s.query_start + s.query_len - 1),
-            ),
-        }
-        selected.clear();
-        for r in logit_rows.iter() {
-            selected.extend_from_slice(&hidden[r * h..(r + 1) * h]);
-        }
-        zeroed(final_normed, selected.len());
-        cpu::rms_norm(selected, &self.norm, c.rms_norm_eps, final_normed);
-        zeroed(logits, logit_rows.len() * c.vocab_size);
-        cpu::matmul_wt_in(final_normed, logit_rows.len(), &self.lm_head, logits, tiled);
-        Ok(())
     }
 
     /// A valid capacity and, with expert parallelism, a placement made for this model.

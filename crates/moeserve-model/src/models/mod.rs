@@ -1,17 +1,23 @@
-//! The decoder every family runs (`decoder.rs`: one definition, its per-layer options from the
-//! family's [`ModelConfig`](crate::config::ModelConfig)), the buffers a forward reuses
-//! (`workspace.rs`), and the CUDA forward (`mixtral_cuda.rs`, feature `cuda`, so far for
-//! Mixtral-shaped configs only; a stub of the same name without the feature, so callers have no
-//! `cfg`).
+//! A model of any family and how it runs:
+//! - `decoder.rs`: [`MoeModel`], the loaded weights per layer and the CPU forward's entry;
+//! - `ops.rs`: the operations a backend implements, and `decode`, the one definition of the
+//!   layer order on them (its per-layer options from the family's
+//!   [`ModelConfig`](crate::config::ModelConfig));
+//! - `cpu_step.rs`: those operations on the CPU; `workspace.rs`: the buffers a CPU forward
+//!   reuses;
+//! - `cuda.rs` (feature `cuda`): those operations on a GPU, [`CudaMoeModel`]; without the
+//!   feature a stub of the same name, so callers have no `cfg`.
 
-pub mod decoder;
+mod cpu_step;
 #[cfg(feature = "cuda")]
-mod mixtral_cuda;
+mod cuda;
 #[cfg(not(feature = "cuda"))]
-#[path = "mixtral_cuda_stub.rs"]
-mod mixtral_cuda;
+#[path = "cuda_stub.rs"]
+mod cuda;
+pub mod decoder;
+pub(crate) mod ops;
 pub(crate) mod workspace;
 
+pub use cuda::CudaMoeModel;
 pub use decoder::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
-pub use mixtral_cuda::CudaMoeModel;
 pub use workspace::ForwardWorkspace;

@@ -2,8 +2,10 @@
 //! from step to step: once a workspace has seen a step as large, a CPU forward without expert
 //! parallelism or tracing makes no heap allocation (`tests/alloc_free.rs` counts them).
 
+use moeserve_backend::cpu;
+
 use crate::batch::TokenPlace;
-use crate::layers::attention::AttentionBuffers;
+use crate::models::ops::Act;
 use crate::moe::experts::MoeWorkspace;
 
 #[derive(Default)]
@@ -11,11 +13,11 @@ pub struct ForwardWorkspace {
     pub(crate) places: Vec<TokenPlace>,
     /// `[num_tokens, hidden]`: the residual stream.
     pub(crate) hidden: Vec<f32>,
-    /// `[num_tokens, hidden]`: the normed input of the next attention or MoE block.
-    pub(crate) normed: Vec<f32>,
-    /// `[num_tokens, hidden]`: the output of the last attention or MoE block, not yet added.
-    pub(crate) delta: Vec<f32>,
-    pub(crate) attention: AttentionBuffers,
+    /// The step's activations by [`Act`] (normed input, queries, keys, values, attention
+    /// outputs, the last block's output).
+    pub(crate) acts: [Vec<f32>; Act::COUNT],
+    /// The rotary angles of the token being embedded.
+    pub(crate) angles: cpu::RopeAngles,
     /// The activations of the step's dense products in tile order.
     pub(crate) tiled: Vec<f32>,
     /// `[num_tokens, num_experts]`

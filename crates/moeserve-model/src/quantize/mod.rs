@@ -285,7 +285,7 @@ fn jobs<'a>(model: &'a MoeModel, hessians: &'a Hessians, lm_head: bool) -> Vec<J
         const MLP: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
         let block = format!("model.layers.{l}.{}", c.names.moe_block);
         match &layer.mlp {
-            FeedForward::Sparse { moe, .. } => {
+            FeedForward::Sparse(moe) => {
                 for (e, expert) in moe.experts.iter().enumerate() {
                     let (inp, hidden) = (&hs.expert_in[e], &hs.expert_hidden[e]);
                     let prefix = format!("{block}.experts.{e}");

@@ -88,7 +88,7 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
     if args.batch == 0 || args.prompt_len == 0 || args.output_len < 2 {
         bail!("--batch and --prompt-len must be at least 1 and --output-len at least 2");
     }
-    let device = super::device::select(args.engine.device, &args.model)?;
+    let device = super::device::select(args.engine.device)?;
     let threads = args.engine.init_kernels(&args.model)?;
     let assets = Arc::new(
         ModelAssets::load_for(&args.model, &device)

@@ -95,7 +95,7 @@ struct JsonOutput<'a> {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let device = super::device::select(args.engine.device, &args.model)?;
+    let device = super::device::select(args.engine.device)?;
     args.engine.init_kernels(&args.model)?;
     let start = Instant::now();
     let assets = ModelAssets::load_for(&args.model, &device)

@@ -300,7 +300,7 @@ pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
     let request = args.engine.device;
     let engine_args = args.engine.clone();
     let mut config = resolve(args, matches)?;
-    let device = super::device::select(request, &config.model)?;
+    let device = super::device::select(request)?;
     engine_args.init_kernels(&config.model)?;
     config.engine.device = device;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -22,7 +22,7 @@ use moeserve_backend::cuda::ops;
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_core::{ExpertId, ExpertPlacement};
 
-use super::{host_values, stacked_w13};
+use super::weights::{host_values, stacked_w13};
 use crate::moe::ExpertParallel;
 
 /// Where one layer's permuted rows belong.

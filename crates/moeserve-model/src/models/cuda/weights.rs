@@ -8,7 +8,9 @@ use moeserve_backend::{Weight, WeightData};
 use rayon::prelude::*;
 
 use super::super::decoder::MoeModel;
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, QkNorm};
+use crate::models::decoder::FeedForward;
+use crate::models::ops::LayerWeight;
 use crate::moe::Expert;
 
 /// One tensor of the device model, by its role (layer and expert indices where it has them).
@@ -19,14 +21,20 @@ pub(super) enum Tensor {
     LmHead,
     InputNorm(usize),
     PostNorm(usize),
-    Q(usize),
-    K(usize),
-    V(usize),
-    O(usize),
+    /// An attention weight of a layer: projections, their biases, q/k norms (those the
+    /// family's config has).
+    Attention(usize, LayerWeight),
     Gate(usize),
     /// `[w1; w3]` of (layer, expert): `[2 · intermediate, hidden]`.
     W13(usize, usize),
     W2(usize, usize),
+    /// The same of a layer's dense MLP, or of its shared expert.
+    DenseW13(usize),
+    DenseW2(usize),
+    SharedW13(usize),
+    SharedW2(usize),
+    /// `[1, hidden]`: the shared expert's sigmoid gate (Qwen2-MoE).
+    SharedGate(usize),
 }
 
 pub(super) trait WeightSource<T> {
@@ -58,11 +66,17 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
     fn tensor(&mut self, gpu: &CudaBackend, t: Tensor) -> Result<CudaSlice<T>, CudaError> {
         let m = self.0;
         let layer = |l: usize| &m.layers[l];
-        // `CudaMoeModel` takes Mixtral-shaped models only: every layer is sparse.
-        let moe = |l: usize| {
-            layer(l)
-                .moe()
-                .expect("a Mixtral-shaped model's layers are sparse")
+        // The device model asks only for what the config says a layer has.
+        let moe = |l: usize| layer(l).moe().expect("the config says layer is sparse");
+        let shared = |l: usize| {
+            moe(l)
+                .shared
+                .as_ref()
+                .expect("the config says the layer has a shared expert")
+        };
+        let dense = |l: usize| match &layer(l).mlp {
+            FeedForward::Dense(mlp) => mlp,
+            FeedForward::Sparse(_) => panic!("the config says layer {l} is dense"),
         };
         let w = match t {
             Tensor::Embed => &m.embed_tokens,
@@ -70,15 +84,21 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
             Tensor::LmHead => &m.lm_head,
             Tensor::InputNorm(l) => &layer(l).input_layernorm,
             Tensor::PostNorm(l) => &layer(l).post_attention_layernorm,
-            Tensor::Q(l) => layer(l).self_attn.weights()[0],
-            Tensor::K(l) => layer(l).self_attn.weights()[1],
-            Tensor::V(l) => layer(l).self_attn.weights()[2],
-            Tensor::O(l) => layer(l).self_attn.weights()[3],
+            Tensor::Attention(l, role) => layer(l)
+                .self_attn
+                .weight(role)
+                .expect("the config says the layer has this weight"),
             Tensor::Gate(l) => &moe(l).gate,
             Tensor::W2(l, e) => &moe(l).experts[e].w2,
-            Tensor::W13(l, e) => {
-                return gpu.upload(&stacked_w13::<T>(&moe(l).experts[e]));
-            }
+            Tensor::W13(l, e) => return gpu.upload(&stacked_w13::<T>(&moe(l).experts[e])),
+            Tensor::DenseW13(l) => return gpu.upload(&stacked_w13::<T>(dense(l))),
+            Tensor::DenseW2(l) => &dense(l).w2,
+            Tensor::SharedW13(l) => return gpu.upload(&stacked_w13::<T>(&shared(l).mlp)),
+            Tensor::SharedW2(l) => &shared(l).mlp.w2,
+            Tensor::SharedGate(l) => shared(l)
+                .gate
+                .as_ref()
+                .expect("the config says the shared expert is gated"),
         };
         gpu.upload(&host_values::<T>(w))
     }
@@ -98,18 +118,37 @@ pub(super) struct RandomWeights {
 impl<T: CudaElement> WeightSource<T> for RandomWeights {
     fn tensor(&mut self, gpu: &CudaBackend, t: Tensor) -> Result<CudaSlice<T>, CudaError> {
         let c = &self.config;
-        let (h, i, q, kv) = (c.hidden_size, c.intermediate_size, c.q_dim(), c.kv_dim());
+        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        let (i, dense_i) = (c.moe_intermediate_size, c.intermediate_size);
+        let shared_i = c.shared_expert.map_or(0, |s| s.intermediate_size);
+        let (q_norm, k_norm) = match c.attention.qk_norm {
+            QkNorm::Flat => (q, kv),
+            QkNorm::PerHead | QkNorm::None => (c.head_dim, c.head_dim),
+        };
         // (elements, fan-in); fan-in 0 marks a norm (ones).
         let (len, fan_in) = match t {
             Tensor::Embed => (c.vocab_size * h, 1),
             Tensor::LmHead => (c.vocab_size * h, h),
             Tensor::Norm | Tensor::InputNorm(_) | Tensor::PostNorm(_) => (h, 0),
-            Tensor::Q(_) => (q * h, h),
-            Tensor::K(_) | Tensor::V(_) => (kv * h, h),
-            Tensor::O(_) => (h * q, q),
+            Tensor::Attention(_, role) => match role {
+                LayerWeight::QProj => (q * h, h),
+                LayerWeight::KProj | LayerWeight::VProj => (kv * h, h),
+                LayerWeight::OProj => (h * q, q),
+                LayerWeight::QBias => (q, h),
+                LayerWeight::KBias | LayerWeight::VBias => (kv, h),
+                LayerWeight::OBias => (h, q),
+                LayerWeight::QNorm => (q_norm, 0),
+                LayerWeight::KNorm => (k_norm, 0),
+                LayerWeight::InputNorm | LayerWeight::PostNorm => (h, 0),
+            },
             Tensor::Gate(_) => (c.num_local_experts * h, h),
             Tensor::W13(..) => (2 * i * h, h),
             Tensor::W2(..) => (h * i, i),
+            Tensor::DenseW13(_) => (2 * dense_i * h, h),
+            Tensor::DenseW2(_) => (h * dense_i, dense_i),
+            Tensor::SharedW13(_) => (2 * shared_i * h, h),
+            Tensor::SharedW2(_) => (h * shared_i, shared_i),
+            Tensor::SharedGate(_) => (h, h),
         };
         if fan_in == 0 {
             return gpu.upload(&vec![T::from_f32(1.0); len]);
