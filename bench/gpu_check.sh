@@ -9,8 +9,10 @@
 #       builds, strips and puts under target/gpu-check/bin/:
 #         cuda_nvrtc          every kernel of cuda/ through the local NVRTC (sm_80, sm_90)
 #         cuda_kernels        kernel parity against the scalar CPU reference, f32/f16/bf16
-#         cuda_forward        the Mixtral forward on the GPU against the transformers fixtures
-#                             (f32 and bf16) and batched vs alone
+#         cuda_forward        every family's forward on the GPU (Mixtral, Qwen3-MoE per-expert
+#                             and fused, Qwen2-MoE, OLMoE) against the transformers fixtures
+#                             (f32 and bf16); batched vs alone, capacity factor and expert
+#                             parallelism on Mixtral, Qwen3-MoE and Qwen2-MoE
 #         cuda_mixtral_bench  synthetic Mixtral-8x7B through the CUDA forward (random bf16
 #                             weights made on the device)
 #         moeserve            the `--features cuda` binary (device probe on a real GPU)

@@ -9,7 +9,8 @@ use moeserve_model::quantize::{GptqOptions, QuantizeOptions, quantize_checkpoint
 
 #[derive(Debug, Args)]
 pub struct QuantizeArgs {
-    /// The model directory (a Hugging Face Mixtral checkpoint in bf16, f16 or f32).
+    /// The model directory (a Hugging Face checkpoint of a supported family in bf16, f16 or
+    /// f32).
     #[arg(long)]
     model: PathBuf,
     /// Output directory: the source's files (hard-linked where possible), the int8 tensors and
