@@ -16,7 +16,7 @@ pub struct ForwardWorkspace {
     /// The step's activations by [`Act`] (normed input, queries, keys, values, attention
     /// outputs, the last block's output).
     pub(crate) acts: [Vec<f32>; Act::COUNT],
-    /// The rotary angles of the token being embedded.
+    /// The rotary angles at the position of the token being rotated.
     pub(crate) angles: cpu::RopeAngles,
     /// The activations of the step's dense products in tile order.
     pub(crate) tiled: Vec<f32>,
