@@ -1,13 +1,15 @@
-// Rotary position embeddings on q and k in place, HF's `rotate_half` layout: element i of a head
-// pairs with element i + head_dim/2. Angles are `position * inv_freq[i]` in f32 (as HF computes
-// `freqs`), and their sine and cosine are taken in f64 so long contexts match the CPU reference.
+// Rotary position embeddings on q and k in place, HF's `rotate_half` layout over the first
+// `rotary_dim` elements of a head (all of it, or its leading part under a
+// `partial_rotary_factor`; the rest passes through): element i pairs with i + rotary_dim/2.
+// Angles are `position * inv_freq[i]` in f32 (as HF computes `freqs`), and their sine and cosine
+// are taken in f64 so long contexts match the CPU reference.
 
 // q: [num_tokens, num_heads * head_dim], k: [num_tokens, num_kv_heads * head_dim].
 // Grid: one block per token.
 template <typename T>
 __device__ void rope(T* q, T* k, const int* positions, const float* inv_freq, int num_heads,
-                     int num_kv_heads, int head_dim) {
-    const int t = blockIdx.x, half_dim = head_dim / 2;
+                     int num_kv_heads, int head_dim, int rotary_dim) {
+    const int t = blockIdx.x, half_dim = rotary_dim / 2;
     const float pos = (float)positions[t];
     const int pairs_q = num_heads * half_dim, pairs = (num_heads + num_kv_heads) * half_dim;
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
@@ -28,7 +30,7 @@ __device__ void rope(T* q, T* k, const int* positions, const float* inv_freq, in
 #define DEFINE_ROPE(SUFFIX, T)                                                                 \
     extern "C" __global__ void rope_##SUFFIX(T* q, T* k, const int* positions,               \
                                              const float* inv_freq, int num_heads,             \
-                                             int num_kv_heads, int head_dim) {                 \
-        rope<T>(q, k, positions, inv_freq, num_heads, num_kv_heads, head_dim);                 \
+                                             int num_kv_heads, int head_dim, int rotary_dim) { \
+        rope<T>(q, k, positions, inv_freq, num_heads, num_kv_heads, head_dim, rotary_dim);     \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_ROPE)

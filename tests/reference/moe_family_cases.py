@@ -1,10 +1,10 @@
-"""Tiny random Qwen3-MoE, Qwen2-MoE and OLMoE checkpoints with transformers float32 references.
+"""Tiny random Qwen3-MoE, Qwen2-MoE, OLMoE and GLM-4.5 checkpoints with transformers float32 references.
 
-Owns fixture set F: tests/fixtures/{qwen3-moe,qwen3-moe-fused,qwen2-moe,olmoe}/, each in
+Owns fixture set F: tests/fixtures/{qwen3-moe,qwen3-moe-fused,qwen2-moe,olmoe,glm4-moe}/, each in
 the mixtral-* layout (config.json, generation_config.json, model.safetensors,
 reference.json, expected.safetensors, manifest.json; see mixtral_cases.py, whose
-helpers it reuses). Follows transformers 5.24's modeling_{qwen3_moe,qwen2_moe,olmoe}.py
-and the "qwen2_moe" rules of conversion_mapping.py (qwen3_moe and olmoe map to them):
+helpers it reuses). Follows transformers 5.24's modeling_{qwen3_moe,qwen2_moe,olmoe,glm4_moe}.py
+and the "qwen2_moe" rules of conversion_mapping.py (qwen3_moe, olmoe and glm4_moe map to them):
 hub per-expert `mlp.experts.N.{gate,up,down}_proj.weight` are merged on load into
 `mlp.experts.gate_up_proj` [E, 2*I, H] (MergeModulelist(dim=0) then Concatenate(dim=1):
 gate rows first, then up) and `mlp.experts.down_proj` [E, H, I]; save_pretrained splits
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
     Qwen2MoeConfig,
@@ -29,6 +31,7 @@ from transformers import (
 )
 
 from mixtral_cases import (
+    capture_forward,
     EOS_TOKEN_ID,
     EXPECTED_PROMPT_INDEX,
     MAX_POSITIONS,
@@ -52,6 +55,7 @@ FAMILIES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
 }
 
 
@@ -83,6 +87,18 @@ class FamilyCase:
     residual_gain: float = 1.0
     bias_std: float = 0.5
     shared_gate_std: float = 2.0
+    # GLM-4.5: the first `first_k_dense` layers dense, DeepSeek-V3's sigmoid router with
+    # `e_score_correction_bias`, groups and scaling, shared experts without a gate, partial
+    # rotary, optional q/k norm per head and q/k/v bias.
+    first_k_dense: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    partial_rotary: float = 1.0
+    qk_norm: bool = False
+    attention_bias: bool = False
+    n_shared: int = 0
+    correction_bias_std: float = 0.15
 
     @property
     def attn_head_dim(self) -> int:
@@ -93,6 +109,8 @@ class FamilyCase:
         """Layers with a dense MLP, by the modeling code's rule (OLMoE has none)."""
         if self.family == "olmoe":
             return []
+        if self.family == "glm4_moe":
+            return list(range(self.first_k_dense))
         return [
             layer
             for layer in range(self.layers)
@@ -123,6 +141,14 @@ CASES = (
         name="olmoe", family="olmoe", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=None,
         layers=3, experts=8, top_k=2, expert_intermediate=48, clip_qkv=2.0, norm_topk_prob=False, tied=False,
         config_style="top_level", rms_norm_eps=1e-5, base_seed=8000,
+    ),
+    FamilyCase(
+        # 16 experts in 4 groups of which 2 are kept, top-4, scaled by 2.5; a quarter of each
+        # head rotated; the hub's config style (top-level rope_theta, partial_rotary_factor).
+        name="glm4-moe", family="glm4_moe", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=32,
+        layers=3, experts=16, top_k=4, expert_intermediate=32, dense_intermediate=128, norm_topk_prob=True,
+        tied=False, config_style="legacy", rms_norm_eps=1e-5, base_seed=9000, first_k_dense=1, n_group=4,
+        topk_group=2, routed_scaling=2.5, partial_rotary=0.25, qk_norm=True, attention_bias=True, n_shared=2,
     ),
 )
 
@@ -162,6 +188,24 @@ def make_config(case: FamilyCase):
         )
     if case.family == "qwen2_moe":
         kwargs.update(shared_expert_intermediate_size=case.shared_intermediate, qkv_bias=True)
+    if case.family == "glm4_moe":
+        del kwargs["num_experts"], kwargs["mlp_only_layers"], kwargs["decoder_sparse_step"]
+        del kwargs["use_sliding_window"]
+        kwargs.update(
+            n_routed_experts=case.experts,
+            n_shared_experts=case.n_shared,
+            first_k_dense_replace=case.first_k_dense,
+            n_group=case.n_group,
+            topk_group=case.topk_group,
+            routed_scaling_factor=case.routed_scaling,
+            use_qk_norm=case.qk_norm,
+            attention_bias=case.attention_bias,
+        )
+        kwargs["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": ROPE_THETA,
+            "partial_rotary_factor": case.partial_rotary,
+        }
     config = config_cls(**kwargs)
     config.architectures = [model_cls.__name__]
     return config
@@ -196,12 +240,12 @@ def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
         tensors[f"{p}.self_attn.q_proj.weight"] = normal((q_width, h), 1.3 / h**0.5)
         tensors[f"{p}.self_attn.k_proj.weight"] = normal((kv_width, h), 1.3 / h**0.5)
         tensors[f"{p}.self_attn.v_proj.weight"] = normal((kv_width, h), 1.0 / h**0.5)
-        if case.family == "qwen2_moe":
+        if case.family == "qwen2_moe" or case.attention_bias:
             tensors[f"{p}.self_attn.q_proj.bias"] = normal((q_width,), case.bias_std)
             tensors[f"{p}.self_attn.k_proj.bias"] = normal((kv_width,), case.bias_std)
             tensors[f"{p}.self_attn.v_proj.bias"] = normal((kv_width,), case.bias_std)
         tensors[f"{p}.self_attn.o_proj.weight"] = normal((h, q_width), case.residual_gain / q_width**0.5)
-        if case.family == "qwen3_moe":  # per head, over head_dim
+        if case.family == "qwen3_moe" or case.qk_norm:  # per head, over head_dim
             tensors[f"{p}.self_attn.q_norm.weight"] = norm_weight(hd)
             tensors[f"{p}.self_attn.k_norm.weight"] = norm_weight(hd)
         elif case.family == "olmoe":  # over the whole q / k projection
@@ -217,10 +261,22 @@ def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
         if case.family == "qwen2_moe":
             mlp(f"{p}.mlp.shared_expert", case.shared_intermediate)
             tensors[f"{p}.mlp.shared_expert_gate.weight"] = normal((1, h), case.shared_gate_std / h**0.5)
+        if case.family == "glm4_moe":
+            # Sigmoid scores live in (0, 1): a bias of this size moves some choices.
+            tensors[f"{p}.mlp.gate.e_score_correction_bias"] = normal((case.experts,), case.correction_bias_std)
+            mlp(f"{p}.mlp.shared_experts", case.expert_intermediate * case.n_shared)
     tensors["model.norm.weight"] = norm_weight(h)
     if not case.tied:
         tensors["lm_head.weight"] = normal((VOCAB, h), 3.0 / h**0.5)
-    return {name: t.to(case.dtype).contiguous() for name, t in tensors.items()}
+    return {name: t.to(stored_dtype(case, name)).contiguous() for name, t in tensors.items()}
+
+
+def stored_dtype(case: FamilyCase, name: str) -> torch.dtype:
+    """The case dtype, but GLM-4.5's router weight and correction bias stay float32 on disk
+    (its `_keep_in_fp32_modules_strict`, as save_pretrained writes them)."""
+    if case.family == "glm4_moe" and name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
+        return torch.float32
+    return case.dtype
 
 
 def fuse_experts(case: FamilyCase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -265,6 +321,10 @@ def attempt(case: FamilyCase, seed: int):
     stored = fuse_experts(case, hub) if case.fused_experts else hub
     model = build_model(case, stored)
     results, greedy_margin, router_gap = run_references(model, seed, case.top_k)
+    if case.family == "glm4_moe":  # the sigmoid router decides on biased scores and groups
+        router_gap = min(
+            choice_gap(case, model, capture_forward(model, r.prompt_ids + r.greedy_ids[:-1])) for r in results
+        )
     return hub, stored, model, results, greedy_margin, router_gap
 
 
@@ -274,6 +334,9 @@ def config_json(case: FamilyCase) -> dict:
         # transformers 5.24 writes Qwen3-MoE's expert count as num_local_experts (its
         # attribute_map); the hub's Qwen3-MoE configs, like this style, say num_experts.
         config["num_experts"] = config.pop("num_local_experts")
+    if case.family == "glm4_moe" and case.config_style != "parameters":
+        # The hub's GLM-4.5 configs give it beside rope_theta, at the top level.
+        config["partial_rotary_factor"] = case.partial_rotary
     return dict(sorted(config.items()))
 
 
@@ -309,6 +372,8 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
         raise RuntimeError(f"{case.name}: reloaded head_dim {reloaded.model.layers[0].self_attn.head_dim}")
     if getattr(config, "clip_qkv", None) != case.clip_qkv or getattr(config, "sliding_window", None):
         raise RuntimeError(f"{case.name}: config reload lost clip_qkv or enabled a sliding window")
+    if case.family == "glm4_moe" and config.rope_parameters.get("partial_rotary_factor") != case.partial_rotary:
+        raise RuntimeError(f"{case.name}: config reload lost partial_rotary_factor: {config.rope_parameters}")
     expected_state = module_state_dict(case, stored)
     reloaded_state = reloaded.state_dict()
     if set(reloaded_state) != set(expected_state):
@@ -357,6 +422,20 @@ def _config_value(config, key: str, value):
 
 
 @contextlib.contextmanager
+def _attrs(objects, **values):
+    saved = [{k: getattr(o, k) for k in values} for o in objects]
+    try:
+        for o in objects:
+            for k, v in values.items():
+                setattr(o, k, v)
+        yield
+    finally:
+        for o, old in zip(objects, saved):
+            for k, v in old.items():
+                setattr(o, k, v)
+
+
+@contextlib.contextmanager
 def _flipped_norm_topk(routers):
     try:
         for router in routers:
@@ -379,6 +458,18 @@ def ablations(case: FamilyCase, model) -> dict:
         out["qk_norm_weight_ones"] = lambda: _replaced([n.weight for n in norms], 1.0)
     if case.family == "olmoe":
         out["clip_qkv_off"] = lambda: _config_value(model.config, "clip_qkv", None)
+    if case.family == "glm4_moe":
+        routers = [m.gate for m in sparse]
+        out["correction_bias_zero"] = lambda: _replaced([r.e_score_correction_bias for r in routers], 0.0)
+        out["routed_scaling_one"] = lambda: _attrs(routers, routed_scaling_factor=1.0)
+        out["group_limit_off"] = lambda: _attrs(routers, num_group=1, topk_group=1)
+        out["shared_experts_skipped"] = lambda: _hooked([m.shared_experts for m in sparse], lambda _m, _i, o: o * 0)
+        if case.qk_norm:
+            norms = [a.q_norm for a in attns] + [a.k_norm for a in attns]
+            out["qk_norm_skipped"] = lambda: _hooked(norms, lambda _m, inputs, _o: inputs[0])
+        if case.attention_bias:
+            biases = [getattr(a, f"{x}_proj").bias for a in attns for x in "qkv"]
+            out["qkv_bias_zero"] = lambda: _replaced(biases, 0.0)
     if case.family == "qwen2_moe":
         biases = [getattr(a, f"{x}_proj").bias for a in attns for x in "qkv"]
         out["qkv_bias_zero"] = lambda: _replaced(biases, 0.0)
@@ -451,13 +542,56 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    """Non-interleaved (rotate-half) RoPE over the whole head_dim of x [T, heads, head_dim]."""
-    dim = x.shape[-1]
+def _rope(x: torch.Tensor, rotary: int | None = None) -> torch.Tensor:
+    """Non-interleaved (rotate-half) RoPE over the first `rotary` (default: all) of head_dim of
+    x [T, heads, head_dim]; the rest passes through."""
+    dim = rotary or x.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
     inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     freqs = torch.arange(x.shape[0], dtype=torch.float32)[:, None] * inv_freq
     cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
-    return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
+    rotated = rot * cos + torch.cat([-rot[..., dim // 2 :], rot[..., : dim // 2]], -1) * sin
+    return torch.cat([rotated, rest], -1)
+
+
+def _sigmoid_route(case: FamilyCase, logits: torch.Tensor, bias: torch.Tensor):
+    """DeepSeek-V3's noaux_tc from its description: sigmoid scores; choice on scores + bias
+    within the `topk_group` groups whose two best biased scores sum highest; weights from the
+    unbiased scores, renormalised, scaled. Returns (weights, indices) [T, top_k]."""
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    size = case.experts // case.n_group
+    grouped = choice.view(-1, case.n_group, size)
+    group_score = grouped.sort(-1, descending=True).values[..., :2].sum(-1)
+    kept = group_score.argsort(-1, descending=True)[:, : case.topk_group]
+    allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, kept, True)
+    choice = choice.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
+    indices = choice.argsort(-1, descending=True)[:, : case.top_k]
+    weights = scores.gather(1, indices)
+    if case.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * case.routed_scaling, indices
+
+
+def choice_gap(case: FamilyCase, model, captured: dict[str, torch.Tensor]) -> float:
+    """The sigmoid router's smallest decision margin over the captured router logits: between
+    the kept and the first dropped group, and between the top_k-th and the next allowed expert."""
+    gaps = []
+    for idx, layer in enumerate(model.model.layers):
+        if not is_sparse_layer(layer):
+            continue
+        choice = torch.sigmoid(captured[f"router_logits.{idx}"]) + layer.mlp.gate.e_score_correction_bias
+        size = case.experts // case.n_group
+        group_score = choice.view(-1, case.n_group, size).sort(-1, descending=True).values[..., :2].sum(-1)
+        ordered = group_score.sort(-1, descending=True).values
+        if case.topk_group < case.n_group:
+            gaps.append(float((ordered[:, case.topk_group - 1] - ordered[:, case.topk_group]).min()))
+        kept = group_score.argsort(-1, descending=True)[:, : case.topk_group]
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, kept, True)
+        masked = choice.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
+        top = masked.sort(-1, descending=True).values
+        gaps.append(float((top[:, case.top_k - 1] - top[:, case.top_k]).min()))
+    return min(gaps)
 
 
 @torch.no_grad()
@@ -478,10 +612,11 @@ def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: l
             k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
             v = v.clamp(-case.clip_qkv, case.clip_qkv)
         q, k, v = q.view(n_tokens, case.heads, hd), k.view(n_tokens, case.kv_heads, hd), v.view(n_tokens, -1, hd)
-        if case.family == "qwen3_moe":  # norm per head over head_dim
+        if case.family == "qwen3_moe" or case.qk_norm:  # norm per head over head_dim
             q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
             k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
-        q, k = _rope(q), _rope(k)
+        rotary = int(hd * case.partial_rotary)
+        q, k = _rope(q, rotary), _rope(k, rotary)
         group = case.heads // case.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         probs = torch.softmax(torch.einsum("thd,shd->hts", q, k) * hd**-0.5 + causal, dim=-1)
@@ -496,10 +631,14 @@ def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: l
         if layer in case.dense_layers:
             x = x + swiglu("mlp.")
             continue
-        router_probs = torch.softmax(h @ w[p + "mlp.gate.weight"].T, dim=-1)  # over all experts
-        top_w, top_i = torch.topk(router_probs, case.top_k, dim=-1)
-        if case.norm_topk_prob:
-            top_w = top_w / top_w.sum(-1, keepdim=True)
+        if case.family == "glm4_moe":
+            bias = w[p + "mlp.gate.e_score_correction_bias"]
+            top_w, top_i = _sigmoid_route(case, h @ w[p + "mlp.gate.weight"].T, bias)
+        else:
+            router_probs = torch.softmax(h @ w[p + "mlp.gate.weight"].T, dim=-1)  # over all experts
+            top_w, top_i = torch.topk(router_probs, case.top_k, dim=-1)
+            if case.norm_topk_prob:
+                top_w = top_w / top_w.sum(-1, keepdim=True)
         gate_up, down = w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.down_proj"]
         out = torch.zeros_like(x)
         for e in range(case.experts):
@@ -508,6 +647,8 @@ def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: l
             out = out + weight * ((torch.nn.functional.silu(gate) * up) @ down[e].T)
         if case.family == "qwen2_moe":
             out = out + torch.sigmoid(h @ w[p + "mlp.shared_expert_gate.weight"].T) * swiglu("mlp.shared_expert.")
+        if case.family == "glm4_moe":
+            out = out + swiglu("mlp.shared_experts.")
         x = x + out
     return _rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 

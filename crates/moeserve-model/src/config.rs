@@ -13,6 +13,7 @@ use moeserve_core::DType;
 use serde_json::Value;
 
 pub use crate::families::{Architecture, SUPPORTED_ARCHITECTURES};
+use crate::moe::Scoring;
 use crate::{ModelError, Result};
 
 /// How an attention layer normalises its queries and keys before RoPE.
@@ -63,6 +64,9 @@ pub struct TensorNames {
     pub moe_block: &'static str,
     /// An expert's gate, up and down projections: `w1, w3, w2` or `gate_proj, up_proj, down_proj`.
     pub expert_proj: [&'static str; 3],
+    /// The shared expert under the block: `shared_expert` (Qwen2-MoE) or `shared_experts`
+    /// (GLM-4.5, DeepSeek).
+    pub shared_expert: &'static str,
 }
 
 /// The model hyper-parameters the forward pass needs, whatever the family.
@@ -84,6 +88,12 @@ pub struct ModelConfig {
     pub num_experts_per_tok: usize,
     /// Whether the top-k weights are renormalised to sum to 1 (`norm_topk_prob`; Mixtral: yes).
     pub norm_topk_prob: bool,
+    /// How the router scores experts: softmax, or sigmoid with groups (GLM-4.5, DeepSeek-V3).
+    pub router_scoring: Scoring,
+    /// Each sparse layer's router has `gate.e_score_correction_bias` (sigmoid scoring).
+    pub score_correction_bias: bool,
+    /// `routed_scaling_factor`: the routed experts' weights are multiplied by it.
+    pub routed_scaling_factor: f32,
     pub shared_expert: Option<SharedExpertConfig>,
     /// Per decoder layer: whether its feed-forward block is the sparse MoE block (else a dense
     /// MLP of `intermediate_size`).
@@ -92,6 +102,9 @@ pub struct ModelConfig {
     pub names: TensorNames,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
+    /// The leading part of each head that RoPE rotates (`head_dim · partial_rotary_factor`;
+    /// `head_dim` for most families).
+    pub rotary_dim: usize,
     /// Attend to at most this many most recent positions (the query's own included).
     pub sliding_window: Option<usize>,
     pub max_position_embeddings: usize,
@@ -160,6 +173,27 @@ impl ModelConfig {
                 self.head_dim
             ));
         }
+        if self.rotary_dim == 0
+            || self.rotary_dim > self.head_dim
+            || !self.rotary_dim.is_multiple_of(2)
+        {
+            return bad(format!(
+                "the rotary part of a head ({}, `head_dim · partial_rotary_factor`) must be even \
+                 and in 2..={}",
+                self.rotary_dim, self.head_dim
+            ));
+        }
+        let router = crate::moe::RouterConfig {
+            renormalize: self.norm_topk_prob,
+            scoring: self.router_scoring,
+            scale: self.routed_scaling_factor,
+            ..crate::moe::RouterConfig::dropless(self.num_experts_per_tok)
+        };
+        if self.num_moe_layers() > 0
+            && let Err(e) = router.validate(self.num_local_experts)
+        {
+            return bad(format!("`{}` {}", e.field, e.message));
+        }
         if self.num_experts_per_tok > self.num_local_experts {
             return bad(format!(
                 "`num_experts_per_tok` ({}) exceeds the number of experts ({})",
@@ -201,12 +235,15 @@ impl ModelConfig {
     }
 
     /// Whether this is the plain Mixtral shape: no attention extras, every layer sparse, no
-    /// shared expert, renormalised top-k (what the CUDA forward implements so far).
+    /// shared expert, renormalised softmax top-k, full rotary embeddings.
     pub fn is_mixtral_shaped(&self) -> bool {
         self.attention == AttentionConfig::PLAIN
             && self.sparse_layers.iter().all(|s| *s)
             && self.shared_expert.is_none()
             && self.norm_topk_prob
+            && self.router_scoring == Scoring::Softmax
+            && self.routed_scaling_factor == 1.0
+            && self.rotary_dim == self.head_dim
     }
 }
 
@@ -462,6 +499,56 @@ mod tests {
         assert_eq!(c.rope_theta, 1e4);
         let msg = parse(&text.replace("2.5", "-1")).unwrap_err().to_string();
         assert!(msg.contains("`clip_qkv` must be a number above 0"), "{msg}");
+    }
+
+    #[test]
+    fn glm4_moe_has_the_sigmoid_router_shared_experts_and_partial_rotary() {
+        let text = r#"{"architectures":["Glm4MoeForCausalLM"],"vocab_size":32,"hidden_size":16,
+            "intermediate_size":40,"moe_intermediate_size":8,"num_hidden_layers":3,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"n_routed_experts":8,
+            "num_experts_per_tok":2,"n_shared_experts":2,"first_k_dense_replace":1,"n_group":4,
+            "topk_group":2,"routed_scaling_factor":2.5,"use_qk_norm":true,"attention_bias":true,
+            "rope_theta":1e6,"partial_rotary_factor":0.5}"#;
+        let c = parse(text).unwrap();
+        assert_eq!(c.architecture, Architecture::Glm4Moe);
+        assert_eq!(c.sparse_layers, vec![false, true, true]);
+        assert_eq!((c.head_dim, c.rotary_dim), (8, 4));
+        assert_eq!(
+            c.router_scoring,
+            Scoring::Sigmoid {
+                group_limit: Some(crate::moe::GroupLimit { groups: 4, keep: 2 })
+            }
+        );
+        assert!(c.score_correction_bias && c.norm_topk_prob);
+        assert_eq!(c.routed_scaling_factor, 2.5);
+        assert_eq!(
+            c.shared_expert,
+            Some(SharedExpertConfig {
+                intermediate_size: 16,
+                gated: false
+            })
+        );
+        assert_eq!(c.names.shared_expert, "shared_experts");
+        assert!(c.attention.qkv_bias && !c.attention.o_bias);
+        assert_eq!(c.attention.qk_norm, QkNorm::PerHead);
+        assert!(!c.is_mixtral_shaped());
+        // transformers ≥ 5 writes the factor into rope_parameters; its default is 0.5.
+        let nested = text.replace(
+            r#""rope_theta":1e6,"partial_rotary_factor":0.5"#,
+            r#""rope_parameters":{"rope_type":"default","rope_theta":1e6,"partial_rotary_factor":0.25}"#,
+        );
+        assert_eq!(parse(&nested).unwrap().rotary_dim, 2);
+        let default = text.replace(r#","partial_rotary_factor":0.5"#, "");
+        assert_eq!(parse(&default).unwrap().rotary_dim, 4);
+        // Groups that cannot hold the top-k are refused at load, naming the field.
+        let msg = parse(&text.replace(r#""topk_group":2"#, r#""topk_group":5"#))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("n_group"), "{msg}");
+        let msg = parse(&text.replace("0.5}", "1.5}"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("partial_rotary_factor"), "{msg}");
     }
 
     #[test]

@@ -80,10 +80,11 @@ impl Steps<'_> {
 #[test]
 fn steps_in_a_warm_workspace_allocate_nothing() {
     // One model per family option: plain GQA, q/k norms per head with a dense layer, q/k/v
-    // biases with a shared expert, flat q/k norms with clipping, fused expert tensors.
+    // biases with a shared expert, flat q/k norms with clipping, fused expert tensors, the
+    // sigmoid router with groups and partial rotary.
     // The steps run on a pool thread: a forward started from outside the pool injects one job
     // into rayon's queue, whose lock-free blocks (crossbeam's `Injector`) are allocated every 63
-    // jobs — rayon's amortised cost, not the forward's, which 40 steps of five models would hit.
+    // jobs — rayon's amortised cost, not the forward's, which 40 steps of these models would hit.
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
     for case in [
         "mixtral-gqa",
@@ -91,6 +92,7 @@ fn steps_in_a_warm_workspace_allocate_nothing() {
         "qwen2-moe",
         "olmoe",
         "qwen3-moe-fused",
+        "glm4-moe",
     ] {
         pool.install(|| steps_allocate_nothing(case));
     }

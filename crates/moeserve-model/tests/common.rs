@@ -21,7 +21,13 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 /// The transformers fixtures of the other families (tests/reference/moe_family_cases.py):
 /// q/k norms per head and `head_dim` ≠ hidden/heads, dense layers among sparse ones, fused
 /// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`.
-pub const FAMILY_CASES: [&str; 4] = ["qwen3-moe", "qwen3-moe-fused", "qwen2-moe", "olmoe"];
+pub const FAMILY_CASES: [&str; 5] = [
+    "qwen3-moe",
+    "qwen3-moe-fused",
+    "qwen2-moe",
+    "olmoe",
+    "glm4-moe",
+];
 
 /// Every transformers fixture of a sparse model.
 pub fn all_cases() -> impl Iterator<Item = &'static str> {

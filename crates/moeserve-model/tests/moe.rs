@@ -10,7 +10,8 @@ use common::*;
 use moeserve_core::ExpertPlacement;
 use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 use moeserve_model::moe::{
-    Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
+    Capacity, ExpertParallel, GroupLimit, InProcessAllToAll, MoeOptions, MoeStepRecord,
+    OverflowPolicy, Scoring, SparseMoe,
 };
 
 fn load(case: &str) -> MoeModel {
@@ -100,14 +101,51 @@ fn expert_parallel_outputs_equal_one_device_exactly() {
     }
 }
 
-/// Drop at α = 1 computed again from the traced router logits: top-k per token by logit (ties
-/// to the lower expert), slots in token order, `C = ceil(T·k/N)`.
-fn independent_drop_count(logits: &[f32], num_experts: usize, top_k: usize) -> (u64, Vec<u32>) {
+/// What a router ranks one token's experts by, recomputed from its logits: the logits
+/// themselves for softmax (monotonic); for the sigmoid router (GLM-4.5) the scores plus the
+/// correction bias, with the experts of all but the `keep` groups of highest two-best sums
+/// pushed to the end.
+fn choice_values(row: &[f32], scoring: Scoring, bias: Option<&[f32]>) -> Vec<f32> {
+    let Scoring::Sigmoid { group_limit } = scoring else {
+        return row.to_vec();
+    };
+    let mut choice: Vec<f32> = row.iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+    if let Some(bias) = bias {
+        choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
+    }
+    if let Some(GroupLimit { groups, keep }) = group_limit {
+        let size = choice.len() / groups;
+        let mut sums: Vec<(f32, usize)> = choice
+            .chunks(size)
+            .enumerate()
+            .map(|(g, members)| {
+                let mut sorted = members.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                (sorted[0] + sorted[1], g)
+            })
+            .collect();
+        sums.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for (_, g) in &sums[keep..] {
+            choice[g * size..(g + 1) * size].fill(f32::NEG_INFINITY);
+        }
+    }
+    choice
+}
+
+/// Drop at α = 1 computed again from the traced router logits: top-k per token by the router's
+/// choice values (ties to the lower expert), slots in token order, `C = ceil(T·k/N)`.
+fn independent_drop_count(
+    logits: &[f32],
+    block: &SparseMoe,
+    num_experts: usize,
+    top_k: usize,
+) -> (u64, Vec<u32>) {
     let num_tokens = logits.len() / num_experts;
     let capacity = (num_tokens * top_k).div_ceil(num_experts);
     let mut load = vec![0u32; num_experts];
     let mut dropped = 0;
     for row in logits.chunks_exact(num_experts) {
+        let row = choice_values(row, block.scoring, block.correction_bias.as_deref());
         let mut order: Vec<usize> = (0..num_experts).collect();
         order.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
         for e in &order[..top_k] {
@@ -131,6 +169,7 @@ fn drop_counts_at_capacity_factor_one_equal_an_independent_count() {
         for (l, layer) in record.layers.iter().enumerate() {
             let (dropped, load) = independent_drop_count(
                 &trace.router_logits[l],
+                model.moe_layers()[l],
                 c.num_local_experts,
                 c.num_experts_per_tok,
             );

@@ -111,6 +111,7 @@ fn every_family_quantizes_its_dense_shared_and_fused_matrices() {
         ("qwen2-moe", true),
         ("qwen3-moe-fused", false),
         ("olmoe", false),
+        ("glm4-moe", true),
     ] {
         let src = fixtures_dir().join(case);
         let out = tempfile::tempdir().unwrap();
@@ -138,7 +139,8 @@ fn every_family_quantizes_its_dense_shared_and_fused_matrices() {
         }
         if shared {
             let p = format!("model.layers.{first_sparse}.mlp");
-            assert!(has(&format!("{p}.shared_expert.up_proj")), "{case}");
+            let name = c.names.shared_expert;
+            assert!(has(&format!("{p}.{name}.up_proj")), "{case}");
             assert!(!has(&format!("{p}.shared_expert_gate")), "{case}");
         }
         assert!(

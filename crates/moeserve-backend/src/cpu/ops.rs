@@ -211,10 +211,12 @@ pub fn rope_inv_freq(head_dim: usize, rope_theta: f64) -> Vec<f32> {
 }
 
 /// Rotates every head of `x: [num_heads, head_dim]` at `position` (HF's `rotate_half` layout:
-/// the first and second halves of a head form the pairs).
+/// the first and second halves of the rotated part form the pairs). The rotated part is the
+/// first `2 · angles.len()` elements of a head: all of it, or its leading part under a
+/// `partial_rotary_factor` (GLM-4.5), the rest passing through.
 pub fn apply_rope(x: &mut [f32], head_dim: usize, angles: &RopeAngles) {
-    let half = head_dim / 2;
-    debug_assert_eq!(angles.cos_sin.len(), half);
+    let half = angles.cos_sin.len();
+    debug_assert!(2 * half <= head_dim);
     for head in x.chunks_exact_mut(head_dim) {
         for (i, (cos, sin)) in angles.cos_sin.iter().enumerate() {
             let (a, b) = (head[i], head[i + half]);
@@ -336,6 +338,32 @@ mod tests {
         apply_rope(&mut x, 8, &RopeAngles::at(37, &inv));
         let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
         assert!((norm(&x) - norm(&orig)).abs() < 1e-4);
+    }
+
+    /// With a `partial_rotary_factor`, the rotated part is a head's leading `rotary_dim`
+    /// elements, paired as HF pairs them within that part; the rest passes unchanged.
+    #[test]
+    fn partial_rope_rotates_the_leading_part_of_each_head_only() {
+        let (head_dim, rotary) = (8, 4);
+        let inv = rope_inv_freq(rotary, 10000.0);
+        let orig: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.7).collect();
+        let mut x = orig.clone();
+        let angles = RopeAngles::at(5, &inv);
+        apply_rope(&mut x, head_dim, &angles);
+        for (head, (got, was)) in x.chunks(head_dim).zip(orig.chunks(head_dim)).enumerate() {
+            assert_eq!(
+                got[rotary..],
+                was[rotary..],
+                "head {head}'s pass-through part"
+            );
+            for i in 0..rotary / 2 {
+                let a = (5.0f32 * inv[i]) as f64;
+                let (c, s) = (a.cos() as f32, a.sin() as f32);
+                let (x1, x2) = (was[i], was[i + rotary / 2]);
+                assert_eq!(got[i], x1 * c - x2 * s);
+                assert_eq!(got[i + rotary / 2], x2 * c + x1 * s);
+            }
+        }
     }
 
     #[test]

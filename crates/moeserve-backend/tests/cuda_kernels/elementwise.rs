@@ -137,47 +137,40 @@ fn rope_matches_hf_rotate_half<T: CudaElement>() {
     let (heads, kv_heads, d) = (8, 2, 128);
     let positions: Vec<i32> = vec![0, 1, 17, 4095, 32767];
     let n = positions.len();
-    let inv_freq = cpu::rope_inv_freq(d, 1e6);
-    let (q, q_f32) = rounded::<T>(&random(n * heads * d, 6, 2.0));
-    let (k, k_f32) = rounded::<T>(&random(n * kv_heads * d, 7, 2.0));
-    let (mut q_d, mut k_d) = (upload(gpu, &q), upload(gpu, &k));
-    let (pos_d, freq_d) = (
-        gpu.upload(&positions).unwrap(),
-        gpu.upload(&inv_freq).unwrap(),
-    );
-    ops::rope(
-        gpu,
-        RopeArgs {
-            q: q_d.as_view_mut(),
-            k: k_d.as_view_mut(),
-            positions: pos_d.as_view(),
-            inv_freq: freq_d.as_view(),
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim: d,
-        },
-    )
-    .unwrap();
-    let (mut want_q, mut want_k) = (q_f32, k_f32);
-    for (i, p) in positions.iter().enumerate() {
-        let angles = cpu::RopeAngles::at(*p as usize, &inv_freq);
-        cpu::apply_rope(&mut want_q[i * heads * d..][..heads * d], d, &angles);
-        cpu::apply_rope(&mut want_k[i * kv_heads * d..][..kv_heads * d], d, &angles);
+    // The whole head, then its first half only (GLM-4.5's partial_rotary_factor 0.5).
+    for rotary in [d, d / 2] {
+        let inv_freq = cpu::rope_inv_freq(rotary, 1e6);
+        let (q, q_f32) = rounded::<T>(&random(n * heads * d, 6, 2.0));
+        let (k, k_f32) = rounded::<T>(&random(n * kv_heads * d, 7, 2.0));
+        let (mut q_d, mut k_d) = (upload(gpu, &q), upload(gpu, &k));
+        let (pos_d, freq_d) = (
+            gpu.upload(&positions).unwrap(),
+            gpu.upload(&inv_freq).unwrap(),
+        );
+        ops::rope(
+            gpu,
+            RopeArgs {
+                q: q_d.as_view_mut(),
+                k: k_d.as_view_mut(),
+                positions: pos_d.as_view(),
+                inv_freq: freq_d.as_view(),
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: d,
+                rotary_dim: rotary,
+            },
+        )
+        .unwrap();
+        let (mut want_q, mut want_k) = (q_f32, k_f32);
+        for (i, p) in positions.iter().enumerate() {
+            let angles = cpu::RopeAngles::at(*p as usize, &inv_freq);
+            cpu::apply_rope(&mut want_q[i * heads * d..][..heads * d], d, &angles);
+            cpu::apply_rope(&mut want_k[i * kv_heads * d..][..kv_heads * d], d, &angles);
+        }
+        let tol = tolerance(T::DTYPE);
+        assert_close("rope q", T::DTYPE, &download_f32(gpu, &q_d), &want_q, tol);
+        assert_close("rope k", T::DTYPE, &download_f32(gpu, &k_d), &want_k, tol);
     }
-    assert_close(
-        "rope q",
-        T::DTYPE,
-        &download_f32(gpu, &q_d),
-        &want_q,
-        tolerance(T::DTYPE),
-    );
-    assert_close(
-        "rope k",
-        T::DTYPE,
-        &download_f32(gpu, &k_d),
-        &want_k,
-        tolerance(T::DTYPE),
-    );
 }
 for_each_dtype!(rope_matches_hf_rotate_half, rope_matches_hf_rotate_half);
 

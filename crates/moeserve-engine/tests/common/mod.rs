@@ -11,7 +11,7 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 8] = [
+pub const FIXTURE_CASES: [&str; 9] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
@@ -20,6 +20,7 @@ pub const FIXTURE_CASES: [&str; 8] = [
     "qwen3-moe-fused",
     "qwen2-moe",
     "olmoe",
+    "glm4-moe",
 ];
 
 pub fn repo_root() -> PathBuf {

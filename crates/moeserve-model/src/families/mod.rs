@@ -4,16 +4,18 @@
 //! layers are sparse, the router's weighting, shared experts and its tensor names. Adding a
 //! family means a file here, its entry in [`Architecture`], and its reference fixtures.
 
+mod glm4_moe;
 mod mixtral;
 mod olmoe;
 mod qwen_moe;
 
 use crate::Result;
 use crate::config::{AttentionConfig, ConfigFields, ModelConfig, TensorNames};
+use crate::moe::Scoring;
 
 /// The `architectures` entries this crate serves, for error messages.
-pub const SUPPORTED_ARCHITECTURES: &str =
-    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM";
+pub const SUPPORTED_ARCHITECTURES: &str = "MixtralForCausalLM, Qwen3MoeForCausalLM, \
+     Qwen2MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM";
 
 /// A model family, as config.json's `architectures` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -22,14 +24,16 @@ pub enum Architecture {
     Qwen3Moe,
     Qwen2Moe,
     Olmoe,
+    Glm4Moe,
 }
 
 impl Architecture {
-    pub const ALL: [Architecture; 4] = [
+    pub const ALL: [Architecture; 5] = [
         Architecture::Mixtral,
         Architecture::Qwen3Moe,
         Architecture::Qwen2Moe,
         Architecture::Olmoe,
+        Architecture::Glm4Moe,
     ];
 
     /// The transformers class name (`architectures` in config.json).
@@ -39,6 +43,7 @@ impl Architecture {
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
             Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
             Architecture::Olmoe => "OlmoeForCausalLM",
+            Architecture::Glm4Moe => "Glm4MoeForCausalLM",
         }
     }
 
@@ -49,6 +54,7 @@ impl Architecture {
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen2Moe => "qwen2_moe",
             Architecture::Olmoe => "olmoe",
+            Architecture::Glm4Moe => "glm4_moe",
         }
     }
 
@@ -78,6 +84,7 @@ pub(crate) fn read_config(
             qwen_moe::read_config(architecture, fields)
         }
         Architecture::Olmoe => olmoe::read_config(fields),
+        Architecture::Glm4Moe => glm4_moe::read_config(fields),
     }
 }
 
@@ -95,6 +102,7 @@ pub(crate) struct MoeShape {
 pub(crate) const MLP_NAMES: TensorNames = TensorNames {
     moe_block: "mlp",
     expert_proj: ["gate_proj", "up_proj", "down_proj"],
+    shared_expert: "shared_expert",
 };
 
 /// What every family reads the same way: vocabulary, widths, heads, norms, RoPE, positions,
@@ -131,15 +139,20 @@ impl Common {
             num_local_experts: moe.num_experts,
             num_experts_per_tok: moe.num_experts_per_tok,
             norm_topk_prob: true,
+            router_scoring: Scoring::Softmax,
+            score_correction_bias: false,
+            routed_scaling_factor: 1.0,
             shared_expert: None,
             sparse_layers: vec![true; self.num_hidden_layers],
             attention: AttentionConfig::PLAIN,
             names: TensorNames {
                 moe_block: "block_sparse_moe",
                 expert_proj: ["w1", "w3", "w2"],
+                shared_expert: "shared_expert",
             },
             rms_norm_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
+            rotary_dim: self.head_dim,
             sliding_window: None,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings,

@@ -79,7 +79,8 @@ impl Attention {
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
             sliding_window: config.sliding_window,
-            inv_freq: cpu::rope_inv_freq(config.head_dim, config.rope_theta),
+            // Over the rotated part of a head only (`partial_rotary_factor`).
+            inv_freq: cpu::rope_inv_freq(config.rotary_dim, config.rope_theta),
         })
     }
 

@@ -42,7 +42,7 @@ use crate::batch::{BatchLimits, ForwardBatch};
 use crate::config::{ModelConfig, QkNorm};
 use crate::kv_cache::KvCacheLayout;
 use crate::moe::record::LayerRouting;
-use crate::moe::{Capacity, RouterConfig, route};
+use crate::moe::{Capacity, RouterConfig, Scoring, route_with_bias};
 use crate::{ModelError, Result};
 use expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
 use host_step::{HostRouting, StepInputs, dropless_routing, step_inputs};
@@ -165,6 +165,9 @@ struct DeviceMoe<T> {
     router_bias: Option<CudaSlice<f32>>,
     /// The same bias on the host, for routing there (capacity factor).
     router_bias_host: Option<Vec<f32>>,
+    /// `gate.e_score_correction_bias` (sigmoid scoring), on the host: routers other than
+    /// Mixtral's softmax route there.
+    correction_bias: Option<Vec<f32>>,
     /// Per expert `[w1; w3]`: `[2 · intermediate, hidden]` (gate rows, then up rows).
     w13: Vec<CudaSlice<T>>,
     /// Per expert `[hidden, intermediate]`.
@@ -240,10 +243,13 @@ impl<T: CudaElement> DeviceModel<T> {
     ) -> Result<Self> {
         let c = config;
         let slots = layout.num_slots() * layout.kv_dim;
+        let corrections: Vec<_> = (0..c.num_hidden_layers)
+            .map(|l| source.correction_bias(l))
+            .collect();
         let mut get = |t: Tensor| source.tensor(&gpu, t).map_err(backend);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         let mut kv = Vec::with_capacity(c.num_hidden_layers);
-        for l in 0..c.num_hidden_layers {
+        for (l, correction_bias) in corrections.into_iter().enumerate() {
             let a = &c.attention;
             let mut attn = |role| get(Tensor::Attention(l, role));
             let bias = |on: bool, role, attn: &mut dyn FnMut(_) -> Result<_>| {
@@ -281,6 +287,7 @@ impl<T: CudaElement> DeviceModel<T> {
                     gate: get(Tensor::Gate(l))?,
                     router_bias: None,
                     router_bias_host: None,
+                    correction_bias,
                     w13: experts
                         .clone()
                         .map(|e| get(Tensor::W13(l, e)))
@@ -327,7 +334,7 @@ impl<T: CudaElement> DeviceModel<T> {
             norm,
             lm_head,
             inv_freq: gpu
-                .upload(&cpu::rope_inv_freq(c.head_dim, c.rope_theta))
+                .upload(&cpu::rope_inv_freq(c.rotary_dim, c.rope_theta))
                 .map_err(backend)?,
         };
         Ok(DeviceModel {
@@ -728,6 +735,7 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
                 num_heads: c.num_attention_heads,
                 num_kv_heads: c.num_key_value_heads,
                 head_dim: c.head_dim,
+                rotary_dim: c.rotary_dim,
             },
         )
     }
@@ -890,7 +898,20 @@ impl<T: CudaElement> CudaStep<'_, T> {
         // Set by host routing; sent once the experts ran (with their devices' rows).
         let mut pending: Option<LayerRouting> = None;
         let mut layout: Option<SegmentLayout> = None;
-        let offsets = if wants.capacity == Capacity::Dropless && !wants.expert_parallel {
+        // The router kernel computes Mixtral's softmax top-k; any other scoring routes on the
+        // host with the CPU's router.
+        let layer_router = RouterConfig {
+            top_k: k,
+            capacity: wants.capacity,
+            renormalize: c.norm_topk_prob,
+            scoring: c.router_scoring,
+            scale: c.routed_scaling_factor,
+        };
+        let on_device = wants.capacity == Capacity::Dropless
+            && !wants.expert_parallel
+            && layer_router.scoring == Scoring::Softmax
+            && layer_router.scale == 1.0;
+        let offsets = if on_device {
             ops::route_top_k(
                 gpu,
                 ops::RouteArgs {
@@ -935,12 +956,8 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
                 }
             }
-            let config = RouterConfig {
-                top_k: k,
-                capacity: wants.capacity,
-                renormalize: c.norm_topk_prob,
-            };
-            let routed = route(&logits, e, &config);
+            let bias = block.correction_bias.as_deref();
+            let routed = route_with_bias(&logits, e, &layer_router, bias);
             let host = match self.m.experts {
                 Some(gpus) => {
                     let placement = gpus.placement();

@@ -147,6 +147,9 @@ pub(crate) fn assign(ranking: &Ranking, config: &RouterConfig, out: &mut RoutedS
             let sum: f32 = kept.iter().map(|p| p.weight).sum();
             kept.iter_mut().for_each(|p| p.weight /= sum);
         }
+        if config.scale != 1.0 {
+            kept.iter_mut().for_each(|p| p.weight *= config.scale);
+        }
         out.token_offsets.push(out.pairs.len());
     }
 }
@@ -161,6 +164,8 @@ mod tests {
             top_k,
             capacity: Capacity::Factor { alpha, overflow },
             renormalize: true,
+            scoring: Default::default(),
+            scale: 1.0,
         }
     }
 

@@ -164,6 +164,8 @@ mod tests {
                 top_k: 2,
                 capacity,
                 renormalize: true,
+                scoring: Default::default(),
+                scale: 1.0,
             },
         );
         (routed, vec![1.0, 2.0, 3.0])

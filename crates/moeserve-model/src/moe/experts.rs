@@ -3,11 +3,12 @@
 //! each routed expert's weights are read once per step, whatever the number of its tokens.
 //!
 //! HF `MixtralBlockSparseTop2MLP`: `w2(act_fn(w1(x)) * w3(x))`, outputs weighted by the router
-//! and summed per token in expert order (`index_add_`). A shared expert (Qwen2-MoE) goes through
-//! every token beside the routed ones, scaled by `sigmoid(shared_expert_gate · x)`, and is added
-//! after them (`routed + shared`, as HF sums them); it is never capacity-limited. Routing (`router.rs`, with an optional
-//! capacity) decides the pairs; `dispatch.rs` groups them and combines the outputs; with
-//! expert parallelism (`arena.rs`) the groups run on the devices holding their slots.
+//! and summed per token in expert order (`index_add_`). A shared expert (Qwen2-MoE, GLM-4.5)
+//! goes through every token beside the routed ones, scaled by `sigmoid(shared_expert_gate · x)`
+//! where the family has that gate, and is added after them (`routed + shared`, as HF sums
+//! them); it is never capacity-limited. Routing (`router.rs`, with an optional capacity)
+//! decides the pairs; `dispatch.rs` groups them and combines the outputs; with expert
+//! parallelism (`arena.rs`) the groups run on the devices holding their slots.
 
 use moeserve_backend::{Weight, WeightBytes, cpu};
 
@@ -16,7 +17,7 @@ use super::capacity::Capacity;
 use super::dispatch::{Dispatch, SlotMap};
 use super::parallel::{DeviceOutput, compute_segments_into};
 use super::record::LayerRouting;
-use super::router::{Ranking, RoutedStep, RouterConfig, route_into};
+use super::router::{Ranking, RoutedStep, RouterConfig, Scoring, route_into};
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, SharedExpertConfig};
 use crate::models::workspace::zeroed;
@@ -47,6 +48,12 @@ pub struct SparseMoe {
     pub top_k: usize,
     /// Whether the top-k weights are renormalised to sum to 1 (`norm_topk_prob`).
     pub renormalize: bool,
+    /// Softmax, or sigmoid with groups; and `routed_scaling_factor`.
+    pub scoring: Scoring,
+    pub scale: f32,
+    /// `gate.e_score_correction_bias` (`[num_experts]`, f32): added to the sigmoid scores for
+    /// the choice of experts only.
+    pub correction_bias: Option<Vec<f32>>,
     pub shared: Option<SharedExpert>,
     /// `[num_experts]`, added to the router logits (see `MoeModel::add_router_bias`).
     pub router_bias: Option<Vec<f32>>,
@@ -107,6 +114,13 @@ impl SparseMoe {
             experts,
             top_k: config.num_experts_per_tok,
             renormalize: config.norm_topk_prob,
+            scoring: config.router_scoring,
+            scale: config.routed_scaling_factor,
+            correction_bias: config
+                .score_correction_bias
+                .then(|| ckpt.weight(&format!("{prefix}.gate.e_score_correction_bias"), &[n]))
+                .transpose()?
+                .map(|b| b.to_f32_vec()),
             shared,
             router_bias: None,
         })
@@ -114,6 +128,17 @@ impl SparseMoe {
 
     pub fn num_experts(&self) -> usize {
         self.experts.len()
+    }
+
+    /// How this layer routes under `capacity`.
+    pub fn router_config(&self, capacity: Capacity) -> RouterConfig {
+        RouterConfig {
+            top_k: self.top_k,
+            capacity,
+            renormalize: self.renormalize,
+            scoring: self.scoring,
+            scale: self.scale,
+        }
     }
 
     /// Router logits `[num_tokens, num_experts]` of the normed input `x: [num_tokens, hidden]`.
@@ -160,16 +185,13 @@ impl SparseMoe {
         summary: Option<&mut LayerRouting>,
     ) {
         let hidden = self.gate.shape()[1];
-        let config = RouterConfig {
-            top_k: self.top_k,
-            capacity: step.capacity,
-            renormalize: self.renormalize,
-        };
+        let config = self.router_config(step.capacity);
         let routed = &mut ws.routed;
         route_into(
             step.router_logits,
             self.num_experts(),
             &config,
+            self.correction_bias.as_deref(),
             &mut ws.ranking,
             routed,
         );
@@ -252,7 +274,8 @@ fn load_experts(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result
 }
 
 impl SharedExpert {
-    /// `{prefix}.shared_expert.{gate,up,down}_proj.weight` and `{prefix}.shared_expert_gate.weight`.
+    /// `{prefix}.{shared_expert}.{gate,up,down}_proj.weight` (the family's name) and, when
+    /// gated, `{prefix}.shared_expert_gate.weight`.
     fn load(
         ckpt: &Checkpoint,
         prefix: &str,
@@ -262,7 +285,7 @@ impl SharedExpert {
         let h = config.hidden_size;
         let mlp = Expert::load_mlp(
             ckpt,
-            &format!("{prefix}.shared_expert"),
+            &format!("{prefix}.{}", config.names.shared_expert),
             h,
             shared.intermediate_size,
         )?;
@@ -422,6 +445,9 @@ pub(crate) mod tests {
                 .collect(),
             top_k,
             renormalize: true,
+            scoring: Scoring::Softmax,
+            scale: 1.0,
+            correction_bias: None,
             shared: None,
             router_bias: None,
         }

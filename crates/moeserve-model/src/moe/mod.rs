@@ -1,5 +1,6 @@
-//! The sparse mixture-of-experts block: router (top-k over softmax, with an optional capacity
-//! limit), dispatch and combine, grouped experts, and expert parallelism over device workers.
+//! The sparse mixture-of-experts block: router (top-k over softmax, or over sigmoid scores with
+//! a correction bias and groups; with an optional capacity limit), dispatch and combine,
+//! grouped experts, and expert parallelism over device workers.
 //!
 //! - `router`, `capacity`: which (token, expert) pairs are computed.
 //! - `dispatch`: pairs grouped into per-device, per-slot segments; outputs combined per token.
@@ -22,5 +23,6 @@ pub use experts::{Expert, MoeLayerStep, SparseMoe};
 pub use parallel::{AllToAll, DeviceCompute, DeviceOutput, DeviceWork, InProcessAllToAll, Segment};
 pub use record::{LayerRouting, MoeOptions, MoeStepRecord, TokenPairCounts};
 pub use router::{
-    RoutedPair, RoutedStep, RouterConfig, Routing, RoutingCounts, route, route_top_k,
+    GroupLimit, RoutedPair, RoutedStep, RouterConfig, Routing, RoutingCounts, Scoring, route,
+    route_top_k, route_with_bias,
 };

@@ -176,6 +176,8 @@ mod tests {
             top_k: 2,
             capacity,
             renormalize: true,
+            scoring: Default::default(),
+            scale: 1.0,
         };
         (route(&logits, 4, &config), capacity)
     }

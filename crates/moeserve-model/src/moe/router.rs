@@ -8,9 +8,15 @@
 //! ```
 //! Ties go to the lower expert index.
 //!
-//! - `route_top_k` is the plain HF routing (what the forward pass calls today).
-//! - `route` applies a `RouterConfig`: dropless (exactly `route_top_k`) or a capacity factor
-//!   with a drop, reroute or spill policy, and reports what it did (`RoutingCounts`).
+//! DeepSeek-V3's `noaux_tc` and GLM-4.5's `Glm4MoeTopkRouter` score with a sigmoid instead
+//! ([`Scoring::Sigmoid`]): experts are chosen by `sigmoid(logit) + e_score_correction_bias`,
+//! only from the `keep` best of `groups` groups (a group scored by the sum of its two best
+//! biased scores), and weighted by the unbiased scores, renormalised with `norm_topk_prob`;
+//! every family's weights are then multiplied by `routed_scaling_factor` (`scale`).
+//!
+//! - `route_top_k` is the plain HF softmax routing.
+//! - `route` applies a `RouterConfig`: dropless (exactly the family's routing) or a capacity
+//!   factor with a drop, reroute or spill policy, and reports what it did (`RoutingCounts`).
 
 use moeserve_backend::cpu;
 use moeserve_core::ConfigError;
@@ -61,6 +67,30 @@ pub struct RouterConfig {
     /// Whether the kept pairs' weights are renormalised to sum to 1 per token (Mixtral,
     /// `norm_topk_prob`); else they stay the softmax probabilities over all experts.
     pub renormalize: bool,
+    /// How logits become choices and weights (softmax, or sigmoid with groups).
+    pub scoring: Scoring,
+    /// `routed_scaling_factor`: every weight is multiplied by it, after renormalisation.
+    pub scale: f32,
+}
+
+/// How a router turns one token's logits into its ranking of experts and their weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Scoring {
+    /// Softmax over all experts: ranked and weighted by the probabilities (Mixtral, Qwen,
+    /// OLMoE).
+    #[default]
+    Softmax,
+    /// `sigmoid(logit)` weights; ranked by them plus the layer's `e_score_correction_bias`
+    /// (when it has one), within the groups `group_limit` keeps (DeepSeek-V3, GLM-4.5).
+    Sigmoid { group_limit: Option<GroupLimit> },
+}
+
+/// Experts are chosen from the `keep` best of `groups` equal groups only (`n_group`,
+/// `topk_group`); a group's score is the sum of its two best biased scores (`noaux_tc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupLimit {
+    pub groups: usize,
+    pub keep: usize,
 }
 
 impl RouterConfig {
@@ -70,6 +100,8 @@ impl RouterConfig {
             top_k,
             capacity: Capacity::Dropless,
             renormalize: true,
+            scoring: Scoring::Softmax,
+            scale: 1.0,
         }
     }
 
@@ -79,6 +111,34 @@ impl RouterConfig {
             return Err(ConfigError {
                 field: "top_k",
                 message: format!("must be in 1..={num_experts}, got {}", self.top_k),
+            });
+        }
+        if let Scoring::Sigmoid {
+            group_limit: Some(GroupLimit { groups, keep }),
+        } = self.scoring
+        {
+            let bad = |message: String| {
+                Err(ConfigError {
+                    field: "n_group",
+                    message,
+                })
+            };
+            if groups == 0 || !num_experts.is_multiple_of(groups) {
+                return bad(format!(
+                    "{groups} groups do not divide {num_experts} experts"
+                ));
+            }
+            if keep == 0 || keep > groups || self.top_k > keep * (num_experts / groups) {
+                return bad(format!(
+                    "topk_group {keep} of {groups} groups cannot hold {} experts",
+                    self.top_k
+                ));
+            }
+        }
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(ConfigError {
+                field: "routed_scaling_factor",
+                message: format!("must be a number above 0, got {}", self.scale),
             });
         }
         self.capacity.validate()
@@ -178,26 +238,39 @@ impl RoutedStep {
 /// Slots are taken in token order, and within a token in rank order, so the result is a pure
 /// function of the logits. `config` must have passed `validate(num_experts)`.
 pub fn route(router_logits: &[f32], num_experts: usize, config: &RouterConfig) -> RoutedStep {
+    route_with_bias(router_logits, num_experts, config, None)
+}
+
+/// [`route`] with a layer's `e_score_correction_bias` (`[num_experts]`, sigmoid scoring only).
+pub fn route_with_bias(
+    router_logits: &[f32],
+    num_experts: usize,
+    config: &RouterConfig,
+    correction_bias: Option<&[f32]>,
+) -> RoutedStep {
     let mut routed = RoutedStep::default();
     route_into(
         router_logits,
         num_experts,
         config,
+        correction_bias,
         &mut Ranking::default(),
         &mut routed,
     );
     routed
 }
 
-/// [`route`] into `out`, reusing its buffers and those of `ranking` (a step's workspace).
+/// [`route_with_bias`] into `out`, reusing its buffers and those of `ranking` (a step's
+/// workspace).
 pub(crate) fn route_into(
     router_logits: &[f32],
     num_experts: usize,
     config: &RouterConfig,
+    correction_bias: Option<&[f32]>,
     ranking: &mut Ranking,
     out: &mut RoutedStep,
 ) {
-    ranking.rank(router_logits, num_experts);
+    ranking.rank_scored(router_logits, num_experts, config.scoring, correction_bias);
     let top_k = config.top_k;
     out.num_tokens = ranking.num_tokens();
     out.top_k = top_k;
@@ -207,14 +280,18 @@ pub(crate) fn route_into(
     capacity::assign(ranking, config, out);
 }
 
-/// Softmax probabilities and the experts in descending probability of every token.
+/// Each token's expert weights (softmax probabilities or sigmoid scores) and its experts in
+/// the order the router prefers them.
 #[derive(Default)]
 pub(crate) struct Ranking {
     num_experts: usize,
-    /// `[num_tokens * num_experts]`
+    /// `[num_tokens * num_experts]`: what a chosen expert weighs (before renormalisation).
     probs: Vec<f32>,
     /// `[num_tokens * num_experts]`: expert ids, best first; ties keep the lower index first.
     order: Vec<u32>,
+    /// One token's choice values (sigmoid scoring) and group scores, reused.
+    choice: Vec<f32>,
+    groups: Vec<(f32, usize)>,
 }
 
 impl Ranking {
@@ -224,21 +301,46 @@ impl Ranking {
         ranking
     }
 
-    /// Ranks the rows of `router_logits`, reusing this ranking's buffers.
+    /// Ranks the rows of `router_logits` by softmax, reusing this ranking's buffers.
     pub(crate) fn rank(&mut self, router_logits: &[f32], num_experts: usize) {
+        self.rank_scored(router_logits, num_experts, Scoring::Softmax, None);
+    }
+
+    /// Ranks the rows of `router_logits` under `scoring`, reusing this ranking's buffers.
+    pub(crate) fn rank_scored(
+        &mut self,
+        router_logits: &[f32],
+        num_experts: usize,
+        scoring: Scoring,
+        correction_bias: Option<&[f32]>,
+    ) {
         let (probs, order) = (&mut self.probs, &mut self.order);
         probs.clear();
         probs.extend_from_slice(&router_logits[..router_logits.len() / num_experts * num_experts]);
         order.clear();
         for row in probs.chunks_exact_mut(num_experts) {
-            cpu::softmax_in_place(row);
             let start = order.len();
             order.extend(0..num_experts as u32);
-            // Descending probability, lower index first among ties (what a stable sort gives;
-            // the unstable sort never allocates).
-            order[start..].sort_unstable_by(|a, b| {
-                row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b))
-            });
+            let ranked = &mut order[start..];
+            match scoring {
+                Scoring::Softmax => {
+                    cpu::softmax_in_place(row);
+                    sort_descending(ranked, row);
+                }
+                Scoring::Sigmoid { group_limit } => {
+                    row.iter_mut().for_each(|x| *x = 1.0 / (1.0 + (-*x).exp()));
+                    let choice = &mut self.choice;
+                    choice.clear();
+                    choice.extend_from_slice(row);
+                    if let Some(bias) = correction_bias {
+                        choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
+                    }
+                    if let Some(limit) = group_limit {
+                        mask_groups(choice, limit, &mut self.groups);
+                    }
+                    sort_descending(ranked, choice);
+                }
+            }
         }
         self.num_experts = num_experts;
     }
@@ -257,6 +359,40 @@ impl Ranking {
 
     pub(crate) fn order(&self, token: usize) -> &[u32] {
         &self.order[token * self.num_experts..(token + 1) * self.num_experts]
+    }
+}
+
+/// `experts` by descending `value`, lower index first among ties (what a stable sort gives; the
+/// unstable sort never allocates).
+fn sort_descending(experts: &mut [u32], value: &[f32]) {
+    experts.sort_unstable_by(|a, b| {
+        value[*b as usize]
+            .total_cmp(&value[*a as usize])
+            .then(a.cmp(b))
+    });
+}
+
+/// Sets the choice values of the experts outside the `keep` best groups to -inf (they rank
+/// last): a group's score is the sum of its two best values, as HF's
+/// `scores_for_choice.view(-1, n_group, E // n_group).topk(2)[0].sum(-1)`.
+fn mask_groups(choice: &mut [f32], limit: GroupLimit, groups: &mut Vec<(f32, usize)>) {
+    let size = choice.len() / limit.groups;
+    groups.clear();
+    for (g, members) in choice.chunks_exact(size).enumerate() {
+        let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for &v in members {
+            if v > best {
+                (best, second) = (v, best);
+            } else if v > second {
+                second = v;
+            }
+        }
+        let score = if size == 1 { best } else { best + second };
+        groups.push((score, g));
+    }
+    groups.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    for &(_, g) in &groups[limit.keep..] {
+        choice[g * size..(g + 1) * size].fill(f32::NEG_INFINITY);
     }
 }
 
@@ -283,6 +419,8 @@ mod tests {
             top_k,
             capacity: Capacity::Factor { alpha, overflow },
             renormalize: true,
+            scoring: Default::default(),
+            scale: 1.0,
         }
     }
 
@@ -416,5 +554,69 @@ mod tests {
         assert_eq!(total.shared_expert_tokens, 8);
         assert_eq!(total.computed(), 12);
         assert_eq!(total.dropped_tokens, 2);
+    }
+
+    fn sigmoid(x: f32) -> f32 {
+        1.0 / (1.0 + (-x).exp())
+    }
+
+    /// GLM-4.5 / DeepSeek-V3 routing written out for one token: the groups whose two best
+    /// biased scores sum highest are kept, the best biased scores among them chosen, and the
+    /// unbiased scores renormalised and scaled.
+    #[test]
+    fn sigmoid_routing_chooses_within_the_best_groups_by_the_biased_scores() {
+        // 8 experts in 4 groups of 2. Expert 0 has the best raw score, but its group (0, 1)
+        // sums lowest once biased; the bias lifts expert 5 above expert 4.
+        let logits = [3.0, -4.0, 0.5, 0.4, 1.0, 0.9, 0.2, 0.1];
+        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0];
+        let config = RouterConfig {
+            scoring: Scoring::Sigmoid {
+                group_limit: Some(GroupLimit { groups: 4, keep: 2 }),
+            },
+            scale: 2.5,
+            ..RouterConfig::dropless(3)
+        };
+        config.validate(8).unwrap();
+        let step = route_with_bias(&logits, 8, &config, Some(&bias));
+        // Group sums (biased): g0 0.95 + 0.02, g1 0.62 + 0.60, g2 0.73 + 0.91, g3 0.55 + 0.52.
+        // Kept: g2 and g1; within them by biased score: 5, 4, 2.
+        assert_eq!(step.chosen_experts, [5, 4, 2]);
+        let scores: Vec<f32> = [5, 4, 2].iter().map(|&e| sigmoid(logits[e])).collect();
+        let sum: f32 = scores.iter().sum();
+        let got: Vec<f32> = step.pairs.iter().map(|p| p.weight).collect();
+        let want: Vec<f32> = scores.iter().map(|s| s / sum * 2.5).collect();
+        assert_eq!(got, want);
+        // Without the group limit expert 0 wins; without renormalisation the weights are the
+        // scores themselves, scaled.
+        let open = RouterConfig {
+            scoring: Scoring::Sigmoid { group_limit: None },
+            renormalize: false,
+            ..config
+        };
+        let step = route_with_bias(&logits, 8, &open, Some(&bias));
+        assert_eq!(step.chosen_experts, [0, 5, 4]);
+        assert_eq!(step.pairs[0].weight, sigmoid(3.0) * 2.5);
+    }
+
+    #[test]
+    fn validate_rejects_groups_that_cannot_hold_the_choice() {
+        let grouped = |groups, keep, top_k| RouterConfig {
+            scoring: Scoring::Sigmoid {
+                group_limit: Some(GroupLimit { groups, keep }),
+            },
+            ..RouterConfig::dropless(top_k)
+        };
+        assert_eq!(grouped(3, 1, 2).validate(8).unwrap_err().field, "n_group");
+        assert_eq!(grouped(4, 5, 2).validate(8).unwrap_err().field, "n_group");
+        assert_eq!(grouped(4, 1, 3).validate(8).unwrap_err().field, "n_group");
+        grouped(4, 2, 4).validate(8).unwrap();
+        let unscaled = RouterConfig {
+            scale: 0.0,
+            ..RouterConfig::dropless(2)
+        };
+        assert_eq!(
+            unscaled.validate(8).unwrap_err().field,
+            "routed_scaling_factor"
+        );
     }
 }

@@ -12,8 +12,8 @@ use std::ops::Range;
 use moeserve_backend::cpu;
 
 use super::gptq::{f32_matrix, transposed};
-use crate::moe::router::route_top_k;
-use crate::moe::{Expert, SparseMoe};
+use crate::moe::router::route_with_bias;
+use crate::moe::{Capacity, Expert, SparseMoe};
 
 /// An MLP's intermediate width and its down projection's input `silu(w1 x) · w3 x` for the rows
 /// of `x: [m, hidden]`.
@@ -145,12 +145,20 @@ impl Hessians {
         }
         let h = self.hidden;
         let num_experts = block.experts.len();
-        let routing = route_top_k(logits, num_experts, block.top_k);
+        // The layer's own routing (softmax or sigmoid with groups), dropless.
+        let config = block.router_config(Capacity::Dropless);
+        let routing = route_with_bias(
+            logits,
+            num_experts,
+            &config,
+            block.correction_bias.as_deref(),
+        );
         // Each expert's rows, gathered in one pass over the (token, expert) pairs.
         let mut routed: Vec<Vec<f32>> = vec![Vec::new(); num_experts];
-        for (i, e) in routing.expert_ids.iter().enumerate() {
-            let t = i / block.top_k;
-            routed[*e as usize].extend_from_slice(&x[t * h..(t + 1) * h]);
+        for (t, chosen) in routing.chosen_by_token().enumerate() {
+            for e in chosen {
+                routed[*e as usize].extend_from_slice(&x[t * h..(t + 1) * h]);
+            }
         }
         for ((e, expert), rows) in block.experts.iter().enumerate().zip(routed) {
             if rows.is_empty() {

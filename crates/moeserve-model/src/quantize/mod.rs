@@ -292,7 +292,7 @@ fn jobs<'a>(model: &'a MoeModel, hessians: &'a Hessians, lm_head: bool) -> Vec<J
                     mlp(&prefix, expert, c.names.expert_proj, inp, hidden);
                 }
                 if let Some(shared) = &moe.shared {
-                    let prefix = format!("{block}.shared_expert");
+                    let prefix = format!("{block}.{}", c.names.shared_expert);
                     mlp(&prefix, &shared.mlp, MLP, &hs.mlp_in, &hs.mlp_hidden);
                 }
             }

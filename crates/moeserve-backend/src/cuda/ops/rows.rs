@@ -165,26 +165,40 @@ pub struct RopeArgs<'a, T> {
     pub k: CudaViewMut<'a, T>,
     /// `[num_tokens]`
     pub positions: CudaView<'a, i32>,
-    /// `[head_dim / 2]`, from `cpu::rope_inv_freq`.
+    /// `[rotary_dim / 2]`, from `cpu::rope_inv_freq`.
     pub inv_freq: CudaView<'a, f32>,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The rotated leading part of a head (`head_dim` unless `partial_rotary_factor` < 1).
+    pub rotary_dim: usize,
 }
 
 pub fn rope<T: CudaElement>(b: &CudaBackend, mut a: RopeArgs<'_, T>) -> Result<(), CudaError> {
     let n = a.positions.len();
-    check("rope", a.head_dim.is_multiple_of(2), || {
-        format!("odd head_dim {}", a.head_dim)
-    })?;
+    check(
+        "rope",
+        a.rotary_dim.is_multiple_of(2) && a.rotary_dim <= a.head_dim,
+        || {
+            format!(
+                "rotary_dim {} must be even and at most head_dim {}",
+                a.rotary_dim, a.head_dim
+            )
+        },
+    )?;
     check_len("rope", "q", a.q.len(), n * a.num_heads * a.head_dim)?;
     check_len("rope", "k", a.k.len(), n * a.num_kv_heads * a.head_dim)?;
-    check_len("rope", "inv_freq", a.inv_freq.len(), a.head_dim / 2)?;
+    check_len("rope", "inv_freq", a.inv_freq.len(), a.rotary_dim / 2)?;
     if n == 0 {
         return Ok(());
     }
     let f = typed(b, KernelFile::Rope, "rope", T::SUFFIX)?;
-    let (nh, nkv, d) = (a.num_heads as i32, a.num_kv_heads as i32, a.head_dim as i32);
+    let (nh, nkv, d, r) = (
+        a.num_heads as i32,
+        a.num_kv_heads as i32,
+        a.head_dim as i32,
+        a.rotary_dim as i32,
+    );
     let mut l = b.stream().launch_builder(&f);
     l.arg(&mut a.q)
         .arg(&mut a.k)
@@ -192,7 +206,8 @@ pub fn rope<T: CudaElement>(b: &CudaBackend, mut a: RopeArgs<'_, T>) -> Result<(
         .arg(&a.inv_freq)
         .arg(&nh)
         .arg(&nkv)
-        .arg(&d);
+        .arg(&d)
+        .arg(&r);
     // SAFETY: lengths checked above.
     unsafe { l.launch(per_row(n, 128)) }?;
     Ok(())

@@ -205,6 +205,8 @@ mod tests {
                     overflow,
                 },
                 renormalize: true,
+                scoring: Default::default(),
+                scale: 1.0,
             };
             let routed = route(&logits, 6, &config);
             let h = HostRouting::new(&routed, 6);

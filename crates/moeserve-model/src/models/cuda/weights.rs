@@ -41,6 +41,8 @@ pub(super) trait WeightSource<T> {
     fn tensor(&mut self, gpu: &CudaBackend, t: Tensor) -> Result<CudaSlice<T>, CudaError>;
     /// The router bias of `layer`, if any (added to its logits).
     fn router_bias(&self, layer: usize) -> Option<Vec<f32>>;
+    /// `layer`'s `e_score_correction_bias`, if its router has one (sigmoid scoring).
+    fn correction_bias(&self, layer: usize) -> Option<Vec<f32>>;
 }
 
 /// A host weight's values as `T` (exact when the dtypes agree; converted once otherwise).
@@ -106,6 +108,10 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
     fn router_bias(&self, layer: usize) -> Option<Vec<f32>> {
         self.0.layers[layer].moe()?.router_bias.clone()
     }
+
+    fn correction_bias(&self, layer: usize) -> Option<Vec<f32>> {
+        self.0.layers[layer].moe()?.correction_bias.clone()
+    }
 }
 
 /// Seeded uniform weights made on the device: `U(-a, a)` with `a = sqrt(3 / fan_in)` keeps
@@ -161,6 +167,10 @@ impl<T: CudaElement> WeightSource<T> for RandomWeights {
     }
 
     fn router_bias(&self, _layer: usize) -> Option<Vec<f32>> {
+        None
+    }
+
+    fn correction_bias(&self, _layer: usize) -> Option<Vec<f32>> {
         None
     }
 }

@@ -158,6 +158,8 @@ mod tests {
                     top_k,
                     capacity,
                     renormalize: true,
+                    scoring: Default::default(),
+                    scale: 1.0,
                 };
                 let engine = route(&logits, num_experts, &config).counts;
                 let replayed = replay(&trace, num_experts, alpha, OverflowPolicy::Drop);
