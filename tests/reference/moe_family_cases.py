@@ -14,6 +14,8 @@ them back into the hub names. qwen3-moe-fused stores the merged module names ins
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +101,7 @@ class FamilyCase:
     attention_bias: bool = False
     n_shared: int = 0
     correction_bias_std: float = 0.15
+    rope: dict | None = None  # rope_parameters beyond rope_theta (e.g. YaRN's); None: default
 
     @property
     def attn_head_dim(self) -> int:
@@ -143,6 +146,13 @@ CASES = (
         config_style="top_level", rms_norm_eps=1e-5, base_seed=8000,
     ),
     FamilyCase(
+        # YaRN over a context 4x the original: interpolated slow frequencies, cos/sin scaled.
+        name="qwen3-moe-yarn", family="qwen3_moe", dtype=torch.float32, hidden=64, heads=4, kv_heads=2,
+        head_dim=24, layers=2, experts=8, top_k=2, expert_intermediate=48, dense_intermediate=128,
+        norm_topk_prob=True, tied=False, config_style="parameters", rms_norm_eps=1e-6, base_seed=9500,
+        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    FamilyCase(
         # 16 experts in 4 groups of which 2 are kept, top-4, scaled by 2.5; a quarter of each
         # head rotated; the hub's config style (top-level rope_theta, partial_rotary_factor).
         name="glm4-moe", family="glm4_moe", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=32,
@@ -176,6 +186,8 @@ def make_config(case: FamilyCase):
     }
     if case.head_dim is not None:
         kwargs["head_dim"] = case.head_dim
+    if case.rope is not None:
+        kwargs["rope_parameters"] = {"rope_theta": ROPE_THETA, **case.rope}
     if case.family == "olmoe":
         kwargs.update(intermediate_size=case.expert_intermediate, clip_qkv=case.clip_qkv)
     else:
@@ -366,6 +378,8 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
     if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")):
         raise RuntimeError(f"{case.name}: from_pretrained loading info {info}")
     config = reloaded.config
+    if case.rope is not None and any(config.rope_parameters.get(k) != v for k, v in case.rope.items()):
+        raise RuntimeError(f"{case.name}: config reload lost the rope parameters: {config.rope_parameters}")
     if config.rope_parameters["rope_theta"] != ROPE_THETA or config.norm_topk_prob != case.norm_topk_prob:
         raise RuntimeError(f"{case.name}: config reload lost rope_theta/norm_topk_prob")
     if reloaded.model.layers[0].self_attn.head_dim != case.attn_head_dim:
@@ -422,6 +436,18 @@ def _config_value(config, key: str, value):
 
 
 @contextlib.contextmanager
+def _plain_rope(rotary, inv_freq: torch.Tensor):
+    saved = rotary.inv_freq.clone(), rotary.attention_scaling
+    try:
+        rotary.inv_freq.copy_(inv_freq)
+        rotary.attention_scaling = 1.0
+        yield
+    finally:
+        rotary.inv_freq.copy_(saved[0])
+        rotary.attention_scaling = saved[1]
+
+
+@contextlib.contextmanager
 def _attrs(objects, **values):
     saved = [{k: getattr(o, k) for k in values} for o in objects]
     try:
@@ -458,6 +484,10 @@ def ablations(case: FamilyCase, model) -> dict:
         out["qk_norm_weight_ones"] = lambda: _replaced([n.weight for n in norms], 1.0)
     if case.family == "olmoe":
         out["clip_qkv_off"] = lambda: _config_value(model.config, "clip_qkv", None)
+    if case.rope is not None:
+        rotary = model.model.rotary_emb
+        plain, _ = _inv_freq(dataclasses.replace(case, rope=None), case.attn_head_dim)
+        out["rope_scaling_off"] = lambda: _plain_rope(rotary, plain)
     if case.family == "glm4_moe":
         routers = [m.gate for m in sparse]
         out["correction_bias_zero"] = lambda: _replaced([r.e_score_correction_bias for r in routers], 0.0)
@@ -542,14 +572,35 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x: torch.Tensor, rotary: int | None = None) -> torch.Tensor:
+def _inv_freq(case: FamilyCase, dim: int) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies over `dim` and the cos/sin scaling, from the formulas: plain,
+    or YaRN (arXiv 2309.00071: a linear ramp between the dimensions that make beta_fast and
+    beta_slow turns over the original context blends extrapolation and 1/factor interpolation;
+    attention factor 0.1 ln(factor) + 1)."""
+    pos_freqs = ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if case.rope is None or case.rope["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor, original = case.rope["factor"], case.rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = case.rope.get("beta_fast", 32), case.rope.get("beta_slow", 1)
+
+    def turns_dim(turns: float) -> float:
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(ROPE_THETA))
+
+    low, high = max(math.floor(turns_dim(beta_fast)), 0), min(math.ceil(turns_dim(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+    return inv_freq, 0.1 * math.log(factor) + 1.0
+
+
+def _rope(x: torch.Tensor, case: FamilyCase, rotary: int | None = None) -> torch.Tensor:
     """Non-interleaved (rotate-half) RoPE over the first `rotary` (default: all) of head_dim of
     x [T, heads, head_dim]; the rest passes through."""
     dim = rotary or x.shape[-1]
     rot, rest = x[..., :dim], x[..., dim:]
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq, scaling = _inv_freq(case, dim)
     freqs = torch.arange(x.shape[0], dtype=torch.float32)[:, None] * inv_freq
-    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
     rotated = rot * cos + torch.cat([-rot[..., dim // 2 :], rot[..., : dim // 2]], -1) * sin
     return torch.cat([rotated, rest], -1)
 
@@ -616,7 +667,7 @@ def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: l
             q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
             k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
         rotary = int(hd * case.partial_rotary)
-        q, k = _rope(q, rotary), _rope(k, rotary)
+        q, k = _rope(q, case, rotary), _rope(k, case, rotary)
         group = case.heads // case.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         probs = torch.softmax(torch.einsum("thd,shd->hts", q, k) * hd**-0.5 + causal, dim=-1)

@@ -13,6 +13,7 @@ use moeserve_core::DType;
 use serde_json::Value;
 
 pub use crate::families::{Architecture, SUPPORTED_ARCHITECTURES};
+use crate::layers::rope::{RopeFrequencies, RopeScaling, Yarn};
 use crate::moe::Scoring;
 use crate::{ModelError, Result};
 
@@ -102,6 +103,8 @@ pub struct ModelConfig {
     pub names: TensorNames,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
+    /// Plain RoPE or YaRN.
+    pub rope_scaling: RopeScaling,
     /// The leading part of each head that RoPE rotates (`head_dim · partial_rotary_factor`;
     /// `head_dim` for most families).
     pub rotary_dim: usize,
@@ -209,6 +212,11 @@ impl ModelConfig {
             return bad(format!("`clip_qkv` must be a number above 0, got {clip}"));
         }
         Ok(())
+    }
+
+    /// The rotary frequencies of the rotated part of a head, and the cos/sin scaling.
+    pub fn rope_frequencies(&self) -> RopeFrequencies {
+        RopeFrequencies::new(self.rotary_dim, self.rope_theta, self.rope_scaling)
     }
 
     /// Key/value width of one token in one layer: `num_key_value_heads * head_dim`.
@@ -352,13 +360,6 @@ impl ConfigFields<'_> {
             return Ok(t);
         }
         if let Some(params) = self.json.get("rope_parameters").filter(|v| !v.is_null()) {
-            if let Some(kind) = params.get("rope_type").and_then(Value::as_str)
-                && kind != "default"
-            {
-                return Err(self.err(format!(
-                    "rope_parameters.rope_type {kind:?} is not supported (only \"default\")"
-                )));
-            }
             return params
                 .get("rope_theta")
                 .and_then(Value::as_f64)
@@ -367,6 +368,69 @@ impl ConfigFields<'_> {
                 });
         }
         Ok(default)
+    }
+
+    /// The RoPE type and its parameters: `rope_parameters` (transformers ≥ 5) or the older
+    /// `rope_scaling`; plain RoPE without either. Types other than `default` and `yarn` are
+    /// refused by name.
+    pub(crate) fn rope_scaling(&self, max_position_embeddings: usize) -> Result<RopeScaling> {
+        let found = ["rope_parameters", "rope_scaling"]
+            .into_iter()
+            .find_map(|key| Some((key, self.json.get(key).filter(|v| v.is_object())?)));
+        let Some((key, params)) = found else {
+            return Ok(RopeScaling::None);
+        };
+        let kind = params
+            .get("rope_type")
+            .or_else(|| params.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let number = |name: &str| -> Result<Option<f64>> {
+            match params.get(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                    self.err(format!("field `{key}.{name}` must be a number, got {v}"))
+                }),
+            }
+        };
+        match kind {
+            "default" => Ok(RopeScaling::None),
+            "yarn" => {
+                let original = match number("original_max_position_embeddings")? {
+                    Some(n) => n as usize,
+                    None => self
+                        .opt_usize("original_max_position_embeddings")?
+                        .unwrap_or(max_position_embeddings),
+                };
+                let factor = match number("factor")? {
+                    Some(f) => f,
+                    None => max_position_embeddings as f64 / original.max(1) as f64,
+                };
+                if !(factor.is_finite() && factor > 0.0) || original == 0 {
+                    return Err(self.err(format!(
+                        "`{key}`: YaRN needs a factor above 0 and an original context, got \
+                         factor {factor} and original_max_position_embeddings {original}"
+                    )));
+                }
+                Ok(RopeScaling::Yarn(Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    // transformers: `get("beta_fast") or 32`, so 0 means the default too.
+                    beta_fast: number("beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0),
+                    beta_slow: number("beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0),
+                    attention_factor: number("attention_factor")?,
+                    mscale: number("mscale")?,
+                    mscale_all_dim: number("mscale_all_dim")?,
+                    truncate: params
+                        .get("truncate")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
+                }))
+            }
+            other => Err(self.err(format!(
+                "`{key}.rope_type` {other:?} is not supported (only \"default\" and \"yarn\")"
+            ))),
+        }
     }
 
     pub(crate) fn dtype(&self) -> Option<DType> {
@@ -549,6 +613,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("partial_rotary_factor"), "{msg}");
+    }
+
+    #[test]
+    fn yarn_is_read_from_rope_parameters_or_rope_scaling_and_other_types_are_refused() {
+        let yarn = r#""rope_parameters":{"rope_type":"yarn","rope_theta":1e6,"factor":4.0,
+            "original_max_position_embeddings":8192,"beta_fast":16},"#;
+        let c = parse(&QWEN3.replace(r#""dtype""#, &format!(r#"{yarn}"dtype""#))).unwrap();
+        let RopeScaling::Yarn(y) = c.rope_scaling else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!((y.factor, y.original_max_position_embeddings), (4.0, 8192));
+        assert_eq!((y.beta_fast, y.beta_slow, y.truncate), (16.0, 1.0, true));
+        assert_eq!(c.rope_theta, 1e6);
+        let f = c.rope_frequencies();
+        assert_eq!(f.inv_freq.len(), c.head_dim / 2);
+        assert!(f.attention_scaling > 1.0);
+        // The older key, with `type`.
+        let legacy = r#""rope_scaling":{"type":"yarn","factor":2.0,
+            "original_max_position_embeddings":4096},"#;
+        let c = parse(&QWEN3.replace(r#""dtype""#, &format!(r#"{legacy}"dtype""#))).unwrap();
+        assert!(matches!(c.rope_scaling, RopeScaling::Yarn(y) if y.factor == 2.0));
+        let linear = r#""rope_scaling":{"type":"linear","factor":2.0},"#;
+        let msg = parse(&QWEN3.replace(r#""dtype""#, &format!(r#"{linear}"dtype""#)))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("\"linear\" is not supported"), "{msg}");
     }
 
     #[test]

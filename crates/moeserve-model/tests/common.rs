@@ -21,9 +21,10 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 /// The transformers fixtures of the other families (tests/reference/moe_family_cases.py):
 /// q/k norms per head and `head_dim` ≠ hidden/heads, dense layers among sparse ones, fused
 /// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`.
-pub const FAMILY_CASES: [&str; 5] = [
+pub const FAMILY_CASES: [&str; 6] = [
     "qwen3-moe",
     "qwen3-moe-fused",
+    "qwen3-moe-yarn",
     "qwen2-moe",
     "olmoe",
     "glm4-moe",

@@ -236,10 +236,20 @@ pub struct RopeAngles {
 impl RopeAngles {
     /// The angles `position · inv_freq[i]`, rounded to f32 as HF does, then sin/cos in f64.
     pub fn set(&mut self, position: usize, inv_freq: &[f32]) {
+        self.set_scaled(position, inv_freq, 1.0);
+    }
+
+    /// [`RopeAngles::set`] with the cosines and sines multiplied by `attention_scaling` (HF's
+    /// `cos = emb.cos() * self.attention_scaling`: YaRN's mscale; 1 for plain RoPE).
+    pub fn set_scaled(&mut self, position: usize, inv_freq: &[f32], attention_scaling: f32) {
         self.cos_sin.clear();
         self.cos_sin.extend(inv_freq.iter().map(|f| {
             let angle = (position as f32 * f) as f64;
-            (angle.cos() as f32, angle.sin() as f32)
+            let (cos, sin) = (angle.cos() as f32, angle.sin() as f32);
+            match attention_scaling == 1.0 {
+                true => (cos, sin),
+                false => (cos * attention_scaling, sin * attention_scaling),
+            }
         }));
     }
 

@@ -137,8 +137,9 @@ fn rope_matches_hf_rotate_half<T: CudaElement>() {
     let (heads, kv_heads, d) = (8, 2, 128);
     let positions: Vec<i32> = vec![0, 1, 17, 4095, 32767];
     let n = positions.len();
-    // The whole head, then its first half only (GLM-4.5's partial_rotary_factor 0.5).
-    for rotary in [d, d / 2] {
+    // The whole head, then its first half only (GLM-4.5's partial_rotary_factor 0.5) with
+    // the cos/sin scaled as YaRN scales them.
+    for (rotary, scaling) in [(d, 1.0), (d / 2, 1.1386)] {
         let inv_freq = cpu::rope_inv_freq(rotary, 1e6);
         let (q, q_f32) = rounded::<T>(&random(n * heads * d, 6, 2.0));
         let (k, k_f32) = rounded::<T>(&random(n * kv_heads * d, 7, 2.0));
@@ -158,12 +159,14 @@ fn rope_matches_hf_rotate_half<T: CudaElement>() {
                 num_kv_heads: kv_heads,
                 head_dim: d,
                 rotary_dim: rotary,
+                scaling,
             },
         )
         .unwrap();
         let (mut want_q, mut want_k) = (q_f32, k_f32);
         for (i, p) in positions.iter().enumerate() {
-            let angles = cpu::RopeAngles::at(*p as usize, &inv_freq);
+            let mut angles = cpu::RopeAngles::default();
+            angles.set_scaled(*p as usize, &inv_freq, scaling);
             cpu::apply_rope(&mut want_q[i * heads * d..][..heads * d], d, &angles);
             cpu::apply_rope(&mut want_k[i * kv_heads * d..][..kv_heads * d], d, &angles);
         }

@@ -11,13 +11,14 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 9] = [
+pub const FIXTURE_CASES: [&str; 10] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
     "mixtral-sharded",
     "qwen3-moe",
     "qwen3-moe-fused",
+    "qwen3-moe-yarn",
     "qwen2-moe",
     "olmoe",
     "glm4-moe",

@@ -11,6 +11,7 @@ mod qwen_moe;
 
 use crate::Result;
 use crate::config::{AttentionConfig, ConfigFields, ModelConfig, TensorNames};
+use crate::layers::rope::RopeScaling;
 use crate::moe::Scoring;
 
 /// The `architectures` entries this crate serves, for error messages.
@@ -116,6 +117,7 @@ pub(crate) struct Common {
     pub head_dim: usize,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub dtype: Option<moeserve_core::DType>,
@@ -152,6 +154,7 @@ impl Common {
             },
             rms_norm_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling,
             rotary_dim: self.head_dim,
             sliding_window: None,
             max_position_embeddings: self.max_position_embeddings,
@@ -168,6 +171,9 @@ impl Common {
     ) -> Result<Self> {
         let hidden_size = fields.usize("hidden_size")?;
         let num_attention_heads = fields.usize("num_attention_heads")?;
+        let max_position_embeddings = fields
+            .opt_usize("max_position_embeddings")?
+            .unwrap_or(max_positions);
         Ok(Common {
             vocab_size: fields.usize("vocab_size")?,
             hidden_size,
@@ -179,9 +185,8 @@ impl Common {
             head_dim: fields.head_dim(hidden_size, num_attention_heads)?,
             rms_norm_eps: fields.opt_f64("rms_norm_eps")?.unwrap_or(rms_norm_eps) as f32,
             rope_theta: fields.rope_theta(rope_theta)?,
-            max_position_embeddings: fields
-                .opt_usize("max_position_embeddings")?
-                .unwrap_or(max_positions),
+            rope_scaling: fields.rope_scaling(max_position_embeddings)?,
+            max_position_embeddings,
             tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             dtype: fields.dtype(),
         })

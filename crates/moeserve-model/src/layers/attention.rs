@@ -17,6 +17,7 @@ use crate::batch::{ForwardBatch, TokenPlace};
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, ModelConfig, QkNorm};
 use crate::kv_cache::{PagedKvCache, slot_of};
+use crate::layers::rope::RopeFrequencies;
 use crate::models::ops::LayerWeight;
 
 /// The attention weights of one layer plus the shapes they imply.
@@ -34,7 +35,7 @@ pub struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
-    inv_freq: Vec<f32>,
+    rope: RopeFrequencies,
 }
 
 impl Attention {
@@ -79,8 +80,8 @@ impl Attention {
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
             sliding_window: config.sliding_window,
-            // Over the rotated part of a head only (`partial_rotary_factor`).
-            inv_freq: cpu::rope_inv_freq(config.rotary_dim, config.rope_theta),
+            // Over the rotated part of a head only (`partial_rotary_factor`), YaRN's if set.
+            rope: config.rope_frequencies(),
         })
     }
 
@@ -140,7 +141,11 @@ impl Attention {
             .zip(q.chunks_exact_mut(qd))
             .zip(k.chunks_exact_mut(kvd))
         {
-            angles.set(place.position, &self.inv_freq);
+            angles.set_scaled(
+                place.position,
+                &self.rope.inv_freq,
+                self.rope.attention_scaling,
+            );
             cpu::apply_rope(q, self.head_dim, angles);
             cpu::apply_rope(k, self.head_dim, angles);
         }

@@ -29,11 +29,11 @@ mod host_step;
 mod weights;
 
 use half::{bf16, f16};
+use moeserve_backend::BackendError;
 use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
 use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, RmsNormArgs};
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_backend::device::CudaDeviceInfo;
-use moeserve_backend::{BackendError, cpu};
 use moeserve_core::{DType, ExpertId};
 
 use super::decoder::{ForwardOptions, MoeModel};
@@ -201,6 +201,8 @@ struct DeviceWeights<T> {
     norm: CudaSlice<T>,
     lm_head: CudaSlice<T>,
     inv_freq: CudaSlice<f32>,
+    /// YaRN's cos/sin factor (1 for plain RoPE).
+    rope_scaling: f32,
 }
 
 impl<T> DeviceLayer<T> {
@@ -328,14 +330,14 @@ impl<T: CudaElement> DeviceModel<T> {
                 moe.router_bias_host = Some(bias);
             }
         }
+        let rope = c.rope_frequencies();
         let weights = DeviceWeights {
             embed,
             layers,
             norm,
             lm_head,
-            inv_freq: gpu
-                .upload(&cpu::rope_inv_freq(c.rotary_dim, c.rope_theta))
-                .map_err(backend)?,
+            inv_freq: gpu.upload(&rope.inv_freq).map_err(backend)?,
+            rope_scaling: rope.attention_scaling,
         };
         Ok(DeviceModel {
             weights,
@@ -736,6 +738,7 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
                 num_kv_heads: c.num_key_value_heads,
                 head_dim: c.head_dim,
                 rotary_dim: c.rotary_dim,
+                scaling: self.m.weights.rope_scaling,
             },
         )
     }

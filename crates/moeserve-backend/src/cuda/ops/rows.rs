@@ -172,6 +172,8 @@ pub struct RopeArgs<'a, T> {
     pub head_dim: usize,
     /// The rotated leading part of a head (`head_dim` unless `partial_rotary_factor` < 1).
     pub rotary_dim: usize,
+    /// The cosines and sines are multiplied by it (YaRN's attention factor; 1 otherwise).
+    pub scaling: f32,
 }
 
 pub fn rope<T: CudaElement>(b: &CudaBackend, mut a: RopeArgs<'_, T>) -> Result<(), CudaError> {
@@ -207,7 +209,8 @@ pub fn rope<T: CudaElement>(b: &CudaBackend, mut a: RopeArgs<'_, T>) -> Result<(
         .arg(&nh)
         .arg(&nkv)
         .arg(&d)
-        .arg(&r);
+        .arg(&r)
+        .arg(&a.scaling);
     // SAFETY: lengths checked above.
     unsafe { l.launch(per_row(n, 128)) }?;
     Ok(())
