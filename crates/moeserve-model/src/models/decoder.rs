@@ -431,7 +431,7 @@ impl MoeModel {
             num_blocks: layout.num_blocks,
         };
         batch.places_into(&limits, &mut ws.places)?;
-        self.check_moe_options(&opts.moe)?;
+        opts.moe.check(c)?;
         let mut step = CpuStep {
             model: self,
             batch,
@@ -445,27 +445,5 @@ impl MoeModel {
         match decode(c, &mut step) {
             Ok(()) => Ok(()),
         }
-    }
-
-    /// A valid capacity and, with expert parallelism, a placement made for this model.
-    fn check_moe_options(&self, moe: &MoeOptions<'_>) -> Result<()> {
-        let invalid = |message: String| Err(ModelError::InvalidInput { message });
-        if let Err(e) = moe.capacity.validate() {
-            return invalid(e.to_string());
-        }
-        if let Some(ep) = moe.experts {
-            let p = ep.placement();
-            let c = &self.config;
-            if p.num_layers() != c.num_moe_layers() || p.num_experts() != c.num_local_experts {
-                return invalid(format!(
-                    "the expert placement is for {} layers of {} experts, the model has {} of {}",
-                    p.num_layers(),
-                    p.num_experts(),
-                    c.num_moe_layers(),
-                    c.num_local_experts
-                ));
-            }
-        }
-        Ok(())
     }
 }

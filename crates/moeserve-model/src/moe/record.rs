@@ -8,6 +8,7 @@ use std::ops::Range;
 use super::arena::ExpertParallel;
 use super::capacity::Capacity;
 use super::router::{RoutedStep, RoutingCounts};
+use crate::config::ModelConfig;
 
 /// MoE settings of one forward pass.
 #[derive(Default)]
@@ -19,6 +20,31 @@ pub struct MoeOptions<'a> {
     /// Receives one [`LayerRouting`] per MoE layer, in layer order (appended; a record
     /// [`MoeStepRecord::clear`]ed between steps reuses its buffers).
     pub record: Option<&'a mut MoeStepRecord>,
+}
+
+impl MoeOptions<'_> {
+    /// A valid capacity and, with expert parallelism, a placement made for a model of `config`
+    /// (its sparse layers and experts); checked before every forward, on any backend.
+    pub(crate) fn check(&self, config: &ModelConfig) -> crate::Result<()> {
+        let invalid = |message: String| Err(crate::ModelError::InvalidInput { message });
+        if let Err(e) = self.capacity.validate() {
+            return invalid(e.to_string());
+        }
+        if let Some(ep) = self.experts {
+            let p = ep.placement();
+            let c = config;
+            if p.num_layers() != c.num_moe_layers() || p.num_experts() != c.num_local_experts {
+                return invalid(format!(
+                    "the expert placement is for {} layers of {} experts, the model has {} of {}",
+                    p.num_layers(),
+                    p.num_experts(),
+                    c.num_moe_layers(),
+                    c.num_local_experts
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One token's pairs that the capacity limit changed.

@@ -1,0 +1,646 @@
+//! One step of [`CudaMoeModel`](super::CudaMoeModel) on the device: the decoder's operations
+//! (`ops::DecoderOps`) over the step's buffers, the weights of `cuda.rs` and the kernels of
+//! `cuda/`. Routing is made on the device for Mixtral's softmax when dropless on one GPU, else on
+//! the host with the CPU's router; a shared expert is added after the routed ones.
+
+use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
+use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, RmsNormArgs};
+use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
+use moeserve_core::ExpertId;
+
+use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
+use super::host_step::{HostRouting, StepInputs, dropless_routing};
+use super::{DeviceFeedForward, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
+use crate::config::ModelConfig;
+use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write};
+use crate::moe::record::LayerRouting;
+use crate::moe::{Capacity, RouterConfig, Scoring, route_with_bias};
+
+/// Values read back from the device during a step.
+pub(super) enum Observed {
+    /// The residual stream after a layer, `[num_tokens, hidden]`.
+    LayerOutput(Vec<f32>),
+    /// A layer's router logits, `[num_tokens, num_experts]`.
+    RouterLogits(Vec<f32>),
+    Routing(LayerRouting),
+}
+
+/// How a step runs: which values it reads back (each read is a copy and a wait for the
+/// stream) and where it routes.
+#[derive(Clone, Copy)]
+pub(super) struct StepMode {
+    /// Layer outputs and router logits, for a [`super::decoder::ForwardTrace`].
+    pub(super) trace: bool,
+    /// Each layer's routing summary, for the engine's per-expert load.
+    pub(super) routing: bool,
+    /// Anything but dropless routes on the host (router logits read back every layer).
+    pub(super) capacity: Capacity,
+    /// The experts run on the expert GPUs (routing on the host, to place pairs on slots).
+    pub(super) expert_parallel: bool,
+}
+
+/// The step's index arrays on the device.
+struct DeviceInputs {
+    ids: CudaSlice<u32>,
+    positions: CudaSlice<i32>,
+    token_seq: CudaSlice<i32>,
+    slots: CudaSlice<i64>,
+    tables: CudaSlice<i32>,
+    logit_rows: CudaSlice<i32>,
+}
+
+/// The MoE block's buffers of a step, `pairs = num_tokens · top_k` rows.
+struct MoeBuffers<T> {
+    router_logits: CudaSlice<T>,
+    topk_ids: CudaSlice<i32>,
+    topk_w: CudaSlice<f32>,
+    topk_slots: CudaSlice<i32>,
+    counts: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    permuted: CudaSlice<T>,
+    pair_of_row: CudaSlice<i32>,
+    gate_up: CudaSlice<T>,
+    act: CudaSlice<T>,
+    expert_out: CudaSlice<T>,
+}
+
+/// A dense MLP's or a shared expert's buffers (`[num_tokens, …]`, sized for the widest).
+struct MlpBuffers<T> {
+    gate_up: CudaSlice<T>,
+    act: CudaSlice<T>,
+    out: CudaSlice<T>,
+    gate_logit: CudaSlice<T>,
+}
+
+/// What a step reads of the device model.
+pub(super) struct StepModel<'m, T> {
+    pub(super) gpu: &'m CudaBackend,
+    pub(super) config: &'m ModelConfig,
+    pub(super) block_size: usize,
+    pub(super) weights: &'m DeviceWeights<T>,
+    /// The expert GPUs when this step runs its experts there.
+    pub(super) experts: Option<&'m ExpertGpus<T>>,
+}
+
+/// One step on the device: the decoder's operations over the step's buffers.
+pub(super) struct CudaStep<'m, T> {
+    m: StepModel<'m, T>,
+    /// The layers' KV caches, written by the step.
+    kv: &'m mut [LayerCache<T>],
+    x: &'m StepInputs,
+    inputs: DeviceInputs,
+    wants: StepMode,
+    observe: &'m mut dyn FnMut(Observed),
+    residual: CudaSlice<f32>,
+    acts: [CudaSlice<T>; Act::COUNT],
+    moe: MoeBuffers<T>,
+    mlp: MlpBuffers<T>,
+    /// The step's logits, once `logits` ran.
+    pub(super) logits: Vec<f32>,
+}
+
+impl<'m, T: CudaElement> CudaStep<'m, T> {
+    pub(super) fn new(
+        m: StepModel<'m, T>,
+        kv: &'m mut [LayerCache<T>],
+        x: &'m StepInputs,
+        wants: StepMode,
+        observe: &'m mut dyn FnMut(Observed),
+    ) -> std::result::Result<Self, CudaError> {
+        let (gpu, c) = (m.gpu, m.config);
+        let (t, h) = (x.ids.len(), c.hidden_size);
+        let (qd, kvd, e, pairs) = (
+            c.q_dim(),
+            c.kv_dim(),
+            c.num_local_experts,
+            t * c.num_experts_per_tok,
+        );
+        let inter = c.moe_intermediate_size;
+        let mlp_inter = m
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mlp {
+                DeviceFeedForward::Dense(mlp) => Some(mlp.intermediate),
+                DeviceFeedForward::Sparse(moe) => moe.shared.as_ref().map(|s| s.0.intermediate),
+            })
+            .max()
+            .unwrap_or(0);
+        let inputs = DeviceInputs {
+            ids: gpu.upload(&x.ids)?,
+            positions: gpu.upload(&x.positions)?,
+            token_seq: gpu.upload(&x.token_seq)?,
+            slots: gpu.upload(&x.slots)?,
+            tables: gpu.upload(&x.block_tables)?,
+            logit_rows: gpu.upload(&x.logit_rows)?,
+        };
+        let [normed, q, k, v, attn, delta] =
+            [t * h, t * qd, t * kvd, t * kvd, t * qd, t * h].map(|n| gpu.zeros::<T>(n));
+        let moe = MoeBuffers {
+            router_logits: gpu.zeros(t * e)?,
+            topk_ids: gpu.zeros(pairs)?,
+            topk_w: gpu.zeros(pairs)?,
+            topk_slots: gpu.zeros(pairs)?,
+            counts: gpu.zeros(e)?,
+            offsets: gpu.zeros(e + 1)?,
+            permuted: gpu.zeros(pairs * h)?,
+            pair_of_row: gpu.zeros(pairs)?,
+            gate_up: gpu.zeros(pairs * 2 * inter)?,
+            act: gpu.zeros(pairs * inter)?,
+            expert_out: gpu.zeros(pairs * h)?,
+        };
+        let mlp = MlpBuffers {
+            gate_up: gpu.zeros(t * 2 * mlp_inter)?,
+            act: gpu.zeros(t * mlp_inter)?,
+            out: gpu.zeros(t * h)?,
+            gate_logit: gpu.zeros(t)?,
+        };
+        Ok(CudaStep {
+            residual: gpu.zeros::<f32>(t * h)?,
+            m,
+            kv,
+            x,
+            inputs,
+            wants,
+            observe,
+            acts: [normed?, q?, k?, v?, attn?, delta?],
+            moe,
+            mlp,
+            logits: Vec::new(),
+        })
+    }
+
+    fn num_tokens(&self) -> usize {
+        self.x.ids.len()
+    }
+
+    fn layer_weight(&self, layer: usize, role: LayerWeight) -> &'m CudaSlice<T> {
+        let weights: &'m DeviceWeights<T> = self.m.weights;
+        weights.layers[layer]
+            .weight(role)
+            .unwrap_or_else(|| panic!("layer {layer} has no {role:?} (the config says it has)"))
+    }
+
+    /// `out = mlp(Normed)` for a dense MLP or a shared expert: `[w1; w3]` GEMM → SwiGLU → `w2`.
+    fn mlp_into(&mut self, mlp: &DeviceMlp<T>) -> std::result::Result<(), CudaError> {
+        let (gpu, t, h) = (self.m.gpu, self.num_tokens(), self.m.config.hidden_size);
+        let i = mlp.intermediate;
+        let normed = &self.acts[Act::Normed.index()];
+        let b = &mut self.mlp;
+        matmul_wt(
+            gpu,
+            &normed.as_view(),
+            &mlp.w13.as_view(),
+            &mut b.gate_up.slice_mut(..t * 2 * i),
+            GemmShape {
+                m: t,
+                n: 2 * i,
+                k: h,
+            },
+        )?;
+        ops::silu_mul(
+            gpu,
+            b.gate_up.slice(..t * 2 * i),
+            b.act.slice_mut(..t * i),
+            i,
+        )?;
+        matmul_wt(
+            gpu,
+            &b.act.slice(..t * i),
+            &mlp.w2.as_view(),
+            &mut b.out.as_view_mut(),
+            GemmShape { m: t, n: h, k: i },
+        )
+    }
+}
+
+impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
+    type Error = CudaError;
+
+    fn embed(&mut self) -> std::result::Result<(), CudaError> {
+        ops::embedding(
+            self.m.gpu,
+            ops::EmbeddingArgs {
+                table: self.m.weights.embed.as_view(),
+                ids: self.inputs.ids.as_view(),
+                out: self.residual.as_view_mut(),
+                hidden: self.m.config.hidden_size,
+            },
+        )
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        layer: usize,
+        w: LayerWeight,
+        add: bool,
+    ) -> std::result::Result<(), CudaError> {
+        let weight = self.layer_weight(layer, w);
+        let (delta, normed) = read_write(&mut self.acts, Act::Delta, Act::Normed);
+        ops::rms_norm_residual(
+            self.m.gpu,
+            RmsNormArgs {
+                residual: self.residual.as_view_mut(),
+                delta: add.then(|| delta.as_view()),
+                weight: weight.as_view(),
+                out: normed.as_view_mut(),
+                eps: self.m.config.rms_norm_eps,
+            },
+        )
+    }
+
+    fn linear(
+        &mut self,
+        layer: usize,
+        x: Act,
+        w: LayerWeight,
+        bias: Option<LayerWeight>,
+        y: Act,
+    ) -> std::result::Result<(), CudaError> {
+        let t = self.num_tokens();
+        let w = self.layer_weight(layer, w);
+        let bias = bias.map(|b| self.layer_weight(layer, b));
+        let (x, y) = read_write(&mut self.acts, x, y);
+        let (m, n) = (t, y.len() / t.max(1));
+        let k = w.len() / n.max(1);
+        matmul_wt(
+            self.m.gpu,
+            &x.as_view(),
+            &w.as_view(),
+            &mut y.as_view_mut(),
+            GemmShape { m, n, k },
+        )?;
+        match bias {
+            Some(b) => ops::add_bias(self.m.gpu, y.as_view_mut(), b.as_view()),
+            None => Ok(()),
+        }
+    }
+
+    fn rms_norm_rows(
+        &mut self,
+        layer: usize,
+        x: Act,
+        w: LayerWeight,
+    ) -> std::result::Result<(), CudaError> {
+        let weight = self.layer_weight(layer, w);
+        let eps = self.m.config.rms_norm_eps;
+        let x = &mut self.acts[x.index()];
+        ops::rms_norm_rows(self.m.gpu, x.as_view_mut(), weight.as_view(), eps)
+    }
+
+    fn clamp(&mut self, x: Act, limit: f32) -> std::result::Result<(), CudaError> {
+        ops::clamp(self.m.gpu, self.acts[x.index()].as_view_mut(), limit)
+    }
+
+    fn rope(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        let c = self.m.config;
+        let [_, q, k, ..] = &mut self.acts;
+        ops::rope(
+            self.m.gpu,
+            ops::RopeArgs {
+                q: q.as_view_mut(),
+                k: k.as_view_mut(),
+                positions: self.inputs.positions.as_view(),
+                inv_freq: self.m.weights.inv_freq.as_view(),
+                num_heads: c.num_attention_heads,
+                num_kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                rotary_dim: c.rotary_dim,
+                scaling: self.m.weights.rope_scaling,
+            },
+        )
+    }
+
+    fn write_kv(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let cache = &mut self.kv[layer];
+        ops::write_kv(
+            self.m.gpu,
+            ops::WriteKvArgs {
+                k: self.acts[Act::K.index()].as_view(),
+                v: self.acts[Act::V.index()].as_view(),
+                k_cache: cache.k.as_view_mut(),
+                v_cache: cache.v.as_view_mut(),
+                slot_mapping: self.inputs.slots.as_view(),
+                kv_dim: self.m.config.kv_dim(),
+            },
+        )
+    }
+
+    fn paged_attention(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let c = self.m.config;
+        let cache = &self.kv[layer];
+        let (q, out) = read_write(&mut self.acts, Act::Q, Act::Attn);
+        ops::paged_attention(
+            self.m.gpu,
+            ops::PagedAttentionArgs {
+                out: out.as_view_mut(),
+                q: q.as_view(),
+                k_cache: cache.k.as_view(),
+                v_cache: cache.v.as_view(),
+                block_tables: self.inputs.tables.as_view(),
+                token_seq: self.inputs.token_seq.as_view(),
+                positions: self.inputs.positions.as_view(),
+                shape: AttentionShape {
+                    num_heads: c.num_attention_heads,
+                    num_kv_heads: c.num_key_value_heads,
+                    head_dim: c.head_dim,
+                    block_size: self.m.block_size,
+                    max_blocks_per_seq: self.x.max_blocks,
+                    sliding_window: c.sliding_window,
+                },
+            },
+        )
+    }
+
+    fn sparse_moe(&mut self, layer: usize, moe_layer: usize) -> std::result::Result<(), CudaError> {
+        let weights: &DeviceWeights<T> = self.m.weights;
+        let DeviceFeedForward::Sparse(block) = &weights.layers[layer].mlp else {
+            panic!("layer {layer} has no MoE block (the config says it has)");
+        };
+        self.routed_experts(block, moe_layer)?;
+        if let Some((mlp, gate)) = &block.shared {
+            self.shared_expert(mlp, gate.as_ref())?;
+        }
+        Ok(())
+    }
+
+    fn dense_mlp(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let weights: &DeviceWeights<T> = self.m.weights;
+        let DeviceFeedForward::Dense(mlp) = &weights.layers[layer].mlp else {
+            panic!("layer {layer} has no dense MLP (the config says it has)");
+        };
+        self.mlp_into(mlp)?;
+        let delta = &mut self.acts[Act::Delta.index()];
+        let stream = self.m.gpu.stream();
+        stream.memcpy_dtod(&self.mlp.out, delta)?;
+        Ok(())
+    }
+
+    fn add_last_delta(&mut self) -> std::result::Result<(), CudaError> {
+        // The norm's output over all tokens is unused: only the logits rows go through the
+        // final norm (in `logits`).
+        let layers = self.m.config.num_hidden_layers;
+        let (delta, normed) = read_write(&mut self.acts, Act::Delta, Act::Normed);
+        ops::rms_norm_residual(
+            self.m.gpu,
+            RmsNormArgs {
+                residual: self.residual.as_view_mut(),
+                delta: (layers > 0).then(|| delta.as_view()),
+                weight: self.m.weights.norm.as_view(),
+                out: normed.as_view_mut(),
+                eps: self.m.config.rms_norm_eps,
+            },
+        )
+    }
+
+    fn logits(&mut self) -> std::result::Result<(), CudaError> {
+        let (gpu, c) = (self.m.gpu, self.m.config);
+        let (h, rows) = (c.hidden_size, self.x.logit_rows.len());
+        let mut last = gpu.zeros::<f32>(rows * h)?;
+        ops::gather_rows(
+            gpu,
+            ops::GatherRowsArgs {
+                src: self.residual.as_view(),
+                rows: self.inputs.logit_rows.as_view(),
+                dst: last.as_view_mut(),
+                hidden: h,
+            },
+        )?;
+        let mut last_normed = gpu.zeros::<T>(rows * h)?;
+        ops::rms_norm_residual(
+            gpu,
+            RmsNormArgs {
+                residual: last.as_view_mut(),
+                delta: None,
+                weight: self.m.weights.norm.as_view(),
+                out: last_normed.as_view_mut(),
+                eps: c.rms_norm_eps,
+            },
+        )?;
+        let mut logits = gpu.zeros::<T>(rows * c.vocab_size)?;
+        matmul_wt(
+            gpu,
+            &last_normed.as_view(),
+            &self.m.weights.lm_head.as_view(),
+            &mut logits.as_view_mut(),
+            GemmShape {
+                m: rows,
+                n: c.vocab_size,
+                k: h,
+            },
+        )?;
+        self.logits = gpu.download(&logits)?.iter().map(|v| v.to_f32()).collect();
+        Ok(())
+    }
+
+    fn observe(&mut self, at: Point) -> std::result::Result<(), CudaError> {
+        if at == Point::LayerOutput && self.wants.trace {
+            let residual = self.m.gpu.download(&self.residual)?;
+            (self.observe)(Observed::LayerOutput(residual));
+        }
+        Ok(())
+    }
+}
+
+impl<T: CudaElement> CudaStep<'_, T> {
+    /// `Delta` = the routed experts of `block` on `Normed`: router GEMM → top-k (on the device
+    /// when dropless on one GPU, else on the host) → permute → experts → unpermute.
+    fn routed_experts(
+        &mut self,
+        block: &DeviceMoe<T>,
+        moe_layer: usize,
+    ) -> std::result::Result<(), CudaError> {
+        let (gpu, c, wants) = (self.m.gpu, self.m.config, self.wants);
+        let (t, h) = (self.num_tokens(), c.hidden_size);
+        let (e, k, inter) = (
+            c.num_local_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+        );
+        let b = &mut self.moe;
+        let normed = &self.acts[Act::Normed.index()];
+        matmul_wt(
+            gpu,
+            &normed.as_view(),
+            &block.gate.as_view(),
+            &mut b.router_logits.as_view_mut(),
+            GemmShape { m: t, n: e, k: h },
+        )?;
+        // Set by host routing; sent once the experts ran (with their devices' rows).
+        let mut pending: Option<LayerRouting> = None;
+        let mut layout: Option<SegmentLayout> = None;
+        // The router kernel computes Mixtral's softmax top-k; any other scoring routes on the
+        // host with the CPU's router.
+        let layer_router = RouterConfig {
+            top_k: k,
+            capacity: wants.capacity,
+            renormalize: c.norm_topk_prob,
+            scoring: c.router_scoring,
+            scale: c.routed_scaling_factor,
+        };
+        let on_device = wants.capacity == Capacity::Dropless
+            && !wants.expert_parallel
+            && layer_router.scoring == Scoring::Softmax
+            && layer_router.scale == 1.0;
+        let offsets = if on_device {
+            ops::route_top_k(
+                gpu,
+                ops::RouteArgs {
+                    logits: b.router_logits.as_view(),
+                    bias: block.router_bias.as_ref().map(|b| b.as_view()),
+                    topk_ids: b.topk_ids.as_view_mut(),
+                    topk_weights: b.topk_w.as_view_mut(),
+                    slots: b.topk_slots.as_view_mut(),
+                    expert_counts: b.counts.as_view_mut(),
+                    top_k: k,
+                    capacity: None,
+                    renormalize: c.norm_topk_prob,
+                },
+            )?;
+            ops::moe_segment_offsets(gpu, b.counts.as_view(), b.offsets.as_view_mut(), None)?;
+            // The per-expert GEMMs need the segment sizes on the host: one small copy per
+            // layer (the grouped kernel that would avoid it is future work, see gemm.rs).
+            let offsets: Vec<usize> = gpu
+                .download(&b.offsets)?
+                .iter()
+                .map(|o| *o as usize)
+                .collect();
+            if wants.trace {
+                let logits = gpu.download(&b.router_logits)?;
+                (self.observe)(Observed::RouterLogits(
+                    logits.iter().map(|v| v.to_f32()).collect(),
+                ));
+            }
+            if wants.routing {
+                let chosen = gpu.download(&b.topk_ids)?;
+                (self.observe)(Observed::Routing(dropless_routing(&offsets, chosen, k)));
+            }
+            offsets
+        } else {
+            let mut logits: Vec<f32> = gpu
+                .download(&b.router_logits)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            if let Some(bias) = &block.router_bias_host {
+                for row in logits.chunks_exact_mut(e) {
+                    row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
+                }
+            }
+            let bias = block.correction_bias.as_deref();
+            let routed = route_with_bias(&logits, e, &layer_router, bias);
+            let host = match self.m.experts {
+                Some(gpus) => {
+                    let placement = gpus.placement();
+                    let segments = SegmentLayout::new(placement, moe_layer);
+                    let host = HostRouting::with_segments(
+                        &routed,
+                        segments.num_segments(),
+                        |expert, ordinal| {
+                            let slot = placement.slot_for(moe_layer, ExpertId(expert), ordinal);
+                            segments.segment_of_slot(slot)
+                        },
+                    );
+                    layout = Some(segments);
+                    host
+                }
+                None => HostRouting::new(&routed, e),
+            };
+            b.topk_ids = gpu.upload(&host.topk_ids)?;
+            b.topk_w = gpu.upload(&host.weights)?;
+            b.topk_slots = gpu.upload(&host.slots)?;
+            b.offsets = gpu.upload(&host.offsets)?;
+            if wants.routing {
+                pending = Some(LayerRouting::from_routed(&routed, &wants.capacity));
+            }
+            if wants.trace {
+                (self.observe)(Observed::RouterLogits(logits));
+            }
+            host.offsets.iter().map(|o| *o as usize).collect()
+        };
+        let routing = DeviceRouting {
+            topk_ids: b.topk_ids.as_view(),
+            topk_weights: b.topk_w.as_view(),
+            slots: b.topk_slots.as_view(),
+            offsets: b.offsets.as_view(),
+            top_k: k,
+        };
+        ops::moe_permute(
+            gpu,
+            normed.as_view(),
+            &routing,
+            b.permuted.as_view_mut(),
+            b.pair_of_row.as_view_mut(),
+        )?;
+        let device_pairs = match (self.m.experts, &layout) {
+            (Some(gpus), Some(layout)) => {
+                let rows = LayerRows {
+                    layer: moe_layer,
+                    layout,
+                    offsets: &offsets,
+                };
+                gpus.run(gpu, rows, &b.permuted, &mut b.expert_out, h, inter)?
+            }
+            _ => {
+                grouped_expert_matmul(
+                    gpu,
+                    GroupedGemm {
+                        x: b.permuted.as_view(),
+                        weights: &block.w13,
+                        y: b.gate_up.as_view_mut(),
+                        offsets: &offsets,
+                        n: 2 * inter,
+                        k: h,
+                    },
+                )?;
+                ops::silu_mul(gpu, b.gate_up.as_view(), b.act.as_view_mut(), inter)?;
+                grouped_expert_matmul(
+                    gpu,
+                    GroupedGemm {
+                        x: b.act.as_view(),
+                        weights: &block.w2,
+                        y: b.expert_out.as_view_mut(),
+                        offsets: &offsets,
+                        n: h,
+                        k: inter,
+                    },
+                )?;
+                Vec::new()
+            }
+        };
+        if let Some(mut summary) = pending {
+            summary.device_pairs = device_pairs;
+            (self.observe)(Observed::Routing(summary));
+        }
+        let delta = &mut self.acts[Act::Delta.index()];
+        ops::moe_unpermute(gpu, b.expert_out.as_view(), &routing, delta.as_view_mut())
+    }
+
+    /// `Delta += g · shared_mlp(Normed)`, `g = sigmoid(gate · Normed)` per token (or 1): every
+    /// token, outside the capacity.
+    fn shared_expert(
+        &mut self,
+        mlp: &DeviceMlp<T>,
+        gate: Option<&CudaSlice<T>>,
+    ) -> std::result::Result<(), CudaError> {
+        let (gpu, t, h) = (self.m.gpu, self.num_tokens(), self.m.config.hidden_size);
+        self.mlp_into(mlp)?;
+        if let Some(gate) = gate {
+            matmul_wt(
+                gpu,
+                &self.acts[Act::Normed.index()].as_view(),
+                &gate.as_view(),
+                &mut self.mlp.gate_logit.as_view_mut(),
+                GemmShape { m: t, n: 1, k: h },
+            )?;
+        }
+        let delta = &mut self.acts[Act::Delta.index()];
+        ops::add_gated(
+            gpu,
+            delta.as_view_mut(),
+            self.mlp.out.as_view(),
+            gate.map(|_| self.mlp.gate_logit.as_view()),
+            h,
+        )
+    }
+}
