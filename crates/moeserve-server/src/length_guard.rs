@@ -234,8 +234,8 @@ impl<T: AsyncRead + Unpin> AsyncRead for LengthGuard<T> {
                     this.pass_line();
                 }
                 Poll::Ready(Ok(())) => {
-                    let filled = read.filled().to_vec();
-                    this.scan(&filled);
+                    let n = read.filled().len();
+                    this.scan(&chunk[..n]);
                 }
             }
         }

@@ -87,7 +87,8 @@ impl DecoderOps for CpuStep<'_, '_> {
         let bias = bias.map(|b| weight(self.model, layer, b));
         let ws = &mut *self.ws;
         let (x, y) = read_write(&mut ws.acts, x, y);
-        zeroed(y, t * w.shape()[0]);
+        // Sized, not cleared: the product overwrites every element.
+        y.resize(t * w.shape()[0], 0.0);
         cpu::matmul_wt_in(x, t, w, y, &mut ws.tiled);
         if let Some(b) = bias {
             cpu::add_bias(y, b);
