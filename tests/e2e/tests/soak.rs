@@ -2,10 +2,15 @@
 //! small for all of them (so admission waits and preempts), and walk away at random: before the
 //! response starts, after a few chunks, or not at all; some send long chat prompts and walk
 //! away while the server is still rendering and tokenizing them. Afterwards every KV block is free, no
-//! request is running or waiting, the server still answers, and its resident memory after a
-//! second round equals that after the first within a bound (no per-request leak).
+//! request is running or waiting, the server still answers, and its resident memory after the
+//! last round equals that after the one before within a bound (no per-request leak).
 //!
-//! `MOESERVE_SOAK_SECONDS` lengthens the measured round (default 40 s after a 12 s warm-up).
+//! The allocator keeps what the busiest moment needed, so resident memory climbs for a while
+//! before it levels off (on a slow machine, well after a short warm-up): the leak check
+//! compares the two halves of the measured time, not the measured time with the warm-up.
+//!
+//! `MOESERVE_SOAK_SECONDS` lengthens the measured time (default 40 s, in two rounds, after a
+//! 12 s warm-up).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,8 +25,9 @@ use serde_json::{Value, json};
 const NUM_CLIENTS: usize = 220;
 const WARM_UP: Duration = Duration::from_secs(12);
 const DEFAULT_SOAK_SECONDS: u64 = 40;
-/// Resident memory may grow this much from the first round to the second.
-const MAX_RSS_GROWTH_BYTES: u64 = 16 << 20;
+/// Resident memory may grow this much over the last round (some 7,000 requests on the CI
+/// machine: a leak of 1 KiB per request exceeds it).
+const MAX_RSS_GROWTH_BYTES: u64 = 8 << 20;
 
 /// A small deterministic generator (xorshift64*), one per client.
 struct Rng(u64);
@@ -218,28 +224,34 @@ async fn hundreds_of_streaming_clients_with_random_disconnects_leave_nothing_beh
     let at_start = resident_bytes(pid);
     let warm = round(&server, WARM_UP, 1).await;
     let after_warm_up = resident_bytes(pid);
-    let measured = round(&server, Duration::from_secs(soak), 2).await;
+    let half = Duration::from_secs(soak).div_f64(2.0);
+    let first = round(&server, half, 2).await;
+    let after_first = resident_bytes(pid);
+    let measured = round(&server, half, 3).await;
     let after_soak = resident_bytes(pid);
     let samples = scrape(&server.url("/metrics")).await;
     let preemptions = metric_sum(&samples, "moeserve:num_preemptions_total").unwrap_or(0.0);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     eprintln!(
-        "soak: {NUM_CLIENTS} clients, {} s warm-up + {soak} s; RSS {:.1} MiB at start, \
-         {:.1} MiB after warm-up, {:.1} MiB after the soak; {preemptions} preemptions",
+        "soak: {NUM_CLIENTS} clients, {} s warm-up + 2 × {:.0} s; RSS {:.1} MiB at start, \
+         {:.1} MiB after warm-up, {:.1} MiB after the first half, {:.1} MiB after the second; \
+         {preemptions} preemptions",
         WARM_UP.as_secs(),
+        half.as_secs_f64(),
         mib(at_start),
         mib(after_warm_up),
+        mib(after_first),
         mib(after_soak),
     );
     let served = |t: &Tally| t.completed.load(Ordering::Relaxed);
-    assert!(served(&warm) > 0 && served(&measured) > 0);
+    assert!(served(&warm) > 0 && served(&first) > 0 && served(&measured) > 0);
     assert!(measured.dropped_mid_stream.load(Ordering::Relaxed) > 0);
     assert!(measured.dropped_early.load(Ordering::Relaxed) > 0);
     assert!(measured.dropped_tokenizing.load(Ordering::Relaxed) > 0);
     assert!(
-        after_soak <= after_warm_up + MAX_RSS_GROWTH_BYTES,
-        "resident memory grew from {:.1} MiB to {:.1} MiB",
-        mib(after_warm_up),
+        after_soak <= after_first + MAX_RSS_GROWTH_BYTES,
+        "resident memory grew from {:.1} MiB to {:.1} MiB over the last round",
+        mib(after_first),
         mib(after_soak)
     );
     // Still serving, with a clean slate.
