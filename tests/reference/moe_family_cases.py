@@ -1,10 +1,13 @@
-"""Tiny random Qwen3-MoE, Qwen2-MoE, OLMoE and GLM-4.5 checkpoints with transformers float32 references.
+"""Tiny random Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5 and DeepSeek-V2/V3 checkpoints with transformers
+float32 references.
 
-Owns fixture set F: tests/fixtures/{qwen3-moe,qwen3-moe-fused,qwen2-moe,olmoe,glm4-moe}/, each in
+Owns fixture set F: tests/fixtures/{qwen3-moe,qwen3-moe-fused,qwen2-moe,olmoe,qwen3-moe-yarn,glm4-moe,
+deepseek-v2-lite,deepseek-v2,deepseek-v3}/, each in
 the mixtral-* layout (config.json, generation_config.json, model.safetensors,
 reference.json, expected.safetensors, manifest.json; see mixtral_cases.py, whose
-helpers it reuses). Follows transformers 5.24's modeling_{qwen3_moe,qwen2_moe,olmoe,glm4_moe}.py
-and the "qwen2_moe" rules of conversion_mapping.py (qwen3_moe, olmoe and glm4_moe map to them):
+helpers it reuses). Follows transformers 5.24's
+modeling_{qwen3_moe,qwen2_moe,olmoe,glm4_moe,deepseek_v2,deepseek_v3}.py and the "qwen2_moe" rules
+of conversion_mapping.py (qwen3_moe, olmoe, glm4_moe and deepseek_v2/v3 map to them):
 hub per-expert `mlp.experts.N.{gate,up,down}_proj.weight` are merged on load into
 `mlp.experts.gate_up_proj` [E, 2*I, H] (MergeModulelist(dim=0) then Concatenate(dim=1):
 gate rows first, then up) and `mlp.experts.down_proj` [E, H, I]; save_pretrained splits
@@ -22,6 +25,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     OlmoeConfig,
@@ -58,7 +65,16 @@ FAMILIES = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM),
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+    "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
 }
+# Families whose router and MoE block follow DeepSeek (first_k_dense_replace, n_routed_experts,
+# shared_experts without a gate, routed_scaling_factor, groups).
+DEEPSEEK_MOE = ("glm4_moe", "deepseek_v2", "deepseek_v3")
+# DeepSeek-V3's sigmoid router with e_score_correction_bias (noaux_tc).
+SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3")
+# Multi-head latent attention.
+MLA = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,30 @@ class FamilyCase:
     n_shared: int = 0
     correction_bias_std: float = 0.15
     rope: dict | None = None  # rope_parameters beyond rope_theta (e.g. YaRN's); None: default
+    # DeepSeek-V2/V3 multi-head latent attention: q through q_proj (q_lora_rank None) or
+    # q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa -> [kv_lora_rank | qk_rope];
+    # kv_b_proj -> per head [qk_nope | v_head].
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+    topk_method: str = "greedy"  # DeepSeek-V2: greedy or group_limited_greedy
+    rope_interleave: bool = True  # DeepSeek-V3 (V2's complex RoPE is always interleaved)
+    mtp_layers: int = 0  # DeepSeek-V3 MTP layers written after the last layer (ignored)
+
+    @property
+    def mla(self) -> bool:
+        return self.family in MLA
+
+    @property
+    def qk_head(self) -> int:
+        return self.qk_nope + self.qk_rope
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions RoPE turns: MLA's rope slice, else the rotated part of a head."""
+        return self.qk_rope if self.mla else int(self.attn_head_dim * self.partial_rotary)
 
     @property
     def attn_head_dim(self) -> int:
@@ -112,7 +152,7 @@ class FamilyCase:
         """Layers with a dense MLP, by the modeling code's rule (OLMoE has none)."""
         if self.family == "olmoe":
             return []
-        if self.family == "glm4_moe":
+        if self.family in DEEPSEEK_MOE:
             return list(range(self.first_k_dense))
         return [
             layer
@@ -159,6 +199,39 @@ CASES = (
         layers=3, experts=16, top_k=4, expert_intermediate=32, dense_intermediate=128, norm_topk_prob=True,
         tied=False, config_style="legacy", rms_norm_eps=1e-5, base_seed=9000, first_k_dense=1, n_group=4,
         topk_group=2, routed_scaling=2.5, partial_rotary=0.25, qk_norm=True, attention_bias=True, n_shared=2,
+    ),
+    FamilyCase(
+        # DeepSeek-V2-Lite's shape in small: q through q_proj (no q LoRA), greedy top-k of the
+        # softmax, not renormalised, 2 shared experts, first layer dense, YaRN with V2-Lite's
+        # mscale = mscale_all_dim = 0.707 (cos/sin unscaled, softmax scale times mscale^2); the
+        # hub's config style (rope_scaling with "type").
+        name="deepseek-v2-lite", family="deepseek_v2", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=4,
+        head_dim=None, layers=3, experts=16, top_k=4, expert_intermediate=32, dense_intermediate=128,
+        norm_topk_prob=False, tied=False, config_style="legacy", rms_norm_eps=1e-6, base_seed=10000,
+        first_k_dense=1, n_shared=2, kv_lora_rank=32, qk_nope=16, qk_rope=16, v_head=24, topk_method="greedy",
+        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+              "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    ),
+    FamilyCase(
+        # DeepSeek-V2's: q LoRA, group-limited greedy (groups scored by their best expert),
+        # routed scaling, biases on q_a/kv_a/o; YaRN whose mscale differs from mscale_all_dim
+        # (cos/sin scaled too).
+        name="deepseek-v2", family="deepseek_v2", dtype=torch.float32, hidden=64, heads=4, kv_heads=4,
+        head_dim=None, layers=3, experts=16, top_k=4, expert_intermediate=32, dense_intermediate=128,
+        norm_topk_prob=False, tied=False, config_style="parameters", rms_norm_eps=1e-6, base_seed=11000,
+        first_k_dense=1, n_shared=1, n_group=4, topk_group=2, routed_scaling=2.0, attention_bias=True,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=16, v_head=24, topk_method="group_limited_greedy",
+        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+              "mscale_all_dim": 0.5},
+    ),
+    FamilyCase(
+        # DeepSeek-V3's: q LoRA, noaux_tc (sigmoid, correction bias, 4 groups keep 2 by their two
+        # best biased scores, renormalised, scaled 2.5), interleaved RoPE, one MTP layer on disk.
+        name="deepseek-v3", family="deepseek_v3", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=4,
+        head_dim=None, layers=3, experts=16, top_k=4, expert_intermediate=32, dense_intermediate=128,
+        norm_topk_prob=True, tied=False, config_style="legacy", rms_norm_eps=1e-6, base_seed=12000,
+        first_k_dense=1, n_shared=1, n_group=4, topk_group=2, routed_scaling=2.5, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope=16, qk_rope=16, v_head=24, rope_interleave=True, mtp_layers=1,
     ),
 )
 
@@ -218,6 +291,27 @@ def make_config(case: FamilyCase):
             "rope_theta": ROPE_THETA,
             "partial_rotary_factor": case.partial_rotary,
         }
+    if case.mla:
+        for key in ("num_experts", "mlp_only_layers", "decoder_sparse_step", "use_sliding_window", "head_dim"):
+            kwargs.pop(key, None)
+        kwargs.update(
+            n_routed_experts=case.experts,
+            n_shared_experts=case.n_shared,
+            first_k_dense_replace=case.first_k_dense,
+            n_group=case.n_group,
+            topk_group=case.topk_group,
+            routed_scaling_factor=case.routed_scaling,
+            attention_bias=case.attention_bias,
+            q_lora_rank=case.q_lora_rank,
+            kv_lora_rank=case.kv_lora_rank,
+            qk_nope_head_dim=case.qk_nope,
+            qk_rope_head_dim=case.qk_rope,
+            v_head_dim=case.v_head,
+        )
+        if case.family == "deepseek_v2":
+            kwargs["topk_method"] = case.topk_method
+        else:
+            kwargs.update(rope_interleave=case.rope_interleave, num_nextn_predict_layers=case.mtp_layers)
     config = config_cls(**kwargs)
     config.architectures = [model_cls.__name__]
     return config
@@ -243,12 +337,7 @@ def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
         tensors[f"{prefix}.up_proj.weight"] = normal((inter, h), 1.0 / h**0.5)
         tensors[f"{prefix}.down_proj.weight"] = normal((h, inter), case.residual_gain / inter**0.5)
 
-    h = case.hidden
-    q_width, kv_width = case.heads * hd, case.kv_heads * hd
-    tensors = {"model.embed_tokens.weight": normal((VOCAB, h), case.embed_std)}
-    for layer in range(case.layers):
-        p = f"model.layers.{layer}"
-        tensors[f"{p}.input_layernorm.weight"] = norm_weight(h)
+    def plain_attention(p: str) -> None:
         tensors[f"{p}.self_attn.q_proj.weight"] = normal((q_width, h), 1.3 / h**0.5)
         tensors[f"{p}.self_attn.k_proj.weight"] = normal((kv_width, h), 1.3 / h**0.5)
         tensors[f"{p}.self_attn.v_proj.weight"] = normal((kv_width, h), 1.0 / h**0.5)
@@ -263,6 +352,37 @@ def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
         elif case.family == "olmoe":  # over the whole q / k projection
             tensors[f"{p}.self_attn.q_norm.weight"] = norm_weight(q_width)
             tensors[f"{p}.self_attn.k_norm.weight"] = norm_weight(kv_width)
+
+    def mla_attention(a: str) -> None:
+        q_out, kv_a = case.heads * case.qk_head, case.kv_lora_rank + case.qk_rope
+        if case.q_lora_rank is None:
+            tensors[f"{a}.q_proj.weight"] = normal((q_out, h), 1.3 / h**0.5)
+        else:
+            tensors[f"{a}.q_a_proj.weight"] = normal((case.q_lora_rank, h), 1.0 / h**0.5)
+            tensors[f"{a}.q_a_layernorm.weight"] = norm_weight(case.q_lora_rank)
+            tensors[f"{a}.q_b_proj.weight"] = normal((q_out, case.q_lora_rank), 1.3 / case.q_lora_rank**0.5)
+        tensors[f"{a}.kv_a_proj_with_mqa.weight"] = normal((kv_a, h), 1.3 / h**0.5)
+        tensors[f"{a}.kv_a_layernorm.weight"] = norm_weight(case.kv_lora_rank)
+        kv_b_out = case.heads * (case.qk_nope + case.v_head)
+        tensors[f"{a}.kv_b_proj.weight"] = normal((kv_b_out, case.kv_lora_rank), 1.0 / case.kv_lora_rank**0.5)
+        o_in = case.heads * case.v_head
+        tensors[f"{a}.o_proj.weight"] = normal((h, o_in), case.residual_gain / o_in**0.5)
+        if case.attention_bias:  # DeepSeek puts it on q_a, kv_a and o (never q_proj, q_b, kv_b)
+            if case.q_lora_rank is not None:
+                tensors[f"{a}.q_a_proj.bias"] = normal((case.q_lora_rank,), case.bias_std)
+            tensors[f"{a}.kv_a_proj_with_mqa.bias"] = normal((kv_a,), case.bias_std)
+            tensors[f"{a}.o_proj.bias"] = normal((h,), case.bias_std)
+
+    h = case.hidden
+    q_width, kv_width = case.heads * hd, case.kv_heads * hd
+    tensors = {"model.embed_tokens.weight": normal((VOCAB, h), case.embed_std)}
+    for layer in range(case.layers):
+        p = f"model.layers.{layer}"
+        tensors[f"{p}.input_layernorm.weight"] = norm_weight(h)
+        if case.mla:
+            mla_attention(f"{p}.self_attn")
+        else:
+            plain_attention(p)
         tensors[f"{p}.post_attention_layernorm.weight"] = norm_weight(h)
         if layer in case.dense_layers:
             mlp(f"{p}.mlp", case.dense_intermediate)
@@ -273,9 +393,10 @@ def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
         if case.family == "qwen2_moe":
             mlp(f"{p}.mlp.shared_expert", case.shared_intermediate)
             tensors[f"{p}.mlp.shared_expert_gate.weight"] = normal((1, h), case.shared_gate_std / h**0.5)
-        if case.family == "glm4_moe":
+        if case.family in SIGMOID_ROUTER:
             # Sigmoid scores live in (0, 1): a bias of this size moves some choices.
             tensors[f"{p}.mlp.gate.e_score_correction_bias"] = normal((case.experts,), case.correction_bias_std)
+        if case.family in DEEPSEEK_MOE:
             mlp(f"{p}.mlp.shared_experts", case.expert_intermediate * case.n_shared)
     tensors["model.norm.weight"] = norm_weight(h)
     if not case.tied:
@@ -284,9 +405,9 @@ def init_hub_tensors(case: FamilyCase, seed: int) -> dict[str, torch.Tensor]:
 
 
 def stored_dtype(case: FamilyCase, name: str) -> torch.dtype:
-    """The case dtype, but GLM-4.5's router weight and correction bias stay float32 on disk
-    (its `_keep_in_fp32_modules_strict`, as save_pretrained writes them)."""
-    if case.family == "glm4_moe" and name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
+    """The case dtype, but GLM-4.5's and DeepSeek's router weight and correction bias stay
+    float32 on disk (their `_keep_in_fp32_modules_strict`, as save_pretrained writes them)."""
+    if case.family in DEEPSEEK_MOE and name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
         return torch.float32
     return case.dtype
 
@@ -333,7 +454,8 @@ def attempt(case: FamilyCase, seed: int):
     stored = fuse_experts(case, hub) if case.fused_experts else hub
     model = build_model(case, stored)
     results, greedy_margin, router_gap = run_references(model, seed, case.top_k)
-    if case.family == "glm4_moe":  # the sigmoid router decides on biased scores and groups
+    if case.family in SIGMOID_ROUTER or case.topk_method == "group_limited_greedy":
+        # These routers decide on biased scores and groups, not on the top-k of the logits.
         router_gap = min(
             choice_gap(case, model, capture_forward(model, r.prompt_ids + r.greedy_ids[:-1])) for r in results
         )
@@ -349,13 +471,38 @@ def config_json(case: FamilyCase) -> dict:
     if case.family == "glm4_moe" and case.config_style != "parameters":
         # The hub's GLM-4.5 configs give it beside rope_theta, at the top level.
         config["partial_rotary_factor"] = case.partial_rotary
+    if case.mla and case.config_style != "parameters" and case.rope is not None:
+        # The hub's DeepSeek configs say YaRN as `rope_scaling` with "type".
+        scaling = {k: v for k, v in case.rope.items() if k != "rope_type"}
+        config["rope_scaling"] = {"type": case.rope["rope_type"], **scaling}
     return dict(sorted(config.items()))
+
+
+def mtp_tensors(case: FamilyCase) -> dict[str, torch.Tensor]:
+    """Some of a DeepSeek-V3 MTP layer's tensors (`model.layers.{num_hidden_layers}.*`): on
+    disk as V3 ships them, not part of the model (transformers and moeserve ignore them)."""
+    gen = torch.Generator().manual_seed(case.base_seed + 777)
+    h, p = case.hidden, f"model.layers.{case.layers}"
+    shapes = {
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
+        "shared_head.norm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "self_attn.kv_a_proj_with_mqa.weight": (case.kv_lora_rank + case.qk_rope, h),
+        "mlp.gate.weight": (case.experts, h),
+    }
+    return {
+        f"{p}.{name}": torch.randn(shape, generator=gen).to(case.dtype).contiguous()
+        for name, shape in shapes.items()
+        for _ in range(case.mtp_layers)
+    }
 
 
 def write_checkpoint(case: FamilyCase, out: Path, stored: dict[str, torch.Tensor]) -> None:
     write_json(out / "config.json", config_json(case))
     write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": EOS_TOKEN_ID})
-    write_tensors(out, stored, 1)
+    write_tensors(out, {**stored, **mtp_tensors(case)}, 1)
 
 
 def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hub) -> bool:
@@ -364,7 +511,8 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
     Returns whether save_pretrained writes exactly the checkpoint's tensor names
     (required for the per-expert cases; a fused checkpoint is saved back per expert).
     """
-    on_disk = read_tensors(out)
+    mtp = mtp_tensors(case)
+    on_disk = {k: v for k, v in read_tensors(out).items() if k not in mtp}
     if set(on_disk) != set(stored) or any(not torch.equal(on_disk[k], stored[k]) for k in stored):
         raise RuntimeError(f"{case.name}: written tensors differ from the computed ones")
     saved = save_pretrained_names(build_model(case, stored), case.dtype)
@@ -375,6 +523,7 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
         out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
     )
     reloaded.eval()
+    info["unexpected_keys"] = set(info.get("unexpected_keys") or ()) - set(mtp)  # the MTP layer's
     if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")):
         raise RuntimeError(f"{case.name}: from_pretrained loading info {info}")
     config = reloaded.config
@@ -382,7 +531,15 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
         raise RuntimeError(f"{case.name}: config reload lost the rope parameters: {config.rope_parameters}")
     if config.rope_parameters["rope_theta"] != ROPE_THETA or config.norm_topk_prob != case.norm_topk_prob:
         raise RuntimeError(f"{case.name}: config reload lost rope_theta/norm_topk_prob")
-    if reloaded.model.layers[0].self_attn.head_dim != case.attn_head_dim:
+    mla_fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    mla_values = (case.q_lora_rank, case.kv_lora_rank, case.qk_nope, case.qk_rope, case.v_head)
+    if case.mla and tuple(getattr(config, k) for k in mla_fields) != mla_values:
+        raise RuntimeError(f"{case.name}: config reload lost the MLA shape")
+    if case.family == "deepseek_v2" and config.topk_method != case.topk_method:
+        raise RuntimeError(f"{case.name}: config reload lost topk_method")
+    if case.family == "deepseek_v3" and config.rope_interleave != case.rope_interleave:
+        raise RuntimeError(f"{case.name}: config reload lost rope_interleave")
+    if not case.mla and reloaded.model.layers[0].self_attn.head_dim != case.attn_head_dim:
         raise RuntimeError(f"{case.name}: reloaded head_dim {reloaded.model.layers[0].self_attn.head_dim}")
     if getattr(config, "clip_qkv", None) != case.clip_qkv or getattr(config, "sliding_window", None):
         raise RuntimeError(f"{case.name}: config reload lost clip_qkv or enabled a sliding window")
@@ -477,7 +634,9 @@ def ablations(case: FamilyCase, model) -> dict:
     layers = model.model.layers
     attns = [layer.self_attn for layer in layers]
     sparse = [layer.mlp for layer in layers if is_sparse_layer(layer)]
-    out = {"norm_topk_prob_flipped": lambda: _flipped_norm_topk([m.gate for m in sparse])}
+    out = {}
+    if case.family != "deepseek_v2":  # V2's router has no norm_topk_prob
+        out["norm_topk_prob_flipped"] = lambda: _flipped_norm_topk([m.gate for m in sparse])
     if case.family in ("qwen3_moe", "olmoe"):
         norms = [a.q_norm for a in attns] + [a.k_norm for a in attns]
         out["qk_norm_skipped"] = lambda: _hooked(norms, lambda _m, inputs, _o: inputs[0])
@@ -486,14 +645,35 @@ def ablations(case: FamilyCase, model) -> dict:
         out["clip_qkv_off"] = lambda: _config_value(model.config, "clip_qkv", None)
     if case.rope is not None:
         rotary = model.model.rotary_emb
-        plain, _ = _inv_freq(dataclasses.replace(case, rope=None), case.attn_head_dim)
+        plain, _ = _inv_freq(dataclasses.replace(case, rope=None), case.rotary_dim)
         out["rope_scaling_off"] = lambda: _plain_rope(rotary, plain)
-    if case.family == "glm4_moe":
+    if case.family in DEEPSEEK_MOE:
         routers = [m.gate for m in sparse]
-        out["correction_bias_zero"] = lambda: _replaced([r.e_score_correction_bias for r in routers], 0.0)
-        out["routed_scaling_one"] = lambda: _attrs(routers, routed_scaling_factor=1.0)
-        out["group_limit_off"] = lambda: _attrs(routers, num_group=1, topk_group=1)
+        if case.family in SIGMOID_ROUTER:
+            out["correction_bias_zero"] = lambda: _replaced([r.e_score_correction_bias for r in routers], 0.0)
+        if case.routed_scaling != 1.0:
+            out["routed_scaling_one"] = lambda: _attrs(routers, routed_scaling_factor=1.0)
+        if case.family in SIGMOID_ROUTER:
+            out["group_limit_off"] = lambda: _attrs(routers, num_group=1, topk_group=1)
+        if case.topk_method == "group_limited_greedy":
+            out["group_limit_off"] = lambda: _attrs(routers, topk_method="greedy")
         out["shared_experts_skipped"] = lambda: _hooked([m.shared_experts for m in sparse], lambda _m, _i, o: o * 0)
+    if case.mla:
+        latent_norms = [a.kv_a_layernorm for a in attns]
+        out["kv_a_layernorm_skipped"] = lambda: _hooked(latent_norms, lambda _m, inputs, _o: inputs[0])
+        if case.q_lora_rank is not None:
+            q_norms = [a.q_a_layernorm for a in attns]
+            out["q_a_layernorm_skipped"] = lambda: _hooked(q_norms, lambda _m, inputs, _o: inputs[0])
+        if case.family == "deepseek_v3":
+            interleave = model.config.rope_interleave
+            out["rope_interleave_flipped"] = lambda: _config_value(model.config, "rope_interleave", not interleave)
+        if case.rope is not None and case.rope.get("mscale_all_dim"):
+            out["softmax_mscale_off"] = lambda: _attrs(attns, scaling=case.qk_head**-0.5)
+        if case.attention_bias:
+            biases = [a.kv_a_proj_with_mqa.bias for a in attns] + [a.o_proj.bias for a in attns]
+            biases += [a.q_a_proj.bias for a in attns if a.q_a_proj is not None]
+            out["attention_bias_zero"] = lambda: _replaced(biases, 0.0)
+    if case.family == "glm4_moe":
         if case.qk_norm:
             norms = [a.q_norm for a in attns] + [a.k_norm for a in attns]
             out["qk_norm_skipped"] = lambda: _hooked(norms, lambda _m, inputs, _o: inputs[0])
@@ -589,7 +769,13 @@ def _inv_freq(case: FamilyCase, dim: int) -> tuple[torch.Tensor, float]:
     low, high = max(math.floor(turns_dim(beta_fast)), 0), min(math.ceil(turns_dim(beta_slow)), dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
-    return inv_freq, 0.1 * math.log(factor) + 1.0
+
+    def mscale(m: float = 1.0) -> float:
+        return 0.1 * m * math.log(factor) + 1.0
+
+    if case.rope.get("mscale") and case.rope.get("mscale_all_dim"):  # DeepSeek's ratio
+        return inv_freq, mscale(case.rope["mscale"]) / mscale(case.rope["mscale_all_dim"])
+    return inv_freq, mscale()
 
 
 def _rope(x: torch.Tensor, case: FamilyCase, rotary: int | None = None) -> torch.Tensor:
@@ -603,6 +789,69 @@ def _rope(x: torch.Tensor, case: FamilyCase, rotary: int | None = None) -> torch
     cos, sin = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
     rotated = rot * cos + torch.cat([-rot[..., dim // 2 :], rot[..., : dim // 2]], -1) * sin
     return torch.cat([rotated, rest], -1)
+
+
+def _rope_pairs(x: torch.Tensor, case: FamilyCase) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... of x [T, heads, dim], each pair turned
+    by one frequency: DeepSeek's layout (V2's complex product, V3's rope_interleave)."""
+    inv_freq, scaling = _inv_freq(case, x.shape[-1])
+    angles = torch.arange(x.shape[0], dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = (angles.cos() * scaling)[:, None], (angles.sin() * scaling)[:, None]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+
+
+def _mla_softmax_scale(case: FamilyCase) -> float:
+    """qk_head^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the config sets it."""
+    scale = case.qk_head**-0.5
+    rope = case.rope or {}
+    if rope.get("rope_type") == "yarn" and rope.get("mscale_all_dim") and rope["factor"] > 1:
+        scale *= (0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0) ** 2
+    return scale
+
+
+def _mla_attention(case: FamilyCase, w: dict, p: str, h: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's multi-head latent attention, keys and values expanded from the latent."""
+    n_tokens, eps = h.shape[0], 1e-6  # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps
+    a = f"{p}self_attn."
+
+    def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+        return x @ w[f"{a}{name}.weight"].T + w.get(f"{a}{name}.bias", 0.0)
+
+    if case.q_lora_rank is None:
+        q = proj("q_proj", h)
+    else:
+        q = proj("q_b_proj", _rms_norm(proj("q_a_proj", h), w[a + "q_a_layernorm.weight"], eps))
+    q = q.view(n_tokens, case.heads, case.qk_head)
+    q_nope, q_rope = q.split([case.qk_nope, case.qk_rope], -1)
+    latent, k_rope = proj("kv_a_proj_with_mqa", h).split([case.kv_lora_rank, case.qk_rope], -1)
+    latent = _rms_norm(latent, w[a + "kv_a_layernorm.weight"], eps)
+    k_rope = k_rope.view(n_tokens, 1, case.qk_rope)
+    interleaved = case.family == "deepseek_v2" or case.rope_interleave
+    turn = _rope_pairs if interleaved else (lambda x, c: _rope(x, c))
+    q_rope, k_rope = turn(q_rope, case), turn(k_rope, case)
+    kv = (latent @ w[a + "kv_b_proj.weight"].T).view(n_tokens, case.heads, case.qk_nope + case.v_head)
+    k_nope, v = kv.split([case.qk_nope, case.v_head], -1)
+    k = torch.cat([k_nope, k_rope.expand(-1, case.heads, -1)], -1)
+    q = torch.cat([q_nope, q_rope], -1)
+    probs = torch.softmax(torch.einsum("thd,shd->hts", q, k) * _mla_softmax_scale(case) + causal, dim=-1)
+    attn = torch.einsum("hts,shd->thd", probs, v).reshape(n_tokens, case.heads * case.v_head)
+    return proj("o_proj", attn)
+
+
+def _v2_route(case: FamilyCase, logits: torch.Tensor):
+    """DeepSeek-V2's routers from their description: softmax over all experts; greedy takes the
+    top_k, group_limited_greedy first keeps the topk_group groups with the best single score;
+    the weights (not renormalised) scaled by routed_scaling_factor."""
+    scores = torch.softmax(logits, dim=-1)
+    if case.topk_method == "group_limited_greedy":
+        size = case.experts // case.n_group
+        best = scores.view(-1, case.n_group, size).max(-1).values
+        kept = best.argsort(-1, descending=True)[:, : case.topk_group]
+        allowed = torch.zeros_like(best, dtype=torch.bool).scatter(1, kept, True)
+        scores = scores.masked_fill(~allowed.repeat_interleave(size, dim=1), 0.0)
+    weights, indices = torch.topk(scores, case.top_k, dim=-1)
+    return weights * case.routed_scaling, indices
 
 
 def _sigmoid_route(case: FamilyCase, logits: torch.Tensor, bias: torch.Tensor):
@@ -625,15 +874,22 @@ def _sigmoid_route(case: FamilyCase, logits: torch.Tensor, bias: torch.Tensor):
 
 
 def choice_gap(case: FamilyCase, model, captured: dict[str, torch.Tensor]) -> float:
-    """The sigmoid router's smallest decision margin over the captured router logits: between
-    the kept and the first dropped group, and between the top_k-th and the next allowed expert."""
+    """A grouped router's smallest decision margin over the captured router logits: between
+    the kept and the first dropped group, and between the top_k-th and the next allowed expert.
+    The sigmoid router (noaux_tc) chooses on biased scores, groups by their two best; DeepSeek-V2's
+    group_limited_greedy on the softmax, groups by their best."""
     gaps = []
     for idx, layer in enumerate(model.model.layers):
         if not is_sparse_layer(layer):
             continue
-        choice = torch.sigmoid(captured[f"router_logits.{idx}"]) + layer.mlp.gate.e_score_correction_bias
+        logits = captured[f"router_logits.{idx}"]
         size = case.experts // case.n_group
-        group_score = choice.view(-1, case.n_group, size).sort(-1, descending=True).values[..., :2].sum(-1)
+        if case.family in SIGMOID_ROUTER:
+            choice = torch.sigmoid(logits) + layer.mlp.gate.e_score_correction_bias
+            group_score = choice.view(-1, case.n_group, size).sort(-1, descending=True).values[..., :2].sum(-1)
+        else:  # the softmax keeps the logits' order within a token: the same choices, in logit units
+            choice = logits
+            group_score = choice.view(-1, case.n_group, size).max(-1).values
         ordered = group_score.sort(-1, descending=True).values
         if case.topk_group < case.n_group:
             gaps.append(float((ordered[:, case.topk_group - 1] - ordered[:, case.topk_group]).min()))
@@ -645,34 +901,38 @@ def choice_gap(case: FamilyCase, model, captured: dict[str, torch.Tensor]) -> fl
     return min(gaps)
 
 
+def _gqa_attention(case: FamilyCase, w: dict, p: str, h: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with the family's biases, q/k norms, clipping and partial rotary."""
+    eps, hd, n_tokens = case.rms_norm_eps, case.attn_head_dim, h.shape[0]
+    q, k, v = (h @ w[f"{p}self_attn.{n}_proj.weight"].T + w.get(f"{p}self_attn.{n}_proj.bias", 0.0) for n in "qkv")
+    if case.family == "olmoe":  # norm over the flat projection, then clip q, k and v
+        q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
+        k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
+        v = v.clamp(-case.clip_qkv, case.clip_qkv)
+    q, k, v = q.view(n_tokens, case.heads, hd), k.view(n_tokens, case.kv_heads, hd), v.view(n_tokens, -1, hd)
+    if case.family == "qwen3_moe" or case.qk_norm:  # norm per head over head_dim
+        q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
+        k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
+    q, k = _rope(q, case, case.rotary_dim), _rope(k, case, case.rotary_dim)
+    group = case.heads // case.kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    probs = torch.softmax(torch.einsum("thd,shd->hts", q, k) * hd**-0.5 + causal, dim=-1)
+    attn = torch.einsum("hts,shd->thd", probs, v).reshape(n_tokens, case.heads * hd)
+    return attn @ w[p + "self_attn.o_proj.weight"].T
+
+
 @torch.no_grad()
 def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
     """The forward written out from the formulas (not transformers' modules): logits [T, V]."""
     w = module_state_dict(case, stored)
-    eps, hd, n_tokens = case.rms_norm_eps, case.attn_head_dim, len(ids)
+    eps, n_tokens = case.rms_norm_eps, len(ids)
     x = w["model.embed_tokens.weight"][ids]
     causal = torch.full((n_tokens, n_tokens), float("-inf")).triu(1)
     for layer in range(case.layers):
         p = f"model.layers.{layer}."
         h = _rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q, k, v = (
-            h @ w[f"{p}self_attn.{n}_proj.weight"].T + w.get(f"{p}self_attn.{n}_proj.bias", 0.0) for n in "qkv"
-        )
-        if case.family == "olmoe":  # norm over the flat projection, then clip q, k and v
-            q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
-            k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps).clamp(-case.clip_qkv, case.clip_qkv)
-            v = v.clamp(-case.clip_qkv, case.clip_qkv)
-        q, k, v = q.view(n_tokens, case.heads, hd), k.view(n_tokens, case.kv_heads, hd), v.view(n_tokens, -1, hd)
-        if case.family == "qwen3_moe" or case.qk_norm:  # norm per head over head_dim
-            q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
-            k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
-        rotary = int(hd * case.partial_rotary)
-        q, k = _rope(q, case, rotary), _rope(k, case, rotary)
-        group = case.heads // case.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        probs = torch.softmax(torch.einsum("thd,shd->hts", q, k) * hd**-0.5 + causal, dim=-1)
-        attn = torch.einsum("hts,shd->thd", probs, v).reshape(n_tokens, case.heads * hd)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        attention = _mla_attention if case.mla else _gqa_attention
+        x = x + attention(case, w, p, h, causal)
         h = _rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
 
         def swiglu(prefix: str, h=h, p=p) -> torch.Tensor:
@@ -682,11 +942,13 @@ def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: l
         if layer in case.dense_layers:
             x = x + swiglu("mlp.")
             continue
-        if case.family == "glm4_moe":
-            bias = w[p + "mlp.gate.e_score_correction_bias"]
-            top_w, top_i = _sigmoid_route(case, h @ w[p + "mlp.gate.weight"].T, bias)
+        logits = h @ w[p + "mlp.gate.weight"].T
+        if case.family in SIGMOID_ROUTER:
+            top_w, top_i = _sigmoid_route(case, logits, w[p + "mlp.gate.e_score_correction_bias"])
+        elif case.family == "deepseek_v2":
+            top_w, top_i = _v2_route(case, logits)
         else:
-            router_probs = torch.softmax(h @ w[p + "mlp.gate.weight"].T, dim=-1)  # over all experts
+            router_probs = torch.softmax(logits, dim=-1)  # over all experts
             top_w, top_i = torch.topk(router_probs, case.top_k, dim=-1)
             if case.norm_topk_prob:
                 top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -698,7 +960,7 @@ def independent_logits(case: FamilyCase, stored: dict[str, torch.Tensor], ids: l
             out = out + weight * ((torch.nn.functional.silu(gate) * up) @ down[e].T)
         if case.family == "qwen2_moe":
             out = out + torch.sigmoid(h @ w[p + "mlp.shared_expert_gate.weight"].T) * swiglu("mlp.shared_expert.")
-        if case.family == "glm4_moe":
+        if case.family in DEEPSEEK_MOE:
             out = out + swiglu("mlp.shared_experts.")
         x = x + out
     return _rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
