@@ -178,12 +178,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let c = mixtral_8x7b(args.layers)?;
     let max_batch = *args.batches.iter().max().expect("a batch size");
     let max_blocks = (args.prompt_len + args.decode_steps + 1).div_ceil(BLOCK_SIZE);
-    let layout = KvCacheLayout {
-        num_layers: c.num_hidden_layers,
-        num_blocks: max_batch * max_blocks,
-        block_size: BLOCK_SIZE,
-        kv_dim: c.kv_dim(),
-    };
+    let layout = KvCacheLayout::for_model(&c, max_batch * max_blocks, BLOCK_SIZE);
     let start = Instant::now();
     let mut model = CudaMoeModel::synthetic(c.clone(), layout, 0, 0)?;
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);

@@ -50,6 +50,44 @@ impl AttentionConfig {
     };
 }
 
+/// DeepSeek-V2/V3's multi-head latent attention. Per token, the query comes from `q_proj`
+/// (no `q_lora_rank`) or `q_a_proj → q_a_layernorm → q_b_proj`, `qk_nope_head_dim +
+/// qk_rope_head_dim` per head; `kv_a_proj_with_mqa` gives the latent `kv_lora_rank` values
+/// (normed by `kv_a_layernorm`) and one shared rotary key of `qk_rope_head_dim`; `kv_b_proj`
+/// expands the latent into each head's `qk_nope_head_dim` key and `v_head_dim` value. What the
+/// KV cache stores is the latent and the rotary key, not the expanded heads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// RoPE turns interleaved pairs (V2 always; V3's `rope_interleave`), else halves.
+    pub rope_interleave: bool,
+    /// Biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` (`attention_bias`).
+    pub bias: bool,
+    /// The attention scores' scale: `qk_head_dim^-0.5`, times YaRN's `mscale(factor,
+    /// mscale_all_dim)²` when the config sets `mscale_all_dim`.
+    pub softmax_scale: f32,
+}
+
+impl MlaConfig {
+    /// `q_a_layernorm` and `kv_a_layernorm` keep RMSNorm's default epsilon, whatever
+    /// `rms_norm_eps` says (HF builds them without it).
+    pub const LATENT_NORM_EPS: f32 = 1e-6;
+
+    /// A query head's width: `qk_nope_head_dim + qk_rope_head_dim`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// One token's cached row in one layer: the latent and the rotary key.
+    pub fn latent_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+}
+
 /// A shared expert every token goes through beside its routed ones (Qwen2-MoE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SharedExpertConfig {
@@ -100,6 +138,9 @@ pub struct ModelConfig {
     /// MLP of `intermediate_size`).
     pub sparse_layers: Vec<bool>,
     pub attention: AttentionConfig,
+    /// Multi-head latent attention instead of grouped-query attention (DeepSeek-V2/V3);
+    /// `head_dim` and `rotary_dim` are then its `qk_rope_head_dim`.
+    pub mla: Option<MlaConfig>,
     pub names: TensorNames,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
@@ -219,6 +260,15 @@ impl ModelConfig {
         RopeFrequencies::new(self.rotary_dim, self.rope_theta, self.rope_scaling)
     }
 
+    /// The widths of one token's key and value rows in one layer's KV cache: grouped-query
+    /// attention's `kv_dim()` twice, or MLA's latent row and no value row.
+    pub fn kv_cache_row(&self) -> (usize, usize) {
+        match &self.mla {
+            Some(mla) => (mla.latent_dim(), 0),
+            None => (self.kv_dim(), self.kv_dim()),
+        }
+    }
+
     /// Key/value width of one token in one layer: `num_key_value_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.num_key_value_heads * self.head_dim
@@ -252,6 +302,7 @@ impl ModelConfig {
             && self.router_scoring == Scoring::Softmax
             && self.routed_scaling_factor == 1.0
             && self.rotary_dim == self.head_dim
+            && self.mla.is_none()
     }
 }
 

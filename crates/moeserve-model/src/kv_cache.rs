@@ -6,8 +6,15 @@
 //! stores rows. Values are kept in f32 so cached attention equals recomputation exactly.
 //!
 //! ```text
-//! k: [num_layers][num_blocks][block_size][num_kv_heads * head_dim]   (same for v)
+//! k: [num_layers][num_blocks][block_size][key_dim]     (grouped-query: num_kv_heads * head_dim)
+//! v: [num_layers][num_blocks][block_size][value_dim]   (the same width, or none)
 //! ```
+//!
+//! Multi-head latent attention (DeepSeek-V2/V3) caches one compressed row per token and layer,
+//! `[kv_lora_rank | qk_rope_head_dim]`, whatever the number of heads: it is every head's key,
+//! and its latent part every head's value, so there is no separate value row (`value_dim` 0).
+
+use crate::config::ModelConfig;
 
 /// Sizes of a paged KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,11 +22,27 @@ pub struct KvCacheLayout {
     pub num_layers: usize,
     pub num_blocks: usize,
     pub block_size: usize,
-    /// `num_key_value_heads * head_dim`.
-    pub kv_dim: usize,
+    /// One token's key row in one layer: `num_key_value_heads * head_dim`, or MLA's latent
+    /// `kv_lora_rank + qk_rope_head_dim`.
+    pub key_dim: usize,
+    /// One token's value row in one layer: `key_dim`, or 0 for MLA (values are read from the
+    /// key rows).
+    pub value_dim: usize,
 }
 
 impl KvCacheLayout {
+    /// The layout `config`'s attention caches, with `num_blocks` blocks of `block_size` tokens.
+    pub fn for_model(config: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        let (key_dim, value_dim) = config.kv_cache_row();
+        KvCacheLayout {
+            num_layers: config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            key_dim,
+            value_dim,
+        }
+    }
+
     /// Bytes one token occupies across all layers (keys and values) in this f32 cache.
     pub fn bytes_per_token(&self) -> usize {
         self.bytes_per_token_in(std::mem::size_of::<f32>())
@@ -27,7 +50,7 @@ impl KvCacheLayout {
 
     /// The same with elements of `element_bytes` (a GPU cache holds the weights' dtype).
     pub fn bytes_per_token_in(&self, element_bytes: usize) -> usize {
-        2 * self.num_layers * self.kv_dim * element_bytes
+        self.num_layers * (self.key_dim + self.value_dim) * element_bytes
     }
 
     pub fn num_slots(&self) -> usize {
@@ -44,11 +67,11 @@ pub struct PagedKvCache {
 
 impl PagedKvCache {
     pub fn new(layout: KvCacheLayout) -> Self {
-        let len = layout.num_layers * layout.num_slots() * layout.kv_dim;
+        let rows = layout.num_layers * layout.num_slots();
         PagedKvCache {
             layout,
-            k: vec![0.0; len],
-            v: vec![0.0; len],
+            k: vec![0.0; rows * layout.key_dim],
+            v: vec![0.0; rows * layout.value_dim],
         }
     }
 
@@ -56,34 +79,36 @@ impl PagedKvCache {
         &self.layout
     }
 
-    fn offset(&self, layer: usize, slot: usize) -> usize {
+    /// The row index of `slot` in `layer`.
+    fn row(&self, layer: usize, slot: usize) -> usize {
         debug_assert!(layer < self.layout.num_layers && slot < self.layout.num_slots());
-        (layer * self.layout.num_slots() + slot) * self.layout.kv_dim
+        layer * self.layout.num_slots() + slot
     }
 
-    /// Stores one token's key and value rows (`kv_dim` each) at `slot` of `layer`.
+    /// Stores one token's key and value rows (`key_dim` and `value_dim` wide) at `slot` of
+    /// `layer`.
     pub fn write(&mut self, layer: usize, slot: usize, key: &[f32], value: &[f32]) {
-        let o = self.offset(layer, slot);
-        let d = self.layout.kv_dim;
-        self.k[o..o + d].copy_from_slice(key);
-        self.v[o..o + d].copy_from_slice(value);
+        let r = self.row(layer, slot);
+        let (dk, dv) = (self.layout.key_dim, self.layout.value_dim);
+        self.k[r * dk..(r + 1) * dk].copy_from_slice(key);
+        self.v[r * dv..(r + 1) * dv].copy_from_slice(value);
     }
 
     pub fn key(&self, layer: usize, slot: usize) -> &[f32] {
-        let o = self.offset(layer, slot);
-        &self.k[o..o + self.layout.kv_dim]
+        let (r, d) = (self.row(layer, slot), self.layout.key_dim);
+        &self.k[r * d..(r + 1) * d]
     }
 
     pub fn value(&self, layer: usize, slot: usize) -> &[f32] {
-        let o = self.offset(layer, slot);
-        &self.v[o..o + self.layout.kv_dim]
+        let (r, d) = (self.row(layer, slot), self.layout.value_dim);
+        &self.v[r * d..(r + 1) * d]
     }
 
-    /// All key and value rows of `layer`: `[num_slots, kv_dim]` each.
+    /// All key and value rows of `layer`: `[num_slots, key_dim]` and `[num_slots, value_dim]`.
     pub fn layer_rows(&self, layer: usize) -> (&[f32], &[f32]) {
-        let len = self.layout.num_slots() * self.layout.kv_dim;
-        let o = self.offset(layer, 0);
-        (&self.k[o..o + len], &self.v[o..o + len])
+        let (r, n) = (self.row(layer, 0), self.layout.num_slots());
+        let (dk, dv) = (self.layout.key_dim, self.layout.value_dim);
+        (&self.k[r * dk..(r + n) * dk], &self.v[r * dv..(r + n) * dv])
     }
 }
 
@@ -102,7 +127,8 @@ mod tests {
             num_layers: 2,
             num_blocks: 3,
             block_size: 4,
-            kv_dim: 2,
+            key_dim: 2,
+            value_dim: 2,
         };
         let mut cache = PagedKvCache::new(layout);
         cache.write(1, 5, &[1.0, 2.0], &[3.0, 4.0]);
@@ -116,5 +142,22 @@ mod tests {
     fn slot_follows_the_block_table() {
         assert_eq!(slot_of(&[7, 2], 4, 0), 28);
         assert_eq!(slot_of(&[7, 2], 4, 5), 9);
+    }
+
+    #[test]
+    fn a_latent_cache_holds_one_row_per_token_and_no_values() {
+        let layout = KvCacheLayout {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 4,
+            key_dim: 5,
+            value_dim: 0,
+        };
+        let mut cache = PagedKvCache::new(layout);
+        cache.write(1, 7, &[1.0, 2.0, 3.0, 4.0, 5.0], &[]);
+        assert_eq!(cache.key(1, 7), &[1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!(cache.value(1, 7).is_empty());
+        assert_eq!(cache.layer_rows(1).0.len(), 12 * 5);
+        assert_eq!(layout.bytes_per_token(), 2 * 5 * 4);
     }
 }

@@ -93,6 +93,8 @@ fn steps_in_a_warm_workspace_allocate_nothing() {
         "olmoe",
         "qwen3-moe-fused",
         "glm4-moe",
+        "deepseek-v2",
+        "deepseek-v3",
     ] {
         pool.install(|| steps_allocate_nothing(case));
     }

@@ -20,14 +20,19 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 
 /// The transformers fixtures of the other families (tests/reference/moe_family_cases.py):
 /// q/k norms per head and `head_dim` ≠ hidden/heads, dense layers among sparse ones, fused
-/// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`.
-pub const FAMILY_CASES: [&str; 6] = [
+/// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`,
+/// YaRN, DeepSeek-V3's sigmoid router on GQA (GLM-4.5), multi-head latent attention with
+/// DeepSeek-V2's and V3's routers.
+pub const FAMILY_CASES: [&str; 9] = [
     "qwen3-moe",
     "qwen3-moe-fused",
     "qwen3-moe-yarn",
     "qwen2-moe",
     "olmoe",
     "glm4-moe",
+    "deepseek-v2-lite",
+    "deepseek-v2",
+    "deepseek-v3",
 ];
 
 /// Every transformers fixture of a sparse model.

@@ -102,18 +102,26 @@ fn expert_parallel_outputs_equal_one_device_exactly() {
 }
 
 /// What a router ranks one token's experts by, recomputed from its logits: the logits
-/// themselves for softmax (monotonic); for the sigmoid router (GLM-4.5) the scores plus the
-/// correction bias, with the experts of all but the `keep` groups of highest two-best sums
-/// pushed to the end.
+/// themselves for softmax (monotonic); for DeepSeek-V2's grouped softmax the logits with all
+/// but the `keep` groups of highest best logit pushed to the end; for the sigmoid router
+/// (GLM-4.5, DeepSeek-V3) the scores plus the correction bias, with the experts of all but the
+/// `keep` groups of highest two-best sums pushed to the end.
+/// A group's score from its members' values, best first.
+type GroupScore = fn(&[f32]) -> f32;
+
 fn choice_values(row: &[f32], scoring: Scoring, bias: Option<&[f32]>) -> Vec<f32> {
-    let Scoring::Sigmoid { group_limit } = scoring else {
-        return row.to_vec();
+    let (mut choice, limit, group_score): (Vec<f32>, _, GroupScore) = match scoring {
+        Scoring::Softmax => return row.to_vec(),
+        Scoring::SoftmaxGrouped { group_limit } => (row.to_vec(), Some(group_limit), |s| s[0]),
+        Scoring::Sigmoid { group_limit } => {
+            let mut choice: Vec<f32> = row.iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+            if let Some(bias) = bias {
+                choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
+            }
+            (choice, group_limit, |s| s[0] + s[1])
+        }
     };
-    let mut choice: Vec<f32> = row.iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
-    if let Some(bias) = bias {
-        choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
-    }
-    if let Some(GroupLimit { groups, keep }) = group_limit {
+    if let Some(GroupLimit { groups, keep }) = limit {
         let size = choice.len() / groups;
         let mut sums: Vec<(f32, usize)> = choice
             .chunks(size)
@@ -121,7 +129,7 @@ fn choice_values(row: &[f32], scoring: Scoring, bias: Option<&[f32]>) -> Vec<f32
             .map(|(g, members)| {
                 let mut sorted = members.to_vec();
                 sorted.sort_by(|a, b| b.total_cmp(a));
-                (sorted[0] + sorted[1], g)
+                (group_score(&sorted), g)
             })
             .collect();
         sums.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));

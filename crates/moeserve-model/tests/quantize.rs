@@ -271,3 +271,21 @@ fn broken_int8_tensor_is_named() {
         "the message names the tensor and its file: {err}"
     );
 }
+
+/// GPTQ calibrates grouped-query attention's projections; a multi-head latent attention model
+/// is refused with a message that says so and names the fallback, and nothing is written.
+#[test]
+fn quantize_refuses_latent_attention_by_name() {
+    let out = tempfile::tempdir().unwrap();
+    let dst = out.path().join("int8");
+    let src = fixtures_dir().join("deepseek-v2-lite");
+    let err = quantize_checkpoint(&src, &dst, &small_run(), &mut |_| {}).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("multi-head latent attention")
+            && message.contains("DeepseekV2ForCausalLM")
+            && message.contains("--quantization int8"),
+        "{message}"
+    );
+    assert!(!dst.exists());
+}

@@ -118,6 +118,21 @@ fn each_family_fixture_loads_as_its_family() {
         ("qwen2-moe", Architecture::Qwen2Moe, vec![false, true, true]),
         ("olmoe", Architecture::Olmoe, vec![true, true, true]),
         ("glm4-moe", Architecture::Glm4Moe, vec![false, true, true]),
+        (
+            "deepseek-v2-lite",
+            Architecture::DeepseekV2,
+            vec![false, true, true],
+        ),
+        (
+            "deepseek-v2",
+            Architecture::DeepseekV2,
+            vec![false, true, true],
+        ),
+        (
+            "deepseek-v3",
+            Architecture::DeepseekV3,
+            vec![false, true, true],
+        ),
     ];
     for (case, arch, sparse) in want {
         let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
@@ -126,7 +141,14 @@ fn each_family_fixture_loads_as_its_family() {
         assert_eq!(c.sparse_layers, sparse, "{case}");
         assert_eq!(model.moe_layers().len(), c.num_moe_layers(), "{case}");
         let shared = model.moe_layers().iter().all(|m| m.shared.is_some());
-        assert_eq!(shared, ["qwen2-moe", "glm4-moe"].contains(&case), "{case}");
+        let with_shared = [
+            "qwen2-moe",
+            "glm4-moe",
+            "deepseek-v2-lite",
+            "deepseek-v2",
+            "deepseek-v3",
+        ];
+        assert_eq!(shared, with_shared.contains(&case), "{case}");
     }
 }
 

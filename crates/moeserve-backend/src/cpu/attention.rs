@@ -1,5 +1,7 @@
 //! Attention of one query token against the cached rows of one KV head, for every query head
-//! that shares it (grouped-query attention): `softmax(q·kᵀ · scale) · v`.
+//! that shares it (grouped-query attention): `softmax(q·kᵀ · scale) · v`. Values may be
+//! narrower than keys: multi-head latent attention reads its values as the leading part of
+//! the same cached latent rows its keys are.
 //!
 //! The caller (the model's attention layer) runs one call per (token, KV head), in parallel, so
 //! a batch-1 decode keeps every core busy. Each key and value row is loaded once per call and
@@ -28,7 +30,10 @@ impl HeadRows<'_> {
 pub struct KvHeadQuery<'a> {
     /// `[group, head_dim]`: the query heads that read this KV head.
     pub q: &'a [f32],
+    /// The width of a query head and of a key row.
     pub head_dim: usize,
+    /// The width of a value row and of an output head (`head_dim` but for latent attention).
+    pub value_dim: usize,
     /// Multiplies every score (`head_dim^-0.5`).
     pub scale: f32,
     pub keys: HeadRows<'a>,
@@ -37,25 +42,29 @@ pub struct KvHeadQuery<'a> {
     pub slots: &'a [usize],
 }
 
-/// `out: [group, head_dim]` ← attention of each query head of `a`; `scores` is scratch, resized
-/// to `group × slots.len()`.
+/// `out: [group, value_dim]` ← attention of each query head of `a`; `scores` is scratch,
+/// resized to `group × slots.len()`.
 pub fn attend_kv_head(a: &KvHeadQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let d = a.head_dim;
+    let (d, dv) = (a.head_dim, a.value_dim);
     let group = a.q.len() / d;
     assert_eq!(a.q.len(), group * d, "attention: q is not whole heads");
-    assert_eq!(out.len(), a.q.len(), "attention: out must match q");
+    assert_eq!(
+        out.len(),
+        group * dv,
+        "attention: out must be group × value_dim"
+    );
     let n = a.slots.len();
     scores.clear();
     scores.resize(group * n, 0.0);
     #[cfg(target_arch = "x86_64")]
     match isa() {
-        Isa::Avx512 if d.is_multiple_of(16) => {
-            // SAFETY: AVX-512F was detected; rows hold head_dim = 16·j elements.
+        Isa::Avx512 if d.is_multiple_of(16) && dv.is_multiple_of(16) => {
+            // SAFETY: AVX-512F was detected; rows hold head_dim and value_dim = 16·j elements.
             unsafe { avx512::attend(a, scores, out) };
             return;
         }
-        Isa::Avx2 if d.is_multiple_of(8) => {
-            // SAFETY: AVX2 and FMA were detected; rows hold head_dim = 8·j elements.
+        Isa::Avx2 if d.is_multiple_of(8) && dv.is_multiple_of(8) => {
+            // SAFETY: AVX2 and FMA were detected; rows hold head_dim and value_dim = 8·j elements.
             unsafe { avx2::attend(a, scores, out) };
             return;
         }
@@ -66,7 +75,7 @@ pub fn attend_kv_head(a: &KvHeadQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32
 
 /// The portable path: the same steps, one head and one row at a time.
 fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
-    let (d, n) = (a.head_dim, a.slots.len());
+    let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
     for (s, slot) in a.slots.iter().enumerate() {
         let k = a.keys.row(*slot, d);
         for (h, qh) in a.q.chunks_exact(d).enumerate() {
@@ -78,8 +87,8 @@ fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
     }
     out.fill(0.0);
     for (s, slot) in a.slots.iter().enumerate() {
-        let v = a.values.row(*slot, d);
-        for (h, oh) in out.chunks_exact_mut(d).enumerate() {
+        let v = a.values.row(*slot, dv);
+        for (h, oh) in out.chunks_exact_mut(dv).enumerate() {
             let p = scores[h * n + s];
             oh.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
         }
@@ -110,10 +119,10 @@ pub(super) mod avx512 {
     /// Every sum has a fixed order, so a token's result does not depend on the batch.
     ///
     /// # Safety
-    /// AVX-512F is available and `head_dim` is a multiple of 16.
+    /// AVX-512F is available and `head_dim` and `value_dim` are multiples of 16.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
-        let (d, n) = (a.head_dim, a.slots.len());
+        let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
         let group = a.q.len() / d;
         unsafe {
             for (b, keys) in a.slots.chunks(16).enumerate() {
@@ -142,8 +151,8 @@ pub(super) mod avx512 {
             }
             for h0 in (0..group).step_by(VALUE_HEADS) {
                 let heads = (group - h0).min(VALUE_HEADS);
-                for c0 in (0..d).step_by(16 * VALUE_VECTORS) {
-                    let width = ((d - c0) / 16).min(VALUE_VECTORS);
+                for c0 in (0..dv).step_by(16 * VALUE_VECTORS) {
+                    let width = ((dv - c0) / 16).min(VALUE_VECTORS);
                     let pass = ValuePass {
                         a,
                         scores,
@@ -176,7 +185,7 @@ pub(super) mod avx512 {
         scores: &'p [f32],
         h0: usize,
         c0: usize,
-        /// `[group, head_dim]`
+        /// `[group, value_dim]`
         out: *mut f32,
     }
 
@@ -186,11 +195,11 @@ pub(super) mod avx512 {
     /// AVX-512F is available; the heads and columns are inside the query's group and head.
     #[target_feature(enable = "avx512f")]
     unsafe fn value_pass<const HEADS: usize, const WIDTH: usize>(p: &ValuePass<'_, '_>) {
-        let (d, n) = (p.a.head_dim, p.a.slots.len());
+        let (dv, n) = (p.a.value_dim, p.a.slots.len());
         let mut o = [[_mm512_setzero_ps(); WIDTH]; HEADS];
         unsafe {
             for (s, slot) in p.a.slots.iter().enumerate() {
-                let v = p.a.values.row(*slot, d).as_ptr().add(p.c0);
+                let v = p.a.values.row(*slot, dv).as_ptr().add(p.c0);
                 let rows: [__m512; WIDTH] = std::array::from_fn(|i| _mm512_loadu_ps(v.add(16 * i)));
                 for (j, o) in o.iter_mut().enumerate() {
                     let w = _mm512_set1_ps(*p.scores.get_unchecked((p.h0 + j) * n + s));
@@ -201,7 +210,7 @@ pub(super) mod avx512 {
             }
             for (j, o) in o.iter().enumerate() {
                 for (i, o) in o.iter().enumerate() {
-                    let at = (p.h0 + j) * d + p.c0 + 16 * i;
+                    let at = (p.h0 + j) * dv + p.c0 + 16 * i;
                     _mm512_storeu_ps(p.out.add(at), *o);
                 }
             }
@@ -311,10 +320,10 @@ mod avx2 {
     /// `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`, a fixed order.
     ///
     /// # Safety
-    /// AVX2 and FMA are available and `head_dim` is a multiple of 8.
+    /// AVX2 and FMA are available and `head_dim` and `value_dim` are multiples of 8.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
-        let (d, n) = (a.head_dim, a.slots.len());
+        let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
         let group = a.q.len() / d;
         unsafe {
             for (s, slot) in a.slots.iter().enumerate() {
@@ -341,11 +350,11 @@ mod avx2 {
             }
             out.fill(0.0);
             for (s, slot) in a.slots.iter().enumerate() {
-                let v = a.values.row(*slot, d).as_ptr();
+                let v = a.values.row(*slot, dv).as_ptr();
                 for h in 0..group {
                     let p = _mm256_set1_ps(scores[h * n + s]);
-                    let o = out.as_mut_ptr().add(h * d);
-                    for c in (0..d).step_by(8) {
+                    let o = out.as_mut_ptr().add(h * dv);
+                    for c in (0..dv).step_by(8) {
                         let acc = _mm256_fmadd_ps(
                             p,
                             _mm256_loadu_ps(v.add(c)),
@@ -367,7 +376,7 @@ mod tests {
     /// softmax(q·kᵀ·scale)·v in f64, the definition.
     fn reference(a: &KvHeadQuery<'_>) -> Vec<f64> {
         let d = a.head_dim;
-        let mut out = vec![0.0f64; a.q.len()];
+        let mut out = vec![0.0f64; a.q.len() / d * a.value_dim];
         for (h, qh) in a.q.chunks_exact(d).enumerate() {
             let s: Vec<f64> = a
                 .slots
@@ -384,10 +393,11 @@ mod tests {
             let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
             let sum: f64 = e.iter().sum();
+            let dv = a.value_dim;
             for (p, slot) in e.iter().zip(a.slots) {
-                let v = a.values.row(*slot, d);
-                for c in 0..d {
-                    out[h * d + c] += p / sum * v[c] as f64;
+                let v = a.values.row(*slot, dv);
+                for c in 0..dv {
+                    out[h * dv + c] += p / sum * v[c] as f64;
                 }
             }
         }
@@ -445,6 +455,7 @@ mod tests {
             let a = KvHeadQuery {
                 q: &q,
                 head_dim,
+                value_dim: head_dim,
                 scale: (head_dim as f32).powf(-0.5),
                 keys: HeadRows {
                     data: &k,
@@ -464,6 +475,41 @@ mod tests {
                 assert!(
                     (*got as f64 - want).abs() < 1e-5,
                     "d={head_dim}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn latent_values_are_the_leading_part_of_the_key_rows() {
+        // Multi-head latent attention: one cached row [latent | rope] per slot is every head's
+        // key, its latent part every head's value (SIMD widths, then odd ones).
+        for (latent, rope, group) in [(32, 16, 4), (512, 64, 16), (20, 6, 3)] {
+            let width = latent + rope;
+            let num_slots = 24;
+            let rows = pseudo_random(num_slots * width, 4);
+            let q = pseudo_random(group * width, 5);
+            let slots: Vec<usize> = (0..17).map(|i| (i * 5) % num_slots).collect();
+            let cached = HeadRows {
+                data: &rows,
+                stride: width,
+                offset: 0,
+            };
+            let a = KvHeadQuery {
+                q: &q,
+                head_dim: width,
+                value_dim: latent,
+                scale: 0.1,
+                keys: cached,
+                values: cached,
+                slots: &slots,
+            };
+            let mut out = vec![f32::NAN; group * latent];
+            attend_kv_head(&a, &mut Vec::new(), &mut out);
+            for (got, want) in out.iter().zip(reference(&a)) {
+                assert!(
+                    (*got as f64 - want).abs() < 1e-5,
+                    "latent {latent}: {got} vs {want}"
                 );
             }
         }

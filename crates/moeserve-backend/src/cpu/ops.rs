@@ -226,6 +226,20 @@ pub fn apply_rope(x: &mut [f32], head_dim: usize, angles: &RopeAngles) {
     }
 }
 
+/// Rotates every head of `x: [num_heads, head_dim]` as [`apply_rope`] does, on interleaved
+/// pairs `(x0, x1), (x2, x3), …` instead (DeepSeek's layout: V2's complex product, V3's
+/// `rope_interleave`); each pair in place.
+pub fn apply_rope_interleaved(x: &mut [f32], head_dim: usize, angles: &RopeAngles) {
+    debug_assert!(2 * angles.cos_sin.len() <= head_dim);
+    for head in x.chunks_exact_mut(head_dim) {
+        for (pair, (cos, sin)) in head.chunks_exact_mut(2).zip(&angles.cos_sin) {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos - b * sin;
+            pair[1] = b * cos + a * sin;
+        }
+    }
+}
+
 /// `(cos, sin)` of every rotary frequency at one position, computed once and applied to all
 /// query and key heads of a token (the sines and cosines, not the rotation, are the cost).
 #[derive(Clone, Debug, Default)]

@@ -11,7 +11,7 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 10] = [
+pub const FIXTURE_CASES: [&str; 13] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
@@ -22,6 +22,9 @@ pub const FIXTURE_CASES: [&str; 10] = [
     "qwen2-moe",
     "olmoe",
     "glm4-moe",
+    "deepseek-v2-lite",
+    "deepseek-v2",
+    "deepseek-v3",
 ];
 
 pub fn repo_root() -> PathBuf {

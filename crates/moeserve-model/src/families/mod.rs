@@ -4,6 +4,7 @@
 //! layers are sparse, the router's weighting, shared experts and its tensor names. Adding a
 //! family means a file here, its entry in [`Architecture`], and its reference fixtures.
 
+mod deepseek;
 mod glm4_moe;
 mod mixtral;
 mod olmoe;
@@ -16,7 +17,8 @@ use crate::moe::Scoring;
 
 /// The `architectures` entries this crate serves, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str = "MixtralForCausalLM, Qwen3MoeForCausalLM, \
-     Qwen2MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM";
+     Qwen2MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM, \
+     DeepseekV3ForCausalLM";
 
 /// A model family, as config.json's `architectures` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -26,15 +28,19 @@ pub enum Architecture {
     Qwen2Moe,
     Olmoe,
     Glm4Moe,
+    DeepseekV2,
+    DeepseekV3,
 }
 
 impl Architecture {
-    pub const ALL: [Architecture; 5] = [
+    pub const ALL: [Architecture; 7] = [
         Architecture::Mixtral,
         Architecture::Qwen3Moe,
         Architecture::Qwen2Moe,
         Architecture::Olmoe,
         Architecture::Glm4Moe,
+        Architecture::DeepseekV2,
+        Architecture::DeepseekV3,
     ];
 
     /// The transformers class name (`architectures` in config.json).
@@ -45,6 +51,8 @@ impl Architecture {
             Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
             Architecture::Olmoe => "OlmoeForCausalLM",
             Architecture::Glm4Moe => "Glm4MoeForCausalLM",
+            Architecture::DeepseekV2 => "DeepseekV2ForCausalLM",
+            Architecture::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -56,6 +64,8 @@ impl Architecture {
             Architecture::Qwen2Moe => "qwen2_moe",
             Architecture::Olmoe => "olmoe",
             Architecture::Glm4Moe => "glm4_moe",
+            Architecture::DeepseekV2 => "deepseek_v2",
+            Architecture::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -86,6 +96,9 @@ pub(crate) fn read_config(
         }
         Architecture::Olmoe => olmoe::read_config(fields),
         Architecture::Glm4Moe => glm4_moe::read_config(fields),
+        Architecture::DeepseekV2 | Architecture::DeepseekV3 => {
+            deepseek::read_config(architecture, fields)
+        }
     }
 }
 
@@ -147,6 +160,7 @@ impl Common {
             shared_expert: None,
             sparse_layers: vec![true; self.num_hidden_layers],
             attention: AttentionConfig::PLAIN,
+            mla: None,
             names: TensorNames {
                 moe_block: "block_sparse_moe",
                 expert_proj: ["w1", "w3", "w2"],

@@ -120,7 +120,8 @@ impl Attention {
             LayerWeight::OBias => self.o_bias.as_ref(),
             LayerWeight::QNorm => qn,
             LayerWeight::KNorm => kn,
-            LayerWeight::InputNorm | LayerWeight::PostNorm => None,
+            // Norms of the decoder layer, and multi-head latent attention's weights.
+            _ => None,
         }
     }
 
@@ -218,12 +219,13 @@ impl Attention {
         let (keys, values) = kv.layer_rows(layer);
         let rows = |data| attention::HeadRows {
             data,
-            stride: kv.layout().kv_dim,
+            stride: kv.layout().key_dim,
             offset: kvh * d,
         };
         let query = attention::KvHeadQuery {
             q,
             head_dim: d,
+            value_dim: d,
             scale: (d as f32).powf(-0.5),
             keys: rows(keys),
             values: rows(values),
@@ -239,6 +241,11 @@ thread_local! {
     /// as long.
     static ATTEND_SCRATCH: std::cell::RefCell<(Vec<usize>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Runs `f` on this kernel thread's attention scratch (visible slots, scores).
+pub(crate) fn with_attend_scratch<R>(f: impl FnOnce(&mut (Vec<usize>, Vec<f32>)) -> R) -> R {
+    ATTEND_SCRATCH.with_borrow_mut(f)
 }
 
 /// Makes every kernel thread's attention scratch hold a query of up to `group` heads against

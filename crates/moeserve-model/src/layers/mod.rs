@@ -1,4 +1,5 @@
 //! Dense building blocks of a decoder layer.
 
 pub mod attention;
+pub mod mla;
 pub mod rope;

@@ -5,10 +5,12 @@
 use moeserve_backend::{Weight, cpu};
 
 use crate::batch::ForwardBatch;
+use crate::config::MlaConfig;
 use crate::kv_cache::PagedKvCache;
-use crate::layers::attention::AttentionStep;
+use crate::layers::attention::{Attention, AttentionStep};
+use crate::layers::mla::MlaAttention;
 use crate::models::decoder::{FeedForward, ForwardTrace, LogitsFor, MoeModel};
-use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write};
+use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write, read_write_mut};
 use crate::models::workspace::{ForwardWorkspace, zeroed};
 use crate::moe::{MoeLayerStep, MoeOptions};
 use crate::quantize::Hessians;
@@ -35,6 +37,21 @@ fn weight(model: &MoeModel, layer: usize, role: LayerWeight) -> &Weight {
         other => l.self_attn.weight(other),
     };
     found.unwrap_or_else(|| panic!("layer {layer} has no {role:?} (the config says it has)"))
+}
+
+/// Layer `layer`'s grouped-query attention.
+fn grouped(model: &MoeModel, layer: usize) -> &Attention {
+    model.layers[layer].self_attn.grouped().unwrap_or_else(|| {
+        panic!("layer {layer} has no grouped-query attention (the config says it has)")
+    })
+}
+
+/// Layer `layer`'s latent attention.
+fn latent(model: &MoeModel, layer: usize) -> &MlaAttention {
+    model.layers[layer]
+        .self_attn
+        .latent()
+        .unwrap_or_else(|| panic!("layer {layer} has no latent attention (the config says it has)"))
 }
 
 impl CpuStep<'_, '_> {
@@ -112,8 +129,7 @@ impl DecoderOps for CpuStep<'_, '_> {
     fn rope(&mut self, layer: usize) -> Result<(), Self::Error> {
         let ws = &mut *self.ws;
         let [_, q, k, ..] = &mut ws.acts;
-        let attention = &self.model.layers[layer].self_attn;
-        attention.rope(&ws.places, q, k, &mut ws.angles);
+        grouped(self.model, layer).rope(&ws.places, q, k, &mut ws.angles);
         Ok(())
     }
 
@@ -125,9 +141,7 @@ impl DecoderOps for CpuStep<'_, '_> {
             places: &ws.places,
         };
         let (k, v) = (&ws.acts[Act::K.index()], &ws.acts[Act::V.index()]);
-        self.model.layers[layer]
-            .self_attn
-            .write_kv(&step, self.kv, k, v);
+        grouped(self.model, layer).write_kv(&step, self.kv, k, v);
         Ok(())
     }
 
@@ -142,9 +156,69 @@ impl DecoderOps for CpuStep<'_, '_> {
         };
         let (q, out) = read_write(&mut ws.acts, Act::Q, Act::Attn);
         zeroed(out, t * c.q_dim());
-        self.model.layers[layer]
-            .self_attn
-            .attend_all(&step, self.kv, q, out);
+        grouped(self.model, layer).attend_all(&step, self.kv, q, out);
+        Ok(())
+    }
+
+    fn mla_norm_query(&mut self, layer: usize) -> Result<(), Self::Error> {
+        let w = weight(self.model, layer, LayerWeight::QANorm);
+        let x = &mut self.ws.acts[Act::QLowRank.index()];
+        cpu::rms_norm_in_place(x, w, MlaConfig::LATENT_NORM_EPS);
+        Ok(())
+    }
+
+    fn mla_norm_latent(&mut self, layer: usize) -> Result<(), Self::Error> {
+        latent(self.model, layer).norm_latent(&mut self.ws.acts[Act::Latent.index()]);
+        Ok(())
+    }
+
+    fn mla_rope(&mut self, layer: usize) -> Result<(), Self::Error> {
+        let ws = &mut *self.ws;
+        let (q, rows) = read_write_mut(&mut ws.acts, Act::Q, Act::Latent);
+        latent(self.model, layer).rope(&ws.places, q, rows, &mut ws.angles);
+        Ok(())
+    }
+
+    fn mla_absorb_query(&mut self, layer: usize) -> Result<(), Self::Error> {
+        let ws = &mut *self.ws;
+        let (q, out) = read_write(&mut ws.acts, Act::Q, Act::LatentQ);
+        latent(self.model, layer).absorb_query(q, &mut ws.mla, out);
+        Ok(())
+    }
+
+    fn mla_write_latent(&mut self, layer: usize) -> Result<(), Self::Error> {
+        let ws = &*self.ws;
+        let step = AttentionStep {
+            layer,
+            batch: self.batch,
+            places: &ws.places,
+        };
+        let rows = &ws.acts[Act::Latent.index()];
+        latent(self.model, layer).write_latent(&step, self.kv, rows);
+        Ok(())
+    }
+
+    fn mla_attention(&mut self, layer: usize) -> Result<(), Self::Error> {
+        let c = self.model.config();
+        let mla = c.mla.as_ref().expect("an MLA config");
+        let t = self.num_tokens();
+        let ws = &mut *self.ws;
+        let step = AttentionStep {
+            layer,
+            batch: self.batch,
+            places: &ws.places,
+        };
+        let (q, out) = read_write(&mut ws.acts, Act::LatentQ, Act::LatentAttn);
+        // Sized, not cleared: every head's output is written.
+        out.resize(t * c.num_attention_heads * mla.kv_lora_rank, 0.0);
+        latent(self.model, layer).attend_all(&step, self.kv, q, out);
+        Ok(())
+    }
+
+    fn mla_expand_values(&mut self, layer: usize) -> Result<(), Self::Error> {
+        let ws = &mut *self.ws;
+        let (x, out) = read_write(&mut ws.acts, Act::LatentAttn, Act::Attn);
+        latent(self.model, layer).expand_values(x, &mut ws.mla, out);
         Ok(())
     }
 

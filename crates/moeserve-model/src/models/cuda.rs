@@ -220,6 +220,13 @@ impl<T> DeviceLayer<T> {
             LayerWeight::OBias => a.biases[3].as_ref(),
             LayerWeight::QNorm => a.q_norm.as_ref(),
             LayerWeight::KNorm => a.k_norm.as_ref(),
+            // Multi-head latent attention: refused by `DeviceModel::build`.
+            LayerWeight::QAProj
+            | LayerWeight::QABias
+            | LayerWeight::QANorm
+            | LayerWeight::QBProj
+            | LayerWeight::KvAProj
+            | LayerWeight::KvABias => None,
         }
     }
 }
@@ -243,7 +250,16 @@ impl<T: CudaElement> DeviceModel<T> {
         source: &mut dyn WeightSource<T>,
     ) -> Result<Self> {
         let c = config;
-        let slots = layout.num_slots() * layout.kv_dim;
+        if c.mla.is_some() {
+            return Err(ModelError::InvalidInput {
+                message: format!(
+                    "{}: multi-head latent attention runs on the CPU backend only so far \
+                     (--device cpu)",
+                    c.architecture
+                ),
+            });
+        }
+        let slots = layout.num_slots() * layout.key_dim;
         let corrections: Vec<_> = (0..c.num_hidden_layers)
             .map(|l| source.correction_bias(l))
             .collect();

@@ -15,7 +15,9 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv_cache::{KvCacheLayout, PagedKvCache};
 use crate::layers::attention::Attention;
+use crate::layers::mla::MlaAttention;
 use crate::models::cpu_step::CpuStep;
+use crate::models::ops::LayerWeight;
 use crate::models::ops::decode;
 use crate::models::workspace::ForwardWorkspace;
 use crate::moe::experts::check_router_bias;
@@ -25,9 +27,58 @@ use crate::{ModelError, Result};
 
 pub(crate) struct DecoderLayer {
     pub(crate) input_layernorm: Weight,
-    pub(crate) self_attn: Attention,
+    pub(crate) self_attn: SelfAttention,
     pub(crate) post_attention_layernorm: Weight,
     pub(crate) mlp: FeedForward,
+}
+
+/// A decoder layer's attention block.
+pub(crate) enum SelfAttention {
+    /// Grouped-query attention with the family's options.
+    Grouped(Box<Attention>),
+    /// Multi-head latent attention (DeepSeek-V2/V3).
+    Latent(Box<MlaAttention>),
+}
+
+impl SelfAttention {
+    /// Every matrix a token goes through.
+    pub(crate) fn weights(&self) -> Vec<&Weight> {
+        match self {
+            SelfAttention::Grouped(a) => a.weights().to_vec(),
+            SelfAttention::Latent(a) => a.weights(),
+        }
+    }
+
+    /// The vectors beside the matrices: biases and norm weights.
+    pub(crate) fn vectors(&self) -> Vec<&Weight> {
+        match self {
+            SelfAttention::Grouped(a) => a.vectors(),
+            SelfAttention::Latent(a) => a.vectors(),
+        }
+    }
+
+    pub(crate) fn weight(&self, role: LayerWeight) -> Option<&Weight> {
+        match self {
+            SelfAttention::Grouped(a) => a.weight(role),
+            SelfAttention::Latent(a) => a.weight(role),
+        }
+    }
+
+    /// The grouped-query attention of this layer (`None` for MLA).
+    pub(crate) fn grouped(&self) -> Option<&Attention> {
+        match self {
+            SelfAttention::Grouped(a) => Some(a),
+            SelfAttention::Latent(_) => None,
+        }
+    }
+
+    /// The latent attention of this layer (`None` for grouped-query attention).
+    pub(crate) fn latent(&self) -> Option<&MlaAttention> {
+        match self {
+            SelfAttention::Latent(a) => Some(a),
+            SelfAttention::Grouped(_) => None,
+        }
+    }
 }
 
 /// A decoder layer's feed-forward block.
@@ -167,9 +218,18 @@ impl MoeModel {
                         config.intermediate_size,
                     )?))
                 };
+                let attn = format!("{p}.self_attn");
+                let self_attn = match config.mla {
+                    Some(_) => {
+                        SelfAttention::Latent(Box::new(MlaAttention::load(ckpt, &attn, &config)?))
+                    }
+                    None => {
+                        SelfAttention::Grouped(Box::new(Attention::load(ckpt, &attn, &config)?))
+                    }
+                };
                 Ok(DecoderLayer {
                     input_layernorm: ckpt.weight(&format!("{p}.input_layernorm.weight"), &[h])?,
-                    self_attn: Attention::load(ckpt, &format!("{p}.self_attn"), &config)?,
+                    self_attn,
                     post_attention_layernorm: ckpt
                         .weight(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                     mlp,
@@ -221,12 +281,7 @@ impl MoeModel {
 
     /// A KV cache layout for this model with `num_blocks` blocks of `block_size` tokens.
     pub fn kv_layout(&self, num_blocks: usize, block_size: usize) -> KvCacheLayout {
-        KvCacheLayout {
-            num_layers: self.config.num_hidden_layers,
-            num_blocks,
-            block_size,
-            kv_dim: self.config.kv_dim(),
-        }
+        KvCacheLayout::for_model(&self.config, num_blocks, block_size)
     }
 
     /// Every weight matrix that goes through the GEMM (lm_head once even when tied).
@@ -361,7 +416,10 @@ impl MoeModel {
         let c = &self.config;
         cpu::reserve_task_scratch(max_tokens);
         let visible = c.sliding_window.map_or(max_context, |w| w.min(max_context));
-        let group = c.num_attention_heads / c.num_key_value_heads.max(1);
+        let group = match c.mla {
+            Some(_) => crate::layers::mla::MAX_HEADS_PER_TASK,
+            None => c.num_attention_heads / c.num_key_value_heads.max(1),
+        };
         crate::layers::attention::reserve_task_scratch(group, visible);
     }
 
@@ -419,7 +477,9 @@ impl MoeModel {
     ) -> Result<()> {
         let c = &self.config;
         let layout = *kv.layout();
-        if layout.num_layers != c.num_hidden_layers || layout.kv_dim != c.kv_dim() {
+        if layout.num_layers != c.num_hidden_layers
+            || (layout.key_dim, layout.value_dim) != c.kv_cache_row()
+        {
             return Err(ModelError::InvalidInput {
                 message: format!("KV cache layout {layout:?} does not fit the model"),
             });

@@ -21,10 +21,18 @@ pub(crate) enum Act {
     Attn,
     /// The last block's output, not yet added to the residual stream (`hidden`).
     Delta,
+    /// Multi-head latent attention's low-rank query (`q_lora_rank`).
+    QLowRank,
+    /// MLA's per-token cache row, `[kv_lora_rank | qk_rope_head_dim]`.
+    Latent,
+    /// MLA's queries in the latent space, `[heads, kv_lora_rank + qk_rope_head_dim]`.
+    LatentQ,
+    /// MLA's attention outputs in the latent space, `[heads, kv_lora_rank]`.
+    LatentAttn,
 }
 
 impl Act {
-    pub(crate) const COUNT: usize = 6;
+    pub(crate) const COUNT: usize = 10;
 
     pub(crate) fn index(self) -> usize {
         self as usize
@@ -44,6 +52,19 @@ pub(crate) fn read_write<A>(acts: &mut [A; Act::COUNT], x: Act, y: Act) -> (&A, 
     }
 }
 
+/// Two different activations of a backend's `[A; Act::COUNT]`, both to write.
+pub(crate) fn read_write_mut<A>(acts: &mut [A; Act::COUNT], x: Act, y: Act) -> (&mut A, &mut A) {
+    let (xi, yi) = (x.index(), y.index());
+    assert_ne!(xi, yi, "an operation writes the same activation twice");
+    if xi < yi {
+        let (low, high) = acts.split_at_mut(yi);
+        (&mut low[xi], &mut high[0])
+    } else {
+        let (low, high) = acts.split_at_mut(xi);
+        (&mut high[0], &mut low[yi])
+    }
+}
+
 /// A weight of one decoder layer's attention half, by role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LayerWeight {
@@ -60,6 +81,14 @@ pub(crate) enum LayerWeight {
     /// `[head_dim]` (per head) or `[q_dim]` / `[kv_dim]` (over the whole projection).
     QNorm,
     KNorm,
+    /// Multi-head latent attention's: `q_a_proj` (+ bias), `q_a_layernorm`, `q_b_proj`,
+    /// `kv_a_proj_with_mqa` (+ bias).
+    QAProj,
+    QABias,
+    QANorm,
+    QBProj,
+    KvAProj,
+    KvABias,
 }
 
 /// Where a step's values may be read by a trace or a calibration pass.
@@ -94,6 +123,22 @@ pub(crate) trait DecoderOps {
     ) -> Result<(), Self::Error>;
     /// RMSNorm of `x` in place, over rows as wide as `w`.
     fn rms_norm_rows(&mut self, layer: usize, x: Act, w: LayerWeight) -> Result<(), Self::Error>;
+    /// MLA: `q_a_layernorm` of `QLowRank` in place (RMSNorm's default epsilon).
+    fn mla_norm_query(&mut self, layer: usize) -> Result<(), Self::Error>;
+    /// MLA: `kv_a_layernorm` over the latent part of each `Latent` row, in place.
+    fn mla_norm_latent(&mut self, layer: usize) -> Result<(), Self::Error>;
+    /// MLA: rotary embeddings on the rotary slice of each query head (`Q`) and on the shared
+    /// rotary key of each `Latent` row, interleaved or by halves as the config says.
+    fn mla_rope(&mut self, layer: usize) -> Result<(), Self::Error>;
+    /// MLA: `LatentQ` = each head's query in the latent space, `[W_uk[h]ᵀ · q_nope | q_rope]`.
+    fn mla_absorb_query(&mut self, layer: usize) -> Result<(), Self::Error>;
+    /// MLA: the `Latent` rows into layer `layer`'s KV cache at the step tokens' slots.
+    fn mla_write_latent(&mut self, layer: usize) -> Result<(), Self::Error>;
+    /// MLA: `LatentAttn` = causal attention of `LatentQ` over the cached latent rows of each
+    /// token's sequence (keys the whole rows, values their latent part).
+    fn mla_attention(&mut self, layer: usize) -> Result<(), Self::Error>;
+    /// MLA: `Attn` = each head's value, `W_uv[h] · LatentAttn[h]`.
+    fn mla_expand_values(&mut self, layer: usize) -> Result<(), Self::Error>;
     /// `x = clamp(x, -limit, limit)`.
     fn clamp(&mut self, x: Act, limit: f32) -> Result<(), Self::Error>;
     /// Rotary embeddings on `Q` and `K` at the step tokens' positions.
@@ -131,7 +176,10 @@ pub(crate) fn decode<O: DecoderOps>(c: &ModelConfig, ops: &mut O) -> Result<(), 
             ops.observe(Point::LayerOutput)?;
         }
         ops.observe(Point::AttentionInput(layer))?;
-        attention(c, ops, layer)?;
+        match c.mla {
+            Some(_) => latent_attention(c, ops, layer)?,
+            None => attention(c, ops, layer)?,
+        }
         ops.add_rms_norm(layer, LayerWeight::PostNorm, true)?;
         if c.sparse_layers[layer] {
             ops.sparse_moe(layer, moe_layer)?;
@@ -177,4 +225,48 @@ fn attention<O: DecoderOps>(c: &ModelConfig, ops: &mut O, layer: usize) -> Resul
         a.o_bias.then_some(W::OBias),
         Act::Delta,
     )
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): the query through `q_proj` or `q_a_proj →
+/// q_a_layernorm → q_b_proj`; `kv_a_proj_with_mqa` → `kv_a_layernorm` on the latent; RoPE on
+/// the rotary slices; the latent row into the KV cache; attention in the latent space (the
+/// key up-projection absorbed into the query, the value one applied to the output); `o_proj`
+/// (+ bias) into `Delta`.
+fn latent_attention<O: DecoderOps>(
+    c: &ModelConfig,
+    ops: &mut O,
+    layer: usize,
+) -> Result<(), O::Error> {
+    use LayerWeight as W;
+    let mla = c.mla.as_ref().expect("an MLA config");
+    let bias = |b| mla.bias.then_some(b);
+    match mla.q_lora_rank {
+        None => ops.linear(layer, Act::Normed, W::QProj, None, Act::Q)?,
+        Some(_) => {
+            ops.linear(
+                layer,
+                Act::Normed,
+                W::QAProj,
+                bias(W::QABias),
+                Act::QLowRank,
+            )?;
+            ops.mla_norm_query(layer)?;
+            ops.linear(layer, Act::QLowRank, W::QBProj, None, Act::Q)?;
+        }
+    }
+    ops.linear(
+        layer,
+        Act::Normed,
+        W::KvAProj,
+        bias(W::KvABias),
+        Act::Latent,
+    )?;
+    ops.mla_norm_latent(layer)?;
+    ops.mla_rope(layer)?;
+    ops.mla_absorb_query(layer)?;
+    ops.mla_write_latent(layer)?;
+    ops.mla_attention(layer)?;
+    ops.mla_expand_values(layer)?;
+    ops.observe(Point::AttentionOutput(layer))?;
+    ops.linear(layer, Act::Attn, W::OProj, bias(W::OBias), Act::Delta)
 }

@@ -5,6 +5,7 @@
 use moeserve_backend::cpu;
 
 use crate::batch::TokenPlace;
+use crate::layers::mla::MlaScratch;
 use crate::models::ops::Act;
 use crate::moe::experts::MoeWorkspace;
 
@@ -23,6 +24,8 @@ pub struct ForwardWorkspace {
     /// `[num_tokens, num_experts]`
     pub(crate) router_logits: Vec<f32>,
     pub(crate) moe: MoeWorkspace,
+    /// Multi-head latent attention's per-head gathers and products.
+    pub(crate) mla: MlaScratch,
     /// Rows of the residual stream that get logits.
     pub(crate) logit_rows: Vec<usize>,
     /// `[logit rows, hidden]`: those rows, then normed.

@@ -13,6 +13,8 @@
 //! only from the `keep` best of `groups` groups (a group scored by the sum of its two best
 //! biased scores), and weighted by the unbiased scores, renormalised with `norm_topk_prob`;
 //! every family's weights are then multiplied by `routed_scaling_factor` (`scale`).
+//! DeepSeek-V2's `group_limited_greedy` ([`Scoring::SoftmaxGrouped`]) keeps the softmax but
+//! chooses only from the `keep` groups whose best expert scores highest.
 //!
 //! - `route_top_k` is the plain HF softmax routing.
 //! - `route` applies a `RouterConfig`: dropless (exactly the family's routing) or a capacity
@@ -80,13 +82,27 @@ pub enum Scoring {
     /// OLMoE).
     #[default]
     Softmax,
+    /// Softmax over all experts, ranked only within the `keep` groups whose best probability
+    /// is highest (DeepSeek-V2's `group_limited_greedy`).
+    SoftmaxGrouped { group_limit: GroupLimit },
     /// `sigmoid(logit)` weights; ranked by them plus the layer's `e_score_correction_bias`
     /// (when it has one), within the groups `group_limit` keeps (DeepSeek-V3, GLM-4.5).
     Sigmoid { group_limit: Option<GroupLimit> },
 }
 
+impl Scoring {
+    fn group_limit(self) -> Option<GroupLimit> {
+        match self {
+            Scoring::Softmax => None,
+            Scoring::SoftmaxGrouped { group_limit } => Some(group_limit),
+            Scoring::Sigmoid { group_limit } => group_limit,
+        }
+    }
+}
+
 /// Experts are chosen from the `keep` best of `groups` equal groups only (`n_group`,
-/// `topk_group`); a group's score is the sum of its two best biased scores (`noaux_tc`).
+/// `topk_group`); a group's score is the sum of its two best biased scores (`noaux_tc`), or
+/// its best probability (`group_limited_greedy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupLimit {
     pub groups: usize,
@@ -113,10 +129,7 @@ impl RouterConfig {
                 message: format!("must be in 1..={num_experts}, got {}", self.top_k),
             });
         }
-        if let Scoring::Sigmoid {
-            group_limit: Some(GroupLimit { groups, keep }),
-        } = self.scoring
-        {
+        if let Some(GroupLimit { groups, keep }) = self.scoring.group_limit() {
             let bad = |message: String| {
                 Err(ConfigError {
                     field: "n_group",
@@ -327,6 +340,14 @@ impl Ranking {
                     cpu::softmax_in_place(row);
                     sort_descending(ranked, row);
                 }
+                Scoring::SoftmaxGrouped { group_limit } => {
+                    cpu::softmax_in_place(row);
+                    let choice = &mut self.choice;
+                    choice.clear();
+                    choice.extend_from_slice(row);
+                    mask_groups(choice, group_limit, GroupScore::Best, &mut self.groups);
+                    sort_descending(ranked, choice);
+                }
                 Scoring::Sigmoid { group_limit } => {
                     row.iter_mut().for_each(|x| *x = 1.0 / (1.0 + (-*x).exp()));
                     let choice = &mut self.choice;
@@ -336,7 +357,7 @@ impl Ranking {
                         choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
                     }
                     if let Some(limit) = group_limit {
-                        mask_groups(choice, limit, &mut self.groups);
+                        mask_groups(choice, limit, GroupScore::TopTwoSum, &mut self.groups);
                     }
                     sort_descending(ranked, choice);
                 }
@@ -372,10 +393,24 @@ fn sort_descending(experts: &mut [u32], value: &[f32]) {
     });
 }
 
+/// How a group of experts is scored when groups are limited.
+#[derive(Clone, Copy)]
+enum GroupScore {
+    /// The sum of its two best values, as HF's (DeepSeek-V3)
+    /// `scores_for_choice.view(-1, n_group, E // n_group).topk(2)[0].sum(-1)`.
+    TopTwoSum,
+    /// Its best value, as HF's (DeepSeek-V2) `scores.view(-1, n_group, E // n_group).max(-1)`.
+    Best,
+}
+
 /// Sets the choice values of the experts outside the `keep` best groups to -inf (they rank
-/// last): a group's score is the sum of its two best values, as HF's
-/// `scores_for_choice.view(-1, n_group, E // n_group).topk(2)[0].sum(-1)`.
-fn mask_groups(choice: &mut [f32], limit: GroupLimit, groups: &mut Vec<(f32, usize)>) {
+/// last).
+fn mask_groups(
+    choice: &mut [f32],
+    limit: GroupLimit,
+    by: GroupScore,
+    groups: &mut Vec<(f32, usize)>,
+) {
     let size = choice.len() / limit.groups;
     groups.clear();
     for (g, members) in choice.chunks_exact(size).enumerate() {
@@ -387,7 +422,10 @@ fn mask_groups(choice: &mut [f32], limit: GroupLimit, groups: &mut Vec<(f32, usi
                 second = v;
             }
         }
-        let score = if size == 1 { best } else { best + second };
+        let score = match by {
+            GroupScore::TopTwoSum if size > 1 => best + second,
+            _ => best,
+        };
         groups.push((score, g));
     }
     groups.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));

@@ -122,6 +122,17 @@ pub fn quantize_checkpoint(
         ));
     }
     let model = MoeModel::load_as_stored(src)?;
+    if model.config().mla.is_some() {
+        // GPTQ's per-matrix Hessians are collected for grouped-query attention's projections.
+        return Err(ModelError::config(
+            src,
+            format!(
+                "`moeserve quantize` does not calibrate multi-head latent attention ({}) yet; \
+                 `--quantization int8` rounds its matrices at load instead",
+                model.config().architecture
+            ),
+        ));
+    }
     let generation = GenerationConfig::from_dir(src)?;
     let bos = generation.bos_token_id.unwrap_or(0);
     let mut report = QuantizeReport::default();
@@ -253,7 +264,11 @@ fn jobs<'a>(model: &'a MoeModel, hessians: &'a Hessians, lm_head: bool) -> Vec<J
     let first = hessians.first_layer();
     let layers = model.layers.iter().enumerate().skip(first);
     for ((l, layer), hs) in layers.zip(&hessians.layers) {
-        let [q, k, v, o] = layer.self_attn.weights();
+        let attention = layer
+            .self_attn
+            .grouped()
+            .expect("quantize refuses MLA models");
+        let [q, k, v, o] = attention.weights();
         for (name, weight, hessian) in [
             ("q_proj", q, &hs.attention_in),
             ("k_proj", k, &hs.attention_in),

@@ -110,17 +110,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Keys and values of every layer, as the engine lays them out.
+/// Keys and values of every layer, as the engine lays them out (MLA: the latent row).
 fn kv_bytes_per_token(dir: &std::path::Path) -> anyhow::Result<u64> {
     let config =
         ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
-    let layout = KvCacheLayout {
-        num_layers: config.num_hidden_layers,
-        num_blocks: 0,
-        block_size: 1,
-        kv_dim: config.kv_dim(),
-    };
-    Ok(layout.bytes_per_token() as u64)
+    Ok(KvCacheLayout::for_model(&config, 0, 1).bytes_per_token() as u64)
 }
 
 /// `50ms`, `0.1s`, `2s` or a bare number of milliseconds → milliseconds.

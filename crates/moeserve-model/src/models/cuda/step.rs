@@ -163,7 +163,20 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             inputs,
             wants,
             observe,
-            acts: [normed?, q?, k?, v?, attn?, delta?],
+            // Multi-head latent attention's four activations: never used (`DeviceModel::build`
+            // refuses MLA), one element each.
+            acts: [
+                normed?,
+                q?,
+                k?,
+                v?,
+                attn?,
+                delta?,
+                gpu.zeros(1)?,
+                gpu.zeros(1)?,
+                gpu.zeros(1)?,
+                gpu.zeros(1)?,
+            ],
             moe,
             mlp,
             logits: Vec::new(),
@@ -286,6 +299,36 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
         let eps = self.m.config.rms_norm_eps;
         let x = &mut self.acts[x.index()];
         ops::rms_norm_rows(self.m.gpu, x.as_view_mut(), weight.as_view(), eps)
+    }
+
+    // Multi-head latent attention: `DeviceModel::build` refuses MLA configs, so a step never
+    // reaches these until the CUDA kernels for it exist.
+    fn mla_norm_query(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    }
+
+    fn mla_norm_latent(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    }
+
+    fn mla_rope(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    }
+
+    fn mla_absorb_query(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    }
+
+    fn mla_write_latent(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    }
+
+    fn mla_attention(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    }
+
+    fn mla_expand_values(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
+        unreachable!("DeviceModel::build refuses multi-head latent attention")
     }
 
     fn clamp(&mut self, x: Act, limit: f32) -> std::result::Result<(), CudaError> {

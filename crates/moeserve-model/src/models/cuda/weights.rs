@@ -146,6 +146,13 @@ impl<T: CudaElement> WeightSource<T> for RandomWeights {
                 LayerWeight::QNorm => (q_norm, 0),
                 LayerWeight::KNorm => (k_norm, 0),
                 LayerWeight::InputNorm | LayerWeight::PostNorm => (h, 0),
+                // Multi-head latent attention: refused by `DeviceModel::build`.
+                LayerWeight::QAProj
+                | LayerWeight::QABias
+                | LayerWeight::QANorm
+                | LayerWeight::QBProj
+                | LayerWeight::KvAProj
+                | LayerWeight::KvABias => unreachable!("no MLA model on CUDA"),
             },
             Tensor::Gate(_) => (c.num_local_experts * h, h),
             Tensor::W13(..) => (2 * i * h, h),
