@@ -100,6 +100,19 @@ def qwen3_server(tmp_path_factory):
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def deepseek_server(tmp_path_factory):
+    """DeepSeek-V2-Lite's exact shapes, 2 layers (the first dense): MLA, 64 experts top-6, 2 shared."""
+    model = tmp_path_factory.mktemp("model") / "deepseek"
+    subprocess.run(
+        [BIN, "make-model", "--preset", "deepseek-v2-lite-2l", "--out", model],
+        check=True, capture_output=True, timeout=300,
+    )
+    running = RunningServer(model)
+    yield running
+    running.stop()
+
+
 def make_client(server, api_key=API_KEY):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=api_key, max_retries=0,
                          timeout=60)
@@ -177,3 +190,27 @@ def test_a_qwen3_moe_model_answers_and_shows_its_128_experts(qwen3_server):
     # Every step routed each of its tokens to 8 of the 128 experts in both layers.
     assert all(sum(layer["cumulative_load"]) % 8 == 0 and sum(layer["cumulative_load"]) > 0
                for layer in load["layers"])
+
+
+def test_a_deepseek_v2_lite_model_answers_and_shows_its_shared_experts_apart(deepseek_server):
+    client = make_client(deepseek_server)
+    common = dict(model="deepseek", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                  temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = client.chat.completions.create(**common)
+    assert plain.usage.completion_tokens == 5
+    assert plain.choices[0].message.content == content
+    # The start-up log gives the latent cache's size: 2 layers × (512 + 64) f32 values.
+    assert any("4608 bytes per token: latent 512 + rope 64" in line for line in deepseek_server.lines)
+    request = urllib.request.Request(deepseek_server.base + "/v1/moe/load",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        load = json.load(r)
+    assert load["placement"]["num_experts"] == 64
+    (layer,) = load["layers"]  # layer 0 is dense
+    assert len(layer["cumulative_load"]) == 64
+    # Routed pairs (6 per token) count the routed experts only; every token also went through
+    # the shared experts, counted apart.
+    assert sum(layer["cumulative_load"]) == layer["pairs"] > 0
+    assert layer["pairs"] == 6 * layer["shared_expert_tokens"]

@@ -102,3 +102,51 @@ fn a_max_model_len_beyond_the_context_is_refused_not_clamped() {
     };
     LlmEngine::new(assets.clone(), &config(1024, exact, &assets)).unwrap();
 }
+
+/// Multi-head latent attention caches one `kv_lora_rank + qk_rope_head_dim` row per token and
+/// layer, whatever the number of heads: the same `--kv-cache-memory` holds as many more tokens
+/// than the grouped-query attention of the same heads (every head its own key and value, as
+/// DeepSeek's `num_key_value_heads` says) as that row is narrower.
+#[test]
+fn a_latent_kv_cache_holds_more_tokens_in_the_same_memory() {
+    let assets =
+        Arc::new(ModelAssets::load(&repo_root().join("tests/fixtures/deepseek-v2-lite")).unwrap());
+    let c = assets.model.config();
+    let mla = c.mla.expect("an MLA model");
+    let layout = assets.model.kv_layout(1, 16);
+    let latent_row = mla.kv_lora_rank + mla.qk_rope_head_dim;
+    assert_eq!((layout.key_dim, layout.value_dim), (latent_row, 0));
+    assert_eq!(
+        layout.bytes_per_token(),
+        c.num_hidden_layers * latent_row * 4
+    );
+    let memory: u64 = 16 << 20;
+    let config = EngineConfig {
+        cache: CacheConfig {
+            block_size: 16,
+            kv_cache_memory: Some(memory),
+            ..CacheConfig::default()
+        },
+        scheduler: SchedulerConfig {
+            max_num_seqs: 1024,
+            ..SchedulerConfig::default()
+        },
+        ..Default::default()
+    };
+    let engine = LlmEngine::new(assets.clone(), &config).unwrap();
+    let tokens = engine.core().stats().num_kv_blocks * 16;
+    assert_eq!(
+        tokens as u64,
+        memory / (layout.bytes_per_token() as u64 * 16) * 16
+    );
+    // The same heads with a key and a value each: qk_head_dim + v_head_dim per head.
+    let expanded = c.num_attention_heads * (mla.qk_head_dim() + mla.v_head_dim);
+    let gqa_tokens = memory / (c.num_hidden_layers * expanded * 4 * 16) as u64 * 16;
+    let ratio = tokens as f64 / gqa_tokens as f64;
+    let want = expanded as f64 / latent_row as f64;
+    assert!((ratio - want).abs() < 0.01 * want, "{ratio} vs {want}");
+    eprintln!(
+        "deepseek-v2-lite fixture: {tokens} tokens in 16 MiB with MLA, {gqa_tokens} with the \
+         heads expanded ({ratio:.2}×)"
+    );
+}

@@ -1,4 +1,4 @@
-//! Random Mixtral and Qwen3-MoE checkpoints for tests and benchmarks, written in Hugging Face
+//! Random Mixtral, Qwen3-MoE and DeepSeek checkpoints for tests and benchmarks, written in Hugging Face
 //! format with hub tensor names and a byte-level tokenizer, so they load and take text like a
 //! real model.
 //!
@@ -17,7 +17,9 @@ use crate::Result;
 use crate::convert::tokenizer::{
     AddedToken, BpeTokenizerSpec, PreTokenizer, TokenizerConfig, byte_to_unicode,
 };
-use crate::convert::{CheckpointSpec, MAX_SHARD_BYTES, SpecFamily, SpecTensor, TensorRng};
+use crate::convert::{
+    CheckpointSpec, DeepseekPart, DeepseekSpec, MAX_SHARD_BYTES, SpecFamily, SpecTensor, TensorRng,
+};
 use crate::writer::{
     CheckpointWriter, ShardLayout, StagedDir, TensorSource, human_bytes, human_count,
 };
@@ -41,16 +43,26 @@ pub enum Preset {
     /// A tiny Qwen3-MoE with Qwen3-30B-A3B's routing shape (128 experts top-8) on hidden 64,
     /// 2 layers, head_dim 24 ≠ 64/4 (≈ 1.9 M parameters): for tests.
     Qwen3MoeTiny,
+    /// DeepSeek-V2-Lite's exact shapes (hidden 2048, 16 heads of MLA with kv_lora_rank 512 and
+    /// no q LoRA, 64 experts top-6 of width 1408 plus 2 shared, YaRN ×40, vocab 102400) with 2
+    /// of its 27 layers, the first dense as in V2-Lite (≈ 1.09 B parameters, 2.2 GB).
+    DeepseekV2Lite2l,
+    /// DeepSeek-V3's exact shapes (hidden 7168, 128 heads of MLA with q_lora_rank 1536 and
+    /// kv_lora_rank 512, 256 experts top-8 in 8 groups keep 4, 1 shared, vocab 129280) with
+    /// one dense and one MoE layer (≈ 14.1 B parameters; bf16, 28 GB: for a GPU machine).
+    DeepseekV32l,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 6] = [
+    pub const ALL: [Preset; 8] = [
         Preset::MixtralTiny,
         Preset::MixtralBench1b,
         Preset::Mixtral8x7b2l,
         Preset::MixtralWide,
         Preset::Qwen3Moe30bA3b2l,
         Preset::Qwen3MoeTiny,
+        Preset::DeepseekV2Lite2l,
+        Preset::DeepseekV32l,
     ];
 
     pub fn name(self) -> &'static str {
@@ -61,6 +73,8 @@ impl Preset {
             Preset::MixtralWide => "mixtral-wide",
             Preset::Qwen3Moe30bA3b2l => "qwen3-moe-30b-a3b-2l",
             Preset::Qwen3MoeTiny => "qwen3-moe-tiny",
+            Preset::DeepseekV2Lite2l => "deepseek-v2-lite-2l",
+            Preset::DeepseekV32l => "deepseek-v3-2l",
         }
     }
 
@@ -151,6 +165,70 @@ impl Preset {
                 num_local_experts: 128,
                 num_experts_per_tok: 8,
                 rms_norm_eps: 1e-6,
+                ..base
+            },
+            // deepseek-ai/DeepSeek-V2-Lite's config.json, num_hidden_layers 2.
+            Preset::DeepseekV2Lite2l => CheckpointSpec {
+                family: SpecFamily::Deepseek(DeepseekSpec {
+                    v3: false,
+                    q_lora_rank: None,
+                    kv_lora_rank: 512,
+                    qk_nope_head_dim: 128,
+                    qk_rope_head_dim: 64,
+                    v_head_dim: 128,
+                    dense_intermediate_size: 10944,
+                    first_k_dense_replace: 1,
+                    n_shared_experts: 2,
+                    n_group: 1,
+                    topk_group: 1,
+                    topk_method: "greedy",
+                    norm_topk_prob: false,
+                    routed_scaling_factor: 1.0,
+                    yarn: Some((40.0, 4096, 0.707, 0.707)),
+                }),
+                vocab_size: 102400,
+                hidden_size: 2048,
+                intermediate_size: 1408,
+                num_attention_heads: 16,
+                num_key_value_heads: 16,
+                head_dim: 64,
+                num_local_experts: 64,
+                num_experts_per_tok: 6,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1e4,
+                max_position_embeddings: 163840,
+                ..base
+            },
+            // deepseek-ai/DeepSeek-V3's config.json, num_hidden_layers 2 with the first dense.
+            Preset::DeepseekV32l => CheckpointSpec {
+                family: SpecFamily::Deepseek(DeepseekSpec {
+                    v3: true,
+                    q_lora_rank: Some(1536),
+                    kv_lora_rank: 512,
+                    qk_nope_head_dim: 128,
+                    qk_rope_head_dim: 64,
+                    v_head_dim: 128,
+                    dense_intermediate_size: 18432,
+                    first_k_dense_replace: 1,
+                    n_shared_experts: 1,
+                    n_group: 8,
+                    topk_group: 4,
+                    topk_method: "noaux_tc",
+                    norm_topk_prob: true,
+                    routed_scaling_factor: 2.5,
+                    yarn: Some((40.0, 4096, 1.0, 1.0)),
+                }),
+                vocab_size: 129280,
+                hidden_size: 7168,
+                intermediate_size: 2048,
+                num_attention_heads: 128,
+                num_key_value_heads: 128,
+                head_dim: 64,
+                num_local_experts: 256,
+                num_experts_per_tok: 8,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1e4,
+                max_position_embeddings: 163840,
                 ..base
             },
         }
@@ -251,6 +329,23 @@ fn random_tensor(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Tensor
             1.0 / fan_in.sqrt()
         }
         W1 { .. } | W2 { .. } | W3 { .. } => 1.0 / fan_in.sqrt(),
+        Deepseek { part, .. } => match part {
+            DeepseekPart::QANorm | DeepseekPart::KvANorm => {
+                return TensorSource::new(name, spec.dtype, shape, |out| {
+                    out.fill(1.0);
+                    Ok(())
+                });
+            }
+            // transformers keeps it in f32; small, as trained ones are against sigmoid scores.
+            DeepseekPart::CorrectionBias => {
+                let rng = TensorRng::new(seed, &name);
+                return TensorSource::new(name, DType::F32, shape, move |out| {
+                    rng.fill_normal(out, 0.02);
+                    Ok(())
+                });
+            }
+            _ => 1.0 / fan_in.sqrt(),
+        },
     };
     let rng = TensorRng::new(seed, &name);
     TensorSource::new(name, spec.dtype, shape, move |out| {
@@ -392,6 +487,43 @@ mod tests {
             big.num_parameters() as usize,
             2 * per_layer + 2 * 151936 * 2048 + 2048
         );
+    }
+
+    #[test]
+    fn deepseek_presets_have_their_models_exact_parameter_counts() {
+        // DeepSeek-V2-Lite: q_proj, kv_a, kv_b, o_proj per layer; layer 0 dense, layer 1 with
+        // 64 experts of 1408 and 2 shared.
+        let attention = 2048 * 16 * 192 + 576 * 2048 + 512 + 16 * 256 * 512 + 2048 * 16 * 128;
+        let norms = 2 * 2048;
+        let dense = 3 * 2048 * 10944;
+        let sparse = 64 * 2048 + 64 * 3 * 2048 * 1408 + 3 * 2048 * 2816;
+        let lite = Preset::DeepseekV2Lite2l.spec();
+        assert_eq!(
+            lite.num_parameters() as usize,
+            2 * (attention + norms) + dense + sparse + 2 * 102400 * 2048 + 2048
+        );
+        // DeepSeek-V3 with q LoRA 1536, 256 experts of 2048, 1 shared, the correction bias.
+        let attention = 1536 * 7168
+            + 1536
+            + 128 * 192 * 1536
+            + 576 * 7168
+            + 512
+            + 128 * 256 * 512
+            + 7168 * 128 * 128;
+        let norms = 2 * 7168;
+        let dense = 3 * 7168 * 18432;
+        let sparse = 256 * 7168 + 256 + 256 * 3 * 7168 * 2048 + 3 * 7168 * 2048;
+        let v3 = Preset::DeepseekV32l.spec();
+        assert_eq!(
+            v3.num_parameters() as usize,
+            2 * (attention + norms) + dense + sparse + 2 * 129280 * 7168 + 7168
+        );
+        let config = v3.config_json();
+        assert_eq!(config["architectures"][0], "DeepseekV3ForCausalLM");
+        assert_eq!(config["n_routed_experts"], 256);
+        assert_eq!(config["intermediate_size"], 18432);
+        assert_eq!(config["moe_intermediate_size"], 2048);
+        assert_eq!(config["rope_scaling"]["type"], "yarn");
     }
 
     #[test]

@@ -269,6 +269,21 @@ impl ModelConfig {
         }
     }
 
+    /// What one token's KV cache row of one layer holds, for logs: `latent 512 + rope 64` (MLA)
+    /// or `keys and values 2 × 8 heads × 128`.
+    pub fn kv_cache_row_summary(&self) -> String {
+        match &self.mla {
+            Some(m) => format!(
+                "latent {} + rope {} values per layer",
+                m.kv_lora_rank, m.qk_rope_head_dim
+            ),
+            None => format!(
+                "keys and values 2 × {} heads × {} values per layer",
+                self.num_key_value_heads, self.head_dim
+            ),
+        }
+    }
+
     /// Key/value width of one token in one layer: `num_key_value_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.num_key_value_heads * self.head_dim

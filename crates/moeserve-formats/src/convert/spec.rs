@@ -1,6 +1,6 @@
 //! The shape of a checkpoint as written by the converter and the presets: its `config.json` and
 //! the list of hub tensor names with their shapes, for the families they write (Mixtral, and
-//! Qwen3-MoE for the benchmark presets).
+//! Qwen3-MoE and DeepSeek-V2/V3 for the benchmark presets).
 //!
 //! Follows transformers' config field names and state-dict names
 //! (`model.layers.N.block_sparse_moe.experts.E.w1.weight` for Mixtral,
@@ -11,11 +11,62 @@ use moeserve_core::DType;
 use serde_json::{Value, json};
 
 /// The families a spec can write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SpecFamily {
     Mixtral,
     /// Every layer sparse, `norm_topk_prob: true` (as Qwen3-30B-A3B).
     Qwen3Moe,
+    /// `DeepseekV2ForCausalLM` or `DeepseekV3ForCausalLM`: multi-head latent attention, dense
+    /// first layers, shared experts (the spec's `intermediate_size` is a routed expert's).
+    Deepseek(DeepseekSpec),
+}
+
+/// What a DeepSeek checkpoint adds to the common shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeepseekSpec {
+    /// V3 (`noaux_tc` router with `e_score_correction_bias`, `rope_interleave`) or V2.
+    pub v3: bool,
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The dense layers' MLP width (`intermediate_size`).
+    pub dense_intermediate_size: usize,
+    pub first_k_dense_replace: usize,
+    pub n_shared_experts: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// V2's `topk_method`: `greedy` or `group_limited_greedy`.
+    pub topk_method: &'static str,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f64,
+    /// YaRN: (factor, original_max_position_embeddings, mscale, mscale_all_dim).
+    pub yarn: Option<(f64, usize, f64, f64)>,
+}
+
+/// A DeepSeek layer's tensors beyond the common ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeepseekPart {
+    /// `q_proj` (no q LoRA) or `q_a_proj`, `q_a_layernorm`, `q_b_proj`.
+    QProj,
+    QAProj,
+    QANorm,
+    QBProj,
+    KvAProj,
+    KvANorm,
+    KvBProj,
+    OProj,
+    /// The dense layers' `mlp.{gate,up,down}_proj`.
+    DenseGate,
+    DenseUp,
+    DenseDown,
+    /// `mlp.gate.e_score_correction_bias` (V3; f32).
+    CorrectionBias,
+    /// `mlp.shared_experts.{gate,up,down}_proj`.
+    SharedGate,
+    SharedUp,
+    SharedDown,
 }
 
 /// Everything needed to name, shape and describe a checkpoint.
@@ -92,6 +143,11 @@ pub enum SpecTensor {
         layer: usize,
         expert: usize,
     },
+    /// A DeepSeek tensor of layer `layer`.
+    Deepseek {
+        layer: usize,
+        part: DeepseekPart,
+    },
 }
 
 impl CheckpointSpec {
@@ -101,7 +157,9 @@ impl CheckpointSpec {
         let layer = |l: usize, rest: &str| format!("model.layers.{l}.{rest}");
         let (block, [w1, w3, w2]) = match self.family {
             SpecFamily::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            SpecFamily::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            SpecFamily::Qwen3Moe | SpecFamily::Deepseek(_) => {
+                ("mlp", ["gate_proj", "up_proj", "down_proj"])
+            }
         };
         let expert =
             |l: usize, e: usize, w: &str| layer(l, &format!("{block}.experts.{e}.{w}.weight"));
@@ -130,7 +188,85 @@ impl CheckpointSpec {
                 layer: l,
                 expert: e,
             } => expert(l, e, w3),
+            Deepseek { layer: l, part } => {
+                use DeepseekPart::*;
+                let rest = match part {
+                    QProj => "self_attn.q_proj.weight",
+                    QAProj => "self_attn.q_a_proj.weight",
+                    QANorm => "self_attn.q_a_layernorm.weight",
+                    QBProj => "self_attn.q_b_proj.weight",
+                    KvAProj => "self_attn.kv_a_proj_with_mqa.weight",
+                    KvANorm => "self_attn.kv_a_layernorm.weight",
+                    KvBProj => "self_attn.kv_b_proj.weight",
+                    OProj => "self_attn.o_proj.weight",
+                    DenseGate => "mlp.gate_proj.weight",
+                    DenseUp => "mlp.up_proj.weight",
+                    DenseDown => "mlp.down_proj.weight",
+                    CorrectionBias => "mlp.gate.e_score_correction_bias",
+                    SharedGate => "mlp.shared_experts.gate_proj.weight",
+                    SharedUp => "mlp.shared_experts.up_proj.weight",
+                    SharedDown => "mlp.shared_experts.down_proj.weight",
+                };
+                layer(l, rest)
+            }
         }
+    }
+
+    /// The shape of a DeepSeek tensor.
+    fn deepseek_shape(&self, d: &DeepseekSpec, part: DeepseekPart) -> Vec<usize> {
+        use DeepseekPart::*;
+        let (h, heads) = (self.hidden_size, self.num_attention_heads);
+        let q_out = heads * (d.qk_nope_head_dim + d.qk_rope_head_dim);
+        let q_rank = d.q_lora_rank.unwrap_or(0);
+        let shared = d.n_shared_experts * self.intermediate_size;
+        match part {
+            QProj => vec![q_out, h],
+            QAProj => vec![q_rank, h],
+            QANorm => vec![q_rank],
+            QBProj => vec![q_out, q_rank],
+            KvAProj => vec![d.kv_lora_rank + d.qk_rope_head_dim, h],
+            KvANorm => vec![d.kv_lora_rank],
+            KvBProj => vec![heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank],
+            OProj => vec![h, heads * d.v_head_dim],
+            DenseGate | DenseUp => vec![d.dense_intermediate_size, h],
+            DenseDown => vec![h, d.dense_intermediate_size],
+            CorrectionBias => vec![self.num_local_experts],
+            SharedGate | SharedUp => vec![shared, h],
+            SharedDown => vec![h, shared],
+        }
+    }
+
+    /// The tensors of DeepSeek layer `layer`, in the order the other families list theirs.
+    fn deepseek_layer(d: &DeepseekSpec, layer: usize, experts: usize) -> Vec<SpecTensor> {
+        use DeepseekPart::*;
+        use SpecTensor::*;
+        let part = |part| Deepseek { layer, part };
+        let mut out = vec![InputNorm { layer }];
+        match d.q_lora_rank {
+            None => out.push(part(QProj)),
+            Some(_) => out.extend([part(QAProj), part(QANorm), part(QBProj)]),
+        }
+        out.extend([part(KvAProj), part(KvANorm), part(KvBProj), part(OProj)]);
+        out.push(PostAttentionNorm { layer });
+        if layer < d.first_k_dense_replace {
+            out.extend([part(DenseGate), part(DenseUp), part(DenseDown)]);
+            return out;
+        }
+        out.push(Router { layer });
+        if d.v3 {
+            out.push(part(CorrectionBias));
+        }
+        for expert in 0..experts {
+            out.extend([
+                W1 { layer, expert },
+                W2 { layer, expert },
+                W3 { layer, expert },
+            ]);
+        }
+        if d.n_shared_experts > 0 {
+            out.extend([part(SharedGate), part(SharedUp), part(SharedDown)]);
+        }
+        out
     }
 
     /// Row-major shape of a tensor (`[out, in]` for projections).
@@ -149,6 +285,10 @@ impl CheckpointSpec {
             Router { .. } => vec![self.num_local_experts, h],
             W1 { .. } | W3 { .. } => vec![i, h],
             W2 { .. } => vec![h, i],
+            Deepseek { part, .. } => match &self.family {
+                SpecFamily::Deepseek(d) => self.deepseek_shape(d, part),
+                _ => unreachable!("a DeepSeek tensor of another family"),
+            },
         }
     }
 
@@ -158,6 +298,10 @@ impl CheckpointSpec {
         use SpecTensor::*;
         let mut out = vec![EmbedTokens];
         for layer in 0..self.num_hidden_layers {
+            if let SpecFamily::Deepseek(d) = &self.family {
+                out.extend(Self::deepseek_layer(d, layer, self.num_local_experts));
+                continue;
+            }
             out.extend([
                 InputNorm { layer },
                 QProj { layer },
@@ -241,6 +385,7 @@ impl CheckpointSpec {
                 "use_sliding_window": false,
                 "router_aux_loss_coef": 0.001,
             }),
+            SpecFamily::Deepseek(d) => deepseek_config(self, &d),
         };
         let (Value::Object(config_map), Value::Object(family)) = (&mut config, family) else {
             unreachable!("both are JSON objects");
@@ -253,6 +398,53 @@ impl CheckpointSpec {
     pub fn generation_config_json(&self) -> Value {
         json!({ "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id })
     }
+}
+
+/// A DeepSeek-V2/V3 config's own fields, as the hub's configs write them.
+fn deepseek_config(spec: &CheckpointSpec, d: &DeepseekSpec) -> Value {
+    let (arch, model_type) = match d.v3 {
+        true => ("DeepseekV3ForCausalLM", "deepseek_v3"),
+        false => ("DeepseekV2ForCausalLM", "deepseek_v2"),
+    };
+    let mut config = json!({
+        "architectures": [arch],
+        "model_type": model_type,
+        "intermediate_size": d.dense_intermediate_size,
+        "moe_intermediate_size": spec.intermediate_size,
+        "n_routed_experts": spec.num_local_experts,
+        "n_shared_experts": d.n_shared_experts,
+        "first_k_dense_replace": d.first_k_dense_replace,
+        "moe_layer_freq": 1,
+        "n_group": d.n_group,
+        "topk_group": d.topk_group,
+        "topk_method": if d.v3 { "noaux_tc" } else { d.topk_method },
+        "scoring_func": if d.v3 { "sigmoid" } else { "softmax" },
+        "norm_topk_prob": d.norm_topk_prob,
+        "routed_scaling_factor": d.routed_scaling_factor,
+        "q_lora_rank": d.q_lora_rank,
+        "kv_lora_rank": d.kv_lora_rank,
+        "qk_nope_head_dim": d.qk_nope_head_dim,
+        "qk_rope_head_dim": d.qk_rope_head_dim,
+        "v_head_dim": d.v_head_dim,
+        "head_dim": d.qk_rope_head_dim,
+        "attention_bias": false,
+        "num_nextn_predict_layers": 0,
+    });
+    if d.v3 {
+        config["rope_interleave"] = json!(true);
+    }
+    if let Some((factor, original, mscale, mscale_all_dim)) = d.yarn {
+        config["rope_scaling"] = json!({
+            "type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original,
+            "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        });
+    }
+    config
 }
 
 /// The f64 with the shortest decimal that reads back as `value` (GGUF stores `1e-5` as the

@@ -111,11 +111,15 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let requests = requests(&args)?;
     let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config(device))?;
     let stats = engine.core().stats();
+    let tokens = (stats.num_kv_blocks * args.engine.block_size).max(1) as u64;
     eprintln!(
-        "KV cache: {} blocks of {} tokens ({:.2} GB), max concurrency at {} tokens: {:.1}",
+        "KV cache: {} blocks of {} tokens ({:.2} GB; {} bytes per token: {}), max concurrency \
+         at {} tokens: {:.1}",
         stats.num_kv_blocks,
         args.engine.block_size,
         stats.kv_cache_bytes as f64 / 1e9,
+        stats.kv_cache_bytes / tokens,
+        engine.core().assets().model.config().kv_cache_row_summary(),
         stats.max_model_len,
         stats.max_concurrency_at_max_len
     );

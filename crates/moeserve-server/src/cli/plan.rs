@@ -66,10 +66,16 @@ pub struct PlanArgs {
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let result = BenchResult::load(&args.from)?;
-    let bytes_per_token = match (&args.model, args.kv_bytes_per_token) {
-        (Some(dir), _) => Some(kv_bytes_per_token(dir)?),
+    let config = args
+        .model
+        .as_deref()
+        .map(|dir| ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display())))
+        .transpose()?;
+    let bytes_per_token = match (&config, args.kv_bytes_per_token) {
+        (Some(config), _) => Some(kv_bytes_per_token(config)),
         (None, bytes) => bytes,
     };
+    let row_summary = config.as_ref().map(ModelConfig::kv_cache_row_summary);
     let memory = bytes_per_token.map(|bytes_per_token| KvMemory {
         bytes_per_token,
         cache_bytes: args.kv_cache_memory.unwrap_or(DEFAULT_KV_CACHE_BYTES),
@@ -100,8 +106,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     );
     match memory {
         Some(m) => println!(
-            "KV cache: {} bytes per token, {:.2} GiB",
+            "KV cache: {} bytes per token{}, {:.2} GiB",
             m.bytes_per_token,
+            row_summary.map_or(String::new(), |s| format!(" ({s})")),
             m.cache_bytes as f64 / (1u64 << 30) as f64
         ),
         None => println!("KV cache: not checked (give --model DIR or --kv-bytes-per-token)"),
@@ -111,10 +118,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 /// Keys and values of every layer, as the engine lays them out (MLA: the latent row).
-fn kv_bytes_per_token(dir: &std::path::Path) -> anyhow::Result<u64> {
-    let config =
-        ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
-    Ok(KvCacheLayout::for_model(&config, 0, 1).bytes_per_token() as u64)
+fn kv_bytes_per_token(config: &ModelConfig) -> u64 {
+    KvCacheLayout::for_model(config, 0, 1).bytes_per_token() as u64
 }
 
 /// `50ms`, `0.1s`, `2s` or a bare number of milliseconds → milliseconds.
