@@ -129,6 +129,10 @@ class FamilyCase:
     topk_method: str = "greedy"  # DeepSeek-V2: greedy or group_limited_greedy
     rope_interleave: bool = True  # DeepSeek-V3 (V2's complex RoPE is always interleaved)
     mtp_layers: int = 0  # DeepSeek-V3 MTP layers written after the last layer (ignored)
+    # FP8 block checkpoints (DeepSeek-V3's release format): every linear weight but the
+    # embeddings, lm_head and the routers stored as float8_e4m3fn with a float32
+    # `weight_scale_inv` per (rows, cols) block; the reference runs on the dequantised weights.
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def mla(self) -> bool:
@@ -232,6 +236,15 @@ CASES = (
         norm_topk_prob=True, tied=False, config_style="legacy", rms_norm_eps=1e-6, base_seed=12000,
         first_k_dense=1, n_shared=1, n_group=4, topk_group=2, routed_scaling=2.5, q_lora_rank=48,
         kv_lora_rank=32, qk_nope=16, qk_rope=16, v_head=24, rope_interleave=True, mtp_layers=1,
+    ),
+    FamilyCase(
+        # The V3 case stored as DeepSeek-V3 ships: FP8 e4m3 blocks with per-block scales (32 x 32
+        # here, so the small matrices have several blocks each way, some partial).
+        name="deepseek-v3-fp8", family="deepseek_v3", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=4,
+        head_dim=None, layers=3, experts=16, top_k=4, expert_intermediate=32, dense_intermediate=128,
+        norm_topk_prob=True, tied=False, config_style="legacy", rms_norm_eps=1e-6, base_seed=13000,
+        first_k_dense=1, n_shared=1, n_group=4, topk_group=2, routed_scaling=2.5, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope=16, qk_rope=16, v_head=24, rope_interleave=True, fp8_block=(32, 32),
     ),
 )
 
@@ -429,7 +442,57 @@ def fuse_experts(case: FamilyCase, tensors: dict[str, torch.Tensor]) -> dict[str
     return fused
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def is_fp8_quantized(name: str, t: torch.Tensor) -> bool:
+    """DeepSeek-V3's FP8 release: every linear weight but embed_tokens, lm_head and the routers."""
+    keep = ("model.embed_tokens.weight", "lm_head.weight")
+    return t.dim() == 2 and name.endswith(".weight") and name not in keep and not name.endswith("mlp.gate.weight")
+
+
+def fp8_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, float32 scales [ceil(n/br), ceil(k/bc)]): each block scaled so its
+    largest magnitude is 448, as DeepSeek's and transformers' FP8 quantizers do."""
+    (n, k), (br, bc) = w.shape, block
+    rows, cols = -(-n // br), -(-k // bc)
+    padded = torch.zeros(rows * br, cols * bc)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(rows, br, cols, bc)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).view(rows * br, cols * bc)[:n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    (n, k), (br, bc) = q.shape, block
+    return q.float() * scale.repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)[:, :k]
+
+
+def fp8_checkpoint(case: FamilyCase, hub: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub tensors with the FP8 ones replaced by `weight` + `weight_scale_inv`."""
+    out = {}
+    for name, t in hub.items():
+        if is_fp8_quantized(name, t):
+            out[name], out[name + "_scale_inv"] = fp8_quantize(t, case.fp8_block)
+        else:
+            out[name] = t
+    return out
+
+
+def dequantized(case: FamilyCase, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float weights an FP8 checkpoint stands for (the stored tensors otherwise)."""
+    if case.fp8_block is None:
+        return stored
+    return {
+        name: fp8_dequantize(t, stored[name + "_scale_inv"], case.fp8_block) if t.dtype == torch.float8_e4m3fn else t
+        for name, t in stored.items()
+        if not name.endswith("_scale_inv")
+    }
+
+
 def module_state_dict(case: FamilyCase, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    stored = dequantized(case, stored)
     state = {name: t.to(torch.float32) for name, t in fuse_experts(case, stored).items()}
     if case.tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -452,6 +515,8 @@ def build_model(case: FamilyCase, stored: dict[str, torch.Tensor]):
 def attempt(case: FamilyCase, seed: int):
     hub = init_hub_tensors(case, seed)
     stored = fuse_experts(case, hub) if case.fused_experts else hub
+    if case.fp8_block is not None:
+        stored = fp8_checkpoint(case, stored)
     model = build_model(case, stored)
     results, greedy_margin, router_gap = run_references(model, seed, case.top_k)
     if case.family in SIGMOID_ROUTER or case.topk_method == "group_limited_greedy":
@@ -471,6 +536,13 @@ def config_json(case: FamilyCase) -> dict:
     if case.family == "glm4_moe" and case.config_style != "parameters":
         # The hub's GLM-4.5 configs give it beside rope_theta, at the top level.
         config["partial_rotary_factor"] = case.partial_rotary
+    if case.fp8_block is not None:  # as DeepSeek-V3's release says it
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(case.fp8_block),
+        }
     if case.mla and case.config_style != "parameters" and case.rope is not None:
         # The hub's DeepSeek configs say YaRN as `rope_scaling` with "type".
         scaling = {k: v for k, v in case.rope.items() if k != "rope_type"}
@@ -513,11 +585,27 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
     """
     mtp = mtp_tensors(case)
     on_disk = {k: v for k, v in read_tensors(out).items() if k not in mtp}
-    if set(on_disk) != set(stored) or any(not torch.equal(on_disk[k], stored[k]) for k in stored):
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # float8 has no CPU equality: compare bits
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) \
+            if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
+
+    if set(on_disk) != set(stored) or any(not same(on_disk[k], stored[k]) for k in stored):
         raise RuntimeError(f"{case.name}: written tensors differ from the computed ones")
     saved = save_pretrained_names(build_model(case, stored), case.dtype)
     if saved != set(hub):  # transformers writes the hub (per-expert) names in every case
         raise RuntimeError(f"{case.name}: save_pretrained names differ: {sorted(saved ^ set(hub))}")
+    if case.fp8_block is not None:
+        # transformers' FP8 loader needs an accelerator; the reference model was built from the
+        # dequantised weights above, and the dequantisation is checked against the bf16 ones.
+        worst = max(
+            float((w.float() - hub_w.float()).abs().max() / hub_w.float().abs().max())
+            for name, w in dequantized(case, stored).items()
+            for hub_w in [hub[name]]
+            if stored[name].dtype == torch.float8_e4m3fn
+        )
+        if worst > 1 / 16:  # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of a value
+            raise RuntimeError(f"{case.name}: FP8 dequantisation is off by {worst} of a block's range")
+        return False
     model_cls = FAMILIES[case.family][1]
     reloaded, info = model_cls.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
@@ -984,7 +1072,7 @@ def generate_case(case: FamilyCase, fixtures: Path, provenance: dict) -> dict:
         raise RuntimeError(f"{case.name}: no seed gave decisive margins")
     write_checkpoint(case, out, stored)
     names_match = verify_checkpoint(case, out, stored, model, results, hub=hub)
-    if not names_match and not case.fused_experts:
+    if not names_match and not case.fused_experts and case.fp8_block is None:
         raise RuntimeError(f"{case.name}: save_pretrained does not write the checkpoint's names")
     write_json(out / "reference.json", {"case": case.name, "prompts": [r.as_reference() for r in results]})
     expected_ids = results[EXPECTED_PROMPT_INDEX].prompt_ids
@@ -1005,7 +1093,12 @@ def generate_case(case: FamilyCase, fixtures: Path, provenance: dict) -> dict:
         "experts_implementation": model.config._experts_implementation,  # noqa: SLF001 - transformers' default
         "expert_layout": "fused module names" if case.fused_experts else "per-expert hub names",
         "save_pretrained_names_equal_checkpoint": names_match,
-        "from_pretrained_logits_identical": True,
+        "from_pretrained_logits_identical": case.fp8_block is None,  # FP8: not reloadable on a CPU
+        **({} if case.fp8_block is None else {
+            "fp8_weight_block_size": list(case.fp8_block),
+            "fp8_matrices": sum(t.dtype == torch.float8_e4m3fn for t in stored.values()),
+            "reference_weights": "the FP8 values times their block scales, in float32",
+        }),
         "dense_layers": case.dense_layers,
         "sparse_layers": [i for i in range(case.layers) if i not in case.dense_layers],
         "min_greedy_margin": margin,

@@ -31,6 +31,8 @@ pub enum BackendError {
         shape: Vec<usize>,
         dtype: moeserve_core::DType,
     },
+    #[error("FP8 weight: {message}")]
+    Fp8Scales { message: String },
     #[error(transparent)]
     Cuda(#[from] cuda::CudaError),
 }

@@ -11,6 +11,7 @@ use memmap2::Mmap;
 use moeserve_core::DType;
 
 use crate::cpu::WeightQuantization;
+use crate::cpu::fp8::{BlockScales, E4m3};
 use crate::cpu::packed::PackedWeight;
 use crate::cpu::quant::Int8Rows;
 use crate::{BackendError, Result};
@@ -60,6 +61,8 @@ pub struct Weight {
     /// int8 rows stored in the checkpoint (`moeserve quantize`), used instead of quantizing
     /// the stored values when the process runs int8.
     int8: Option<Arc<Int8Rows>>,
+    /// An FP8 matrix's block scales (set exactly when the dtype is `F8E4M3`).
+    block_scales: Option<Arc<BlockScales>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -71,6 +74,39 @@ impl std::fmt::Debug for Weight {
 impl Weight {
     /// Wraps `bytes`; copies them into an owned buffer when they are misaligned for `dtype`.
     pub fn new(dtype: DType, shape: Vec<usize>, bytes: WeightBytes) -> Result<Self> {
+        if dtype == DType::F8E4M3 {
+            return Err(BackendError::Fp8Scales {
+                message: format!("an FP8 tensor {shape:?} needs its block scales (Weight::fp8)"),
+            });
+        }
+        Self::new_unchecked(dtype, shape, bytes)
+    }
+
+    /// An FP8 block matrix: `[n, k]` e4m3 `bytes` and the scales of its blocks.
+    pub fn fp8(shape: Vec<usize>, bytes: WeightBytes, scales: BlockScales) -> Result<Self> {
+        let [n, k] = shape[..] else {
+            return Err(BackendError::Fp8Scales {
+                message: format!("an FP8 tensor must be a matrix, got shape {shape:?}"),
+            });
+        };
+        let [br, bc] = scales.block;
+        let want = n.div_ceil(br.max(1)) * k.div_ceil(bc.max(1));
+        if br == 0 || bc == 0 || scales.k != k || scales.scales.len() != want {
+            return Err(BackendError::Fp8Scales {
+                message: format!(
+                    "[{n}, {k}] in blocks of {br} × {bc} needs {want} scales, got {} for {} \
+                     columns",
+                    scales.scales.len(),
+                    scales.k
+                ),
+            });
+        }
+        let mut weight = Self::new_unchecked(DType::F8E4M3, shape, bytes)?;
+        weight.block_scales = Some(Arc::new(scales));
+        Ok(weight)
+    }
+
+    fn new_unchecked(dtype: DType, shape: Vec<usize>, bytes: WeightBytes) -> Result<Self> {
         let numel: usize = shape.iter().product();
         let len = bytes.as_slice().len();
         if len != numel * dtype.size_in_bytes() {
@@ -94,6 +130,7 @@ impl Weight {
             packed: Arc::default(),
             quantizable: true,
             int8: None,
+            block_scales: None,
         })
     }
 
@@ -133,6 +170,23 @@ impl Weight {
             DType::F32 => WeightData::F32(bytemuck::cast_slice(b)),
             DType::F16 => WeightData::F16(bytemuck::cast_slice(b)),
             DType::BF16 => WeightData::BF16(bytemuck::cast_slice(b)),
+            DType::F8E4M3 => WeightData::F8E4M3(
+                bytemuck::cast_slice(b),
+                self.block_scales
+                    .as_deref()
+                    .expect("FP8 weights have block scales"),
+            ),
+        }
+    }
+
+    /// The same weight in a fresh owned buffer with its own packed form (what placing an
+    /// expert on another device means on the CPU): dtype, shape, block scales, stored int8
+    /// rows and whether `--quantization` applies all kept.
+    pub fn deep_copy(&self) -> Self {
+        Weight {
+            bytes: WeightBytes::owned(self.as_bytes()),
+            packed: Arc::default(),
+            ..self.clone()
         }
     }
 
@@ -203,6 +257,7 @@ impl Weight {
             WeightData::F32(v) => v[i],
             WeightData::F16(v) => v[i].to_f32(),
             WeightData::BF16(v) => v[i].to_f32(),
+            WeightData::F8E4M3(v, s) => v[i].to_f32() * s.at(i / s.k, i % s.k),
         }
     }
 
@@ -232,6 +287,8 @@ pub enum WeightData<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     BF16(&'a [bf16]),
+    /// FP8 block matrix: the elements and their blocks' scales.
+    F8E4M3(&'a [E4m3], &'a BlockScales),
 }
 
 impl WeightData<'_> {
@@ -240,6 +297,7 @@ impl WeightData<'_> {
             WeightData::F32(v) => v.len(),
             WeightData::F16(v) => v.len(),
             WeightData::BF16(v) => v.len(),
+            WeightData::F8E4M3(v, _) => v.len(),
         }
     }
 

@@ -9,6 +9,9 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// float8 e4m3 (`float8_e4m3fn`: no infinities, one NaN), with block scales beside it
+    /// (FP8 block checkpoints: DeepSeek-V3/R1, the Qwen3 FP8 releases).
+    F8E4M3,
 }
 
 impl DType {
@@ -16,6 +19,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 
@@ -25,6 +29,7 @@ impl DType {
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
+            DType::F8E4M3 => "F8_E4M3",
         }
     }
 
@@ -35,6 +40,7 @@ impl DType {
             "bf16" | "bfloat16" => Some(DType::BF16),
             "f16" | "float16" | "half" => Some(DType::F16),
             "f32" | "float32" | "float" => Some(DType::F32),
+            "f8_e4m3" | "float8_e4m3fn" => Some(DType::F8E4M3),
             _ => None,
         }
     }
@@ -46,6 +52,7 @@ impl std::fmt::Display for DType {
             DType::F32 => "float32",
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
+            DType::F8E4M3 => "float8_e4m3fn",
         })
     }
 }

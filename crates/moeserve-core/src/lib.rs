@@ -7,6 +7,7 @@
 pub mod alloc_count;
 mod config;
 mod dtype;
+pub mod fp8;
 mod ids;
 mod moe_config;
 mod placement;

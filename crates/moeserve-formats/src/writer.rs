@@ -291,6 +291,7 @@ fn safetensors_dtype(dtype: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::BF16,
+        DType::F8E4M3 => Dtype::F8_E4M3,
     }
 }
 
@@ -404,6 +405,12 @@ pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
         DType::F16 => {
             for (d, &v) in dst.chunks_exact_mut(2).zip(src) {
                 d.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            }
+        }
+        // The values as they are (already divided by their block's scale).
+        DType::F8E4M3 => {
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d = moeserve_core::fp8::e4m3_from_f32(v);
             }
         }
     };

@@ -3,6 +3,11 @@
 //!
 //! Files are validated when opened (header, offsets, file length) so a truncated download is
 //! reported at start-up with its path, not as a crash in the middle of a forward pass.
+//!
+//! FP8 block checkpoints (`quantization_config: {"quant_method": "fp8", "weight_block_size":
+//! [rows, cols]}`, DeepSeek-V3/R1 and the Qwen3 FP8 releases) store a matrix as `F8_E4M3`
+//! `{name}.weight` beside its f32 `{name}.weight_scale_inv` (one scale per block, the factor to
+//! multiply by); such a matrix loads as an FP8 [`Weight`] that the kernels widen as they go.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -39,6 +44,8 @@ pub struct Checkpoint {
     tensors: HashMap<String, TensorEntry>,
     /// Whether weights ignore `--quantization` and stored int8 tensors ([`Checkpoint::as_stored`]).
     as_stored: bool,
+    /// `quantization_config.weight_block_size` of an FP8 checkpoint's config.json.
+    fp8_block: Option<[usize; 2]>,
 }
 
 impl Checkpoint {
@@ -60,6 +67,7 @@ impl Checkpoint {
             files: Vec::new(),
             tensors: HashMap::new(),
             as_stored: false,
+            fp8_block: fp8_block_size(dir)?,
         };
         for name in file_names {
             checkpoint.add_file(&dir.join(name))?;
@@ -221,6 +229,7 @@ impl Checkpoint {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
+            Dtype::F8_E4M3 => return self.fp8_weight(name, entry, path, (index, part_shape)),
             other => {
                 return Err(ModelError::UnsupportedDType {
                     path: path.clone(),
@@ -256,6 +265,101 @@ impl Checkpoint {
             Some(rows) => Ok(weight.with_int8(rows)?),
             None => Ok(weight),
         }
+    }
+}
+
+impl Checkpoint {
+    /// The FP8 matrix `name` with the scales of `{name}_scale_inv`.
+    fn fp8_weight(
+        &self,
+        name: &str,
+        entry: &TensorEntry,
+        path: &Path,
+        (index, part_shape): (usize, &[usize]),
+    ) -> Result<Weight> {
+        let bad = |message: String| ModelError::config(path, format!("`{name}`: {message}"));
+        let &[n, k] = part_shape else {
+            return Err(bad(format!(
+                "FP8 is for matrices; this tensor has shape {part_shape:?}"
+            )));
+        };
+        if index != 0 || entry.shape != part_shape {
+            return Err(bad(
+                "FP8 experts fused into one tensor are not supported (per-expert tensors are)"
+                    .into(),
+            ));
+        }
+        let block = self.fp8_block.ok_or_else(|| {
+            bad(
+                "an F8_E4M3 tensor, but config.json has no quantization_config.weight_block_size"
+                    .into(),
+            )
+        })?;
+        let scale_name = format!("{name}_scale_inv");
+        let shape = [n.div_ceil(block[0]), k.div_ceil(block[1])];
+        let scales = self.raw(&scale_name, Dtype::F32, &shape)?;
+        let scales = moeserve_backend::cpu::fp8::BlockScales {
+            block,
+            k,
+            scales: bytemuck::pod_collect_to_vec(scales),
+        };
+        if let Some(s) = scales
+            .scales
+            .iter()
+            .find(|s| !(s.is_finite() && **s >= 0.0))
+        {
+            return Err(bad(format!("{scale_name} holds {s}, not a finite scale")));
+        }
+        let bytes = WeightBytes::Mapped {
+            map: self.files[entry.file].1.clone(),
+            start: entry.start,
+            end: entry.end,
+        };
+        let weight = Weight::fp8(part_shape.to_vec(), bytes, scales)?;
+        Ok(if self.as_stored {
+            weight.exact()
+        } else {
+            weight
+        })
+    }
+}
+
+/// `quantization_config.weight_block_size` of `dir/config.json` when it says `fp8`; other
+/// quantization methods are not this module's (the int8 checkpoints `moeserve quantize`
+/// writes are read elsewhere).
+fn fp8_block_size(dir: &Path) -> Result<Option<[usize; 2]>> {
+    let path = dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let Ok(config) = serde_json::from_str::<Value>(&text) else {
+        return Ok(None);
+    };
+    let Some(q) = config.get("quantization_config") else {
+        return Ok(None);
+    };
+    if q.get("quant_method").and_then(Value::as_str) != Some("fp8") {
+        return Ok(None);
+    }
+    let bad = |message: &str| Err(ModelError::config(&path, message.to_string()));
+    if let Some(fmt) = q.get("fmt").and_then(Value::as_str)
+        && fmt != "e4m3"
+    {
+        return bad("quantization_config.fmt must be \"e4m3\" (the FP8 releases' format)");
+    }
+    match q
+        .get("weight_block_size")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+    {
+        Some([rows, cols]) => match (rows.as_u64(), cols.as_u64()) {
+            (Some(r), Some(c)) if r > 0 && c > 0 => Ok(Some([r as usize, c as usize])),
+            _ => bad("quantization_config.weight_block_size must be two positive integers"),
+        },
+        _ => bad(
+            "quantization_config.weight_block_size must be [rows, cols] (per-tensor FP8 is not \
+             supported; the block checkpoints of DeepSeek-V3 and Qwen3 are)",
+        ),
     }
 }
 
@@ -349,5 +453,68 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let msg = Checkpoint::open(dir.path()).err().unwrap().to_string();
         assert!(msg.contains("no model.safetensors"), "{msg}");
+    }
+
+    fn fp8_config(dir: &Path, block: &str) {
+        let config = format!(
+            r#"{{"quantization_config": {{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": {block}}}}}"#
+        );
+        std::fs::write(dir.join("config.json"), config).unwrap();
+    }
+
+    #[test]
+    fn fp8_matrices_load_with_their_block_scales_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        write_single(
+            dir.path(),
+            &[
+                ("w.weight", Dtype::F8_E4M3, vec![40, 20]),
+                ("w.weight_scale_inv", Dtype::F32, vec![3, 2]),
+                ("bad.weight", Dtype::F8_E4M3, vec![40, 20]),
+                ("bad.weight_scale_inv", Dtype::F32, vec![2, 2]),
+                ("orphan.weight", Dtype::F8_E4M3, vec![40, 20]),
+                ("norm.weight", Dtype::F8_E4M3, vec![20]),
+            ],
+        );
+        fp8_config(dir.path(), "[16, 16]");
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let w = ckpt.weight("w.weight", &[40, 20]).unwrap();
+        assert_eq!(w.dtype(), DType::F8E4M3);
+        assert_eq!(w.size_in_bytes(), 40 * 20);
+        let msg = ckpt
+            .weight("bad.weight", &[40, 20])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("`bad.weight_scale_inv` has shape [2, 2], expected [3, 2]"),
+            "{msg}"
+        );
+        let msg = ckpt
+            .weight("orphan.weight", &[40, 20])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("missing tensor `orphan.weight_scale_inv`"),
+            "{msg}"
+        );
+        let msg = ckpt.weight("norm.weight", &[20]).unwrap_err().to_string();
+        assert!(msg.contains("FP8 is for matrices"), "{msg}");
+        // Without the block size in config.json the tensors cannot be read.
+        fp8_config(dir.path(), "null");
+        let msg = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(
+            msg.contains("weight_block_size must be [rows, cols]"),
+            "{msg}"
+        );
+        std::fs::remove_file(dir.path().join("config.json")).unwrap();
+        let msg = Checkpoint::open(dir.path())
+            .unwrap()
+            .weight("w.weight", &[40, 20])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("no quantization_config.weight_block_size"),
+            "{msg}"
+        );
     }
 }

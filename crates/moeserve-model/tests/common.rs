@@ -22,8 +22,8 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 /// q/k norms per head and `head_dim` ≠ hidden/heads, dense layers among sparse ones, fused
 /// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`,
 /// YaRN, DeepSeek-V3's sigmoid router on GQA (GLM-4.5), multi-head latent attention with
-/// DeepSeek-V2's and V3's routers.
-pub const FAMILY_CASES: [&str; 9] = [
+/// DeepSeek-V2's and V3's routers, and V3 as an FP8 block checkpoint.
+pub const FAMILY_CASES: [&str; 10] = [
     "qwen3-moe",
     "qwen3-moe-fused",
     "qwen3-moe-yarn",
@@ -33,6 +33,7 @@ pub const FAMILY_CASES: [&str; 9] = [
     "deepseek-v2-lite",
     "deepseek-v2",
     "deepseek-v3",
+    "deepseek-v3-fp8",
 ];
 
 /// Every transformers fixture of a sparse model.

@@ -133,6 +133,11 @@ fn each_family_fixture_loads_as_its_family() {
             Architecture::DeepseekV3,
             vec![false, true, true],
         ),
+        (
+            "deepseek-v3-fp8",
+            Architecture::DeepseekV3,
+            vec![false, true, true],
+        ),
     ];
     for (case, arch, sparse) in want {
         let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
@@ -147,6 +152,7 @@ fn each_family_fixture_loads_as_its_family() {
             "deepseek-v2-lite",
             "deepseek-v2",
             "deepseek-v3",
+            "deepseek-v3-fp8",
         ];
         assert_eq!(shared, with_shared.contains(&case), "{case}");
     }
@@ -182,4 +188,15 @@ fn upcycled_gguf_matches_dense_transformers() {
     );
     let worst = check_greedy("llama-tiny-gguf upcycled", &dir, &model);
     eprintln!("llama-tiny-gguf upcycled: max |Δlogprob| = {worst:e}");
+}
+
+/// An FP8 block checkpoint stays one byte per FP8 weight in the kernels' layout: nothing widens
+/// its matrices to bf16 or f32 at load (kv_b_proj aside, cut per head into small f32 pieces).
+#[test]
+fn fp8_matrices_stay_one_byte_per_weight() {
+    let fp8 = MoeModel::load(&fixtures_dir().join("deepseek-v3-fp8")).unwrap();
+    let bf16 = MoeModel::load(&fixtures_dir().join("deepseek-v3")).unwrap();
+    // The same shapes: an expert's packed matrices are half the bf16 bytes, plus the scales.
+    let (e8, e16) = (fp8.expert_bytes(0, 0), bf16.expert_bytes(0, 0));
+    assert!(e8 * 100 < e16 * 55, "FP8 expert {e8} bytes vs bf16 {e16}");
 }

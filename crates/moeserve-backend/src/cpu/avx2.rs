@@ -47,6 +47,22 @@ impl Lanes8 for f16 {
     }
 }
 
+impl Lanes8 for super::fp8::E4m3 {
+    /// e4m3 → f16 bits (sign to bit 15, the rest shifted up by 7) → f32, times 2^8: exact.
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        unsafe {
+            let raw = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+            let sign = _mm_slli_epi16(_mm_and_si128(raw, _mm_set1_epi16(0x80)), 8);
+            let rest = _mm_slli_epi16(_mm_and_si128(raw, _mm_set1_epi16(0x7f)), 7);
+            _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_or_si128(sign, rest)),
+                _mm256_set1_ps(256.0),
+            )
+        }
+    }
+}
+
 impl Lanes8 for i8 {
     /// int8 → i32 → f32 (exact); the row's scale is applied to the finished sum.
     #[inline(always)]

@@ -1,4 +1,4 @@
-//! Widening of stored element types to f32.
+//! Widening of stored element types to f32 (FP8 block weights: times their blocks' scales).
 
 use crate::WeightData;
 
@@ -9,6 +9,11 @@ pub fn widen_into(src: WeightData<'_>, dst: &mut [f32]) {
         WeightData::F32(v) => dst.copy_from_slice(v),
         WeightData::F16(v) => dst.iter_mut().zip(v).for_each(|(d, s)| *d = s.to_f32()),
         WeightData::BF16(v) => dst.iter_mut().zip(v).for_each(|(d, s)| *d = s.to_f32()),
+        WeightData::F8E4M3(v, scales) => {
+            for (row, out) in dst.chunks_exact_mut(scales.k).enumerate() {
+                scales.dequantize_row(v, row, out);
+            }
+        }
     }
 }
 
@@ -20,5 +25,6 @@ pub fn widen_row(src: WeightData<'_>, row: usize, dst: &mut [f32]) {
         WeightData::F32(v) => widen_into(WeightData::F32(&v[range]), dst),
         WeightData::F16(v) => widen_into(WeightData::F16(&v[range]), dst),
         WeightData::BF16(v) => widen_into(WeightData::BF16(&v[range]), dst),
+        WeightData::F8E4M3(v, scales) => scales.dequantize_row(v, row, dst),
     }
 }

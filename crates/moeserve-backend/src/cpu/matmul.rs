@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+use super::fp8::{BlockScales, E4m3};
 use super::packed::{Int8Groups, PANEL, PackedPanels, PackedWeight};
 use super::quant::GROUP;
 use super::{Isa, isa};
@@ -86,11 +87,22 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
         Isa::Avx512 | Isa::Avx2 => {
             let x = TiledRows::pack(isa, x, m, d.k, tiled);
             match w.packed() {
-                PackedWeight::F32(p) => run_packed(isa, x, d, p, out, None),
-                PackedWeight::F16(p) => run_packed(isa, x, d, p, out, None),
-                PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, None),
+                PackedWeight::F32(p) => run_packed(isa, x, d, p, out, PanelScales::None),
+                PackedWeight::F16(p) => run_packed(isa, x, d, p, out, PanelScales::None),
+                PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, PanelScales::None),
                 PackedWeight::I8 { panels, groups } => {
-                    run_packed(isa, x, d, panels, out, Some(groups))
+                    run_packed(isa, x, d, panels, out, PanelScales::Int8(groups))
+                }
+                PackedWeight::F8 {
+                    panels,
+                    scales,
+                    block_cols,
+                } => {
+                    let blocks = PanelScales::Blocks {
+                        scales,
+                        block_cols: *block_cols,
+                    };
+                    run_packed(isa, x, d, panels, out, blocks)
                 }
             }
         }
@@ -98,6 +110,7 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
             WeightData::F32(v) => run_scalar(x, v, d, out),
             WeightData::F16(v) => run_scalar(x, v, d, out),
             WeightData::BF16(v) => run_scalar(x, v, d, out),
+            WeightData::F8E4M3(v, blocks) => run_scalar_fp8(x, v, blocks, d, out),
         },
     }
 }
@@ -123,6 +136,37 @@ fn run_scalar<T: Copy + Sync + Into<f32>>(x: &[f32], w: &[T], d: Dims, out: OutP
             }
         }
     });
+}
+
+/// [`run_scalar`] of an FP8 block weight: each element times its block's scale.
+fn run_scalar_fp8(x: &[f32], w: &[E4m3], blocks: &BlockScales, d: Dims, out: OutPtr) {
+    for_each_task(d.n.div_ceil(ROWS_PER_TASK), d, |t| {
+        for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(d.n) {
+            let wr = &w[j * d.k..(j + 1) * d.k];
+            for i in 0..d.m {
+                let xr = &x[i * d.k..(i + 1) * d.k];
+                let v: f32 = (wr.iter().zip(xr).enumerate())
+                    .map(|(p, (a, b))| a.to_f32() * blocks.at(j, p) * b)
+                    .sum();
+                // SAFETY: `i * n + j < m * n`, and only this task writes column j.
+                unsafe { *out.get().add(i * d.n + j) = v };
+            }
+        }
+    });
+}
+
+/// How a packed panel's products are scaled.
+#[derive(Clone, Copy)]
+enum PanelScales<'a> {
+    /// Not at all: the elements are the weights.
+    None,
+    /// int8 groups: a scale and an offset per (row, `GROUP` positions).
+    Int8(&'a Int8Groups),
+    /// FP8 blocks: one scale per (panel, `block_cols` positions), `[num_panels, blocks]`.
+    Blocks {
+        scales: &'a [f32],
+        block_cols: usize,
+    },
 }
 
 /// Activation rows `[m, k]` in the order the microkernels read them: cut into the row tiles of
@@ -258,11 +302,22 @@ pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc
             && q < d.n.div_ceil(PANEL)
     );
     match w.packed() {
-        PackedWeight::F32(p) => panel_product(isa, x, d, p, q, None, acc),
-        PackedWeight::F16(p) => panel_product(isa, x, d, p, q, None, acc),
-        PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, None, acc),
+        PackedWeight::F32(p) => panel_product(isa, x, d, p, q, PanelScales::None, acc),
+        PackedWeight::F16(p) => panel_product(isa, x, d, p, q, PanelScales::None, acc),
+        PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, PanelScales::None, acc),
         PackedWeight::I8 { panels, groups } => {
-            panel_product(isa, x, d, panels, q, Some(groups), acc)
+            panel_product(isa, x, d, panels, q, PanelScales::Int8(groups), acc)
+        }
+        PackedWeight::F8 {
+            panels,
+            scales,
+            block_cols,
+        } => {
+            let blocks = PanelScales::Blocks {
+                scales,
+                block_cols: *block_cols,
+            };
+            panel_product(isa, x, d, panels, q, blocks, acc)
         }
     }
 }
@@ -275,12 +330,12 @@ fn run_packed<T: Element + Sync>(
     d: Dims,
     w: &PackedPanels<T>,
     out: OutPtr,
-    int8: Option<&Int8Groups>,
+    scales: PanelScales<'_>,
 ) {
     for_each_task(w.num_panels(), d, |q| {
         PANEL_OUT.with_borrow_mut(|acc| {
             acc.resize(d.m * PANEL, 0.0);
-            panel_product(isa, x, d, w, q, int8, acc);
+            panel_product(isa, x, d, w, q, scales, acc);
             let cols = PANEL.min(d.n - q * PANEL);
             for (i, row) in acc.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
@@ -307,7 +362,8 @@ fn run_packed<T: Element + Sync>(
 /// whatever the tiling, so results do not depend on the batch. With `int8` (the weight's group
 /// scales and offsets) a block is one group: its sums start from zero and are added to the
 /// running sums as `partial · scale + Σx · offset`, `Σx` the row's activations summed over the
-/// group in position order.
+/// group in position order. With FP8 block scales a block is one block of the weight (or a
+/// `KC` part of a wider one) and its sums are added as `partial · scale`.
 #[cfg(target_arch = "x86_64")]
 fn panel_product<T: Element>(
     isa: Isa,
@@ -315,10 +371,20 @@ fn panel_product<T: Element>(
     d: Dims,
     w: &PackedPanels<T>,
     q: usize,
-    int8: Option<&Int8Groups>,
+    scales: PanelScales<'_>,
     acc: &mut [f32],
 ) {
-    let int8 = int8.map(|g| g.panel(q, d.k));
+    let int8 = match scales {
+        PanelScales::Int8(g) => Some(g.panel(q, d.k)),
+        _ => None,
+    };
+    let blocks = match scales {
+        PanelScales::Blocks { scales, block_cols } => {
+            let per_panel = d.k.div_ceil(block_cols);
+            Some((&scales[q * per_panel..(q + 1) * per_panel], block_cols))
+        }
+        _ => None,
+    };
     if let Some(groups) = int8
         && isa == Isa::Avx512
         && d.m <= SCALED_INT8_MAX_ROWS
@@ -352,8 +418,14 @@ fn panel_product<T: Element>(
     }
     let widen = d.m > max_rows_per_tile(isa) && std::mem::size_of::<T>() < 4;
     let panel = w.panel(q);
-    // int8: one block per scale group.
-    let step = if int8.is_some() { GROUP } else { KC };
+    // int8: one block per scale group; FP8: per weight block, in KC parts when it is wider.
+    let step = match (int8, blocks) {
+        (Some(_), _) => GROUP,
+        (_, Some((_, cols))) if cols > KC && cols.is_multiple_of(KC) => KC,
+        (_, Some((_, cols))) => cols,
+        _ => KC,
+    };
+    let scaled = int8.is_some() || blocks.is_some();
     BLOCK_SCRATCH.with_borrow_mut(|s| {
         let BlockScratch { wide, part, sums_x } = s;
         for k0 in (0..d.k).step_by(step) {
@@ -364,9 +436,9 @@ fn panel_product<T: Element>(
                 d,
                 k0,
                 kc,
-                first: k0 == 0 || int8.is_some(),
+                first: k0 == 0 || scaled,
             };
-            let sums = if int8.is_some() {
+            let sums = if scaled {
                 part.resize(d.m * PANEL, 0.0);
                 &mut part[..]
             } else {
@@ -397,6 +469,13 @@ fn panel_product<T: Element>(
                         // The fused kernel's operations in its order (no FMA: same on AVX2).
                         a[c] = base + (p[c] * scale[c] + sx * offset[c]);
                     }
+                }
+            }
+            if let Some((scales, cols)) = blocks {
+                let scale = scales[k0 / cols];
+                for (a, p) in acc.iter_mut().zip(part.iter()) {
+                    let base = if k0 == 0 { 0.0 } else { *a };
+                    *a = base + p * scale;
                 }
             }
         }
@@ -593,7 +672,7 @@ mod tests {
             eprintln!("skipped: needs a CPU with both AVX-512 and AVX2");
             return;
         }
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F8E4M3] {
             for (m, n, k) in [(1, 70, 300), (4, 33, 257), (13, 64, 600), (40, 45, 96)] {
                 let x = pseudo_random(m * k, 5);
                 let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 6));
@@ -670,7 +749,7 @@ mod tests {
                     Dims { m, n, k },
                     panels,
                     OutPtr(out.as_mut_ptr()),
-                    Some(groups),
+                    PanelScales::Int8(groups),
                 );
                 out
             };
@@ -690,6 +769,50 @@ mod tests {
                     &got[i * n..(i + 1) * n],
                     &run(&x[i * k..(i + 1) * k], 1)[..]
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_blocks_match_the_reference_on_dequantized_weights_whatever_the_batch() {
+        use crate::cpu::reference::fp8_weight_of;
+        // Releases' 128 × 128 blocks, a wider one (KC parts), small ones with partial blocks,
+        // and 48-row blocks that split panels (packed as f32).
+        for (block, (m, n, k)) in [
+            ([128, 128], (1, 300, 700)),
+            ([128, 128], (13, 130, 256)),
+            ([128, 256], (3, 128, 600)),
+            ([32, 32], (5, 48, 72)),
+            ([32, 32], (30, 33, 40)),
+            ([48, 16], (2, 100, 50)),
+        ] {
+            let x = pseudo_random(m * k, 11);
+            let w = fp8_weight_of(vec![n, k], block, &pseudo_random(n * k, 12));
+            let run = |x: &[f32], m: usize| {
+                let mut out = vec![0.0; m * n];
+                matmul_wt_on(isa(), x, m, &w, &mut out, &mut Vec::new());
+                out
+            };
+            let got = run(&x, m);
+            let deq = w.to_f32_vec();
+            let mut want = vec![0.0; m * n];
+            reference::matmul_wt(&x, m, &deq, n, &mut want);
+            for (a, b) in got.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{block:?} {m}x{n}x{k}: {a} vs {b}"
+                );
+            }
+            for i in 0..m {
+                assert_eq!(
+                    &got[i * n..(i + 1) * n],
+                    &run(&x[i * k..(i + 1) * k], 1)[..],
+                    "{block:?} {m}x{n}x{k}: row {i} alone"
+                );
+            }
+            // One byte per weight in the kernels' layout (blocks that split panels excepted).
+            if block[0] % PANEL == 0 {
+                assert!(w.kernel_bytes() < n.div_ceil(PANEL) * PANEL * k * 2);
             }
         }
     }

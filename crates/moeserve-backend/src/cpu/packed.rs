@@ -10,6 +10,7 @@
 
 use half::{bf16, f16};
 
+use super::fp8::E4m3;
 use crate::WeightData;
 
 /// Output rows per panel (two 16-lane vectors).
@@ -26,6 +27,14 @@ pub enum PackedWeight {
         panels: PackedPanels<i8>,
         /// The groups' grids, panel by panel.
         groups: Int8Groups,
+    },
+    /// FP8 block weights, still one byte each: `w[32q + c][p] = panels[q][p][c] ·
+    /// scales[q][p / block_cols]` (a panel's 32 rows lie in one row of blocks).
+    F8 {
+        panels: PackedPanels<E4m3>,
+        /// `[num_panels, k.div_ceil(block_cols)]`
+        scales: Vec<f32>,
+        block_cols: usize,
     },
 }
 
@@ -150,6 +159,7 @@ impl PackedWeight {
             PackedWeight::I8 { panels, groups } => {
                 panels.data.len() + (groups.scales.len() + groups.offsets.len()) * 4
             }
+            PackedWeight::F8 { panels, scales, .. } => panels.data.len() + scales.len() * 4,
         }
     }
 
@@ -159,6 +169,25 @@ impl PackedWeight {
             WeightData::F32(v) => PackedWeight::F32(PackedPanels::pack(v, n, k)),
             WeightData::F16(v) => PackedWeight::F16(PackedPanels::pack(v, n, k)),
             WeightData::BF16(v) => PackedWeight::BF16(PackedPanels::pack(v, n, k)),
+            WeightData::F8E4M3(v, blocks) if blocks.block[0].is_multiple_of(PANEL) => {
+                let panels = PackedPanels::pack(v, n, k);
+                let block_cols = blocks.block[1];
+                let per_panel = k.div_ceil(block_cols);
+                let scales = (0..panels.num_panels())
+                    .flat_map(|q| (0..per_panel).map(move |j| blocks.at(q * PANEL, j * block_cols)))
+                    .collect();
+                PackedWeight::F8 {
+                    panels,
+                    scales,
+                    block_cols,
+                }
+            }
+            // Blocks that split a panel's rows (no release has them): the exact values in f32.
+            WeightData::F8E4M3(..) => {
+                let mut values = vec![0.0; n * k];
+                super::convert::widen_into(data, &mut values);
+                PackedWeight::F32(PackedPanels::pack(&values, n, k))
+            }
         }
     }
 }

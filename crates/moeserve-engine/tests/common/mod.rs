@@ -11,7 +11,7 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 13] = [
+pub const FIXTURE_CASES: [&str; 14] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
@@ -25,6 +25,7 @@ pub const FIXTURE_CASES: [&str; 13] = [
     "deepseek-v2-lite",
     "deepseek-v2",
     "deepseek-v3",
+    "deepseek-v3-fp8",
 ];
 
 pub fn repo_root() -> PathBuf {

@@ -17,6 +17,7 @@
 
 use moeserve_backend::cpu::{self, attention};
 use moeserve_backend::{Weight, WeightBytes};
+use moeserve_core::DType;
 use rayon::prelude::*;
 
 use crate::Result;
@@ -351,13 +352,18 @@ pub struct MlaScratch {
 }
 
 /// `kv_b_proj: [heads · (nope + v), r]` → per head `W_uk[h]ᵀ: [r, nope]` and `W_uv[h]: [v, r]`,
-/// in its stored dtype.
+/// in its stored dtype (an FP8 one dequantised to f32: its blocks do not survive the cut, and
+/// the matrix is a small one).
 fn split_kv_b(
     kv_b: &Weight,
     heads: usize,
     nope: usize,
     v: usize,
 ) -> Result<(Vec<Weight>, Vec<Weight>)> {
+    if kv_b.dtype() == DType::F8E4M3 {
+        let widened = Weight::from_f32(kv_b.shape().to_vec(), &kv_b.to_f32_vec())?;
+        return split_kv_b(&widened, heads, nope, v);
+    }
     let r = kv_b.shape()[1];
     let size = kv_b.dtype().size_in_bytes();
     let bytes = kv_b.as_bytes();

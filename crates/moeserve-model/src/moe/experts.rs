@@ -10,7 +10,7 @@
 //! decides the pairs; `dispatch.rs` groups them and combines the outputs; with expert
 //! parallelism (`arena.rs`) the groups run on the devices holding their slots.
 
-use moeserve_backend::{Weight, WeightBytes, cpu};
+use moeserve_backend::{Weight, cpu};
 
 use super::arena::ExpertParallel;
 use super::capacity::Capacity;
@@ -376,14 +376,10 @@ impl Expert {
     /// A copy in fresh owned buffers (what placing the expert on another device means on the
     /// CPU), already in the kernels' layout so its first step does not pay for that.
     pub fn deep_copy(&self) -> Result<Expert> {
-        let copy = |w: &Weight| -> Result<Weight> {
-            let bytes = WeightBytes::owned(w.as_bytes());
-            Ok(Weight::new(w.dtype(), w.shape().to_vec(), bytes)?)
-        };
         let expert = Expert {
-            w1: copy(&self.w1)?,
-            w2: copy(&self.w2)?,
-            w3: copy(&self.w3)?,
+            w1: self.w1.deep_copy(),
+            w2: self.w2.deep_copy(),
+            w3: self.w3.deep_copy(),
         };
         if cpu::isa().packs_weights() {
             for w in [&expert.w1, &expert.w2, &expert.w3] {
