@@ -22,31 +22,53 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
     if x.is_nan() {
         return 0x7f;
     }
-    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    let a = x.abs().min(E4M3_MAX);
-    // The magnitudes of codes 0..=0x7e increase with the code: take the nearest.
-    let (mut lo, mut hi) = (0u8, 0x7e);
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if e4m3_to_f32(mid) <= a {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
     }
-    let (below, above) = (e4m3_to_f32(lo), e4m3_to_f32(hi));
-    let nearer_below = a - below < above - a || (a - below == above - a && lo % 2 == 0);
-    let code = match (a >= above, nearer_below) {
-        (true, _) => hi,
-        (false, true) => lo,
-        (false, false) => hi,
-    };
-    code | sign
+    if a < MIN_NORMAL {
+        // Subnormals are multiples of 2^-9 (the scaling is exact); 8 · 2^-9 is the least normal,
+        // code 0x08, so rounding up into it needs no special case.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Round the f32 mantissa to 3 bits, to nearest even (a carry moves into the exponent),
+    // then move the exponent from f32's bias of 127 to e4m3's 7.
+    let bits = a.to_bits();
+    let lsb = (bits >> 20) & 1;
+    let rounded = (bits + 0x7_ffff + lsb) >> 20;
+    sign | (rounded - ((127 - 7) << 3)) as u8
 }
+
+/// The least normal e4m3, 2^-6.
+const MIN_NORMAL: f32 = 1.0 / 64.0;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The nearest code by search over all of them, ties to the even code.
+    fn nearest(x: f32) -> u8 {
+        let a = x.abs().min(E4M3_MAX);
+        let best = (0..=0x7eu8)
+            .min_by(|&p, &q| {
+                let (dp, dq) = ((e4m3_to_f32(p) - a).abs(), (e4m3_to_f32(q) - a).abs());
+                dp.total_cmp(&dq).then((p % 2).cmp(&(q % 2)))
+            })
+            .unwrap();
+        best | if x.is_sign_negative() { 0x80 } else { 0 }
+    }
+
+    #[test]
+    fn rounding_equals_the_nearest_code_everywhere() {
+        let mut x = 1e-5f32;
+        while x < 500.0 {
+            for v in [x, -x, x * 1.0001, x * 0.9999] {
+                assert_eq!(e4m3_from_f32(v), nearest(v), "{v}");
+            }
+            x *= 1.003;
+        }
+    }
 
     #[test]
     fn codes_round_trip_and_ties_go_to_even() {

@@ -49,12 +49,16 @@ pub enum Preset {
     DeepseekV2Lite2l,
     /// DeepSeek-V3's exact shapes (hidden 7168, 128 heads of MLA with q_lora_rank 1536 and
     /// kv_lora_rank 512, 256 experts top-8 in 8 groups keep 4, 1 shared, vocab 129280) with
-    /// one dense and one MoE layer (≈ 14.1 B parameters; bf16, 28 GB: for a GPU machine).
+    /// one dense and one MoE layer, in FP8 blocks of 128 × 128 as released (≈ 14.1 B
+    /// parameters, 15.8 GB: the embeddings and lm_head in bf16).
     DeepseekV32l,
+    /// DeepSeek-V3's layout in small (hidden 64, 4 heads of MLA with q LoRA, 16 experts top-4
+    /// in 4 groups keep 2, 1 shared, the first layer dense), in FP8 blocks of 32 × 32: for tests.
+    DeepseekV3Tiny,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 8] = [
+    pub const ALL: [Preset; 9] = [
         Preset::MixtralTiny,
         Preset::MixtralBench1b,
         Preset::Mixtral8x7b2l,
@@ -63,6 +67,7 @@ impl Preset {
         Preset::Qwen3MoeTiny,
         Preset::DeepseekV2Lite2l,
         Preset::DeepseekV32l,
+        Preset::DeepseekV3Tiny,
     ];
 
     pub fn name(self) -> &'static str {
@@ -75,6 +80,7 @@ impl Preset {
             Preset::Qwen3MoeTiny => "qwen3-moe-tiny",
             Preset::DeepseekV2Lite2l => "deepseek-v2-lite-2l",
             Preset::DeepseekV32l => "deepseek-v3-2l",
+            Preset::DeepseekV3Tiny => "deepseek-v3-tiny",
         }
     }
 
@@ -185,6 +191,7 @@ impl Preset {
                     norm_topk_prob: false,
                     routed_scaling_factor: 1.0,
                     yarn: Some((40.0, 4096, 0.707, 0.707)),
+                    fp8_block: None,
                 }),
                 vocab_size: 102400,
                 hidden_size: 2048,
@@ -217,6 +224,7 @@ impl Preset {
                     norm_topk_prob: true,
                     routed_scaling_factor: 2.5,
                     yarn: Some((40.0, 4096, 1.0, 1.0)),
+                    fp8_block: Some([128, 128]),
                 }),
                 vocab_size: 129280,
                 hidden_size: 7168,
@@ -229,6 +237,32 @@ impl Preset {
                 rms_norm_eps: 1e-6,
                 rope_theta: 1e4,
                 max_position_embeddings: 163840,
+                ..base
+            },
+            Preset::DeepseekV3Tiny => CheckpointSpec {
+                family: SpecFamily::Deepseek(DeepseekSpec {
+                    v3: true,
+                    q_lora_rank: Some(48),
+                    kv_lora_rank: 32,
+                    qk_nope_head_dim: 16,
+                    qk_rope_head_dim: 16,
+                    v_head_dim: 16,
+                    dense_intermediate_size: 128,
+                    first_k_dense_replace: 1,
+                    n_shared_experts: 1,
+                    n_group: 4,
+                    topk_group: 2,
+                    topk_method: "noaux_tc",
+                    norm_topk_prob: true,
+                    routed_scaling_factor: 2.5,
+                    yarn: None,
+                    fp8_block: Some([32, 32]),
+                }),
+                intermediate_size: 32,
+                num_key_value_heads: 4,
+                num_local_experts: 16,
+                num_experts_per_tok: 4,
+                rms_norm_eps: 1e-6,
                 ..base
             },
         }
@@ -289,7 +323,7 @@ pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
     let sources = spec
         .tensors()
         .into_iter()
-        .map(|tensor| random_tensor(&spec, tensor, options.seed))
+        .flat_map(|tensor| random_tensors(&spec, tensor, options.seed))
         .collect();
     let staged = StagedDir::new(&options.out)?;
     let writer = CheckpointWriter::create(staged.path())?;
@@ -309,6 +343,69 @@ pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
         num_parameters: written.num_parameters,
         total_bytes: written.total_bytes,
     })
+}
+
+/// The stored form of `tensor`: one random tensor, or in an FP8 block checkpoint its e4m3
+/// values and their `weight_scale_inv` (both made from the same random values).
+fn random_tensors(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Vec<TensorSource> {
+    let fp8_block = match spec.family {
+        SpecFamily::Deepseek(d) => d.fp8_block.filter(|_| tensor.is_fp8_matrix()),
+        _ => None,
+    };
+    let plain = random_tensor(spec, tensor, seed);
+    let Some(block) = fp8_block else {
+        return vec![plain];
+    };
+    let [n, k] = plain.shape[..] else {
+        unreachable!("FP8 tensors are matrices")
+    };
+    let fill = std::sync::Arc::new(plain.fill);
+    let values = fill.clone();
+    let scale_fill = move |out: &mut [f32]| {
+        let mut v = vec![0.0; n * k];
+        values(&mut v)?;
+        out.copy_from_slice(&fp8_block_scales(&v, k, block));
+        Ok(())
+    };
+    let scaled_fill = move |out: &mut [f32]| {
+        fill(out)?;
+        let scales = fp8_block_scales(out, k, block);
+        let cols = k.div_ceil(block[1]);
+        for (i, row) in out.chunks_exact_mut(k).enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v /= scales[i / block[0] * cols + j / block[1]];
+            }
+        }
+        Ok(())
+    };
+    let scale_shape = vec![n.div_ceil(block[0]), k.div_ceil(block[1])];
+    vec![
+        TensorSource::new(plain.name.clone(), DType::F8E4M3, plain.shape, scaled_fill),
+        TensorSource::new(
+            format!("{}_scale_inv", plain.name),
+            DType::F32,
+            scale_shape,
+            scale_fill,
+        ),
+    ]
+}
+
+/// Each `[rows, cols]` block's scale, its largest magnitude over e4m3's 448 (as the FP8
+/// releases' quantizer), of the `[n, k]` row-major `values`.
+fn fp8_block_scales(values: &[f32], k: usize, block: [usize; 2]) -> Vec<f32> {
+    let n = values.len() / k;
+    let cols = k.div_ceil(block[1]);
+    let mut scales = vec![0.0f32; n.div_ceil(block[0]) * cols];
+    for (i, row) in values.chunks_exact(k).enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            let s = &mut scales[i / block[0] * cols + j / block[1]];
+            *s = s.max(v.abs() / moeserve_core::fp8::E4M3_MAX);
+        }
+    }
+    scales
+        .iter_mut()
+        .for_each(|s| *s = s.max(f32::MIN_POSITIVE));
+    scales
 }
 
 fn random_tensor(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> TensorSource {

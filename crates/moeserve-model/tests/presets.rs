@@ -40,3 +40,49 @@ fn qwen3_moe_tiny_loads_as_qwen3_moe_with_128_experts() {
     assert!(c.norm_topk_prob && c.sparse_layers.iter().all(|s| *s));
     assert_eq!(model.moe_layers().len(), 2);
 }
+
+#[test]
+fn deepseek_v3_tiny_loads_as_an_fp8_block_checkpoint_and_runs() {
+    use moeserve_core::DType;
+    let (_dir, out) = make(Preset::DeepseekV3Tiny);
+    let names: Vec<String> = moeserve_model::checkpoint::Checkpoint::open(&out)
+        .unwrap()
+        .tensor_names()
+        .map(str::to_string)
+        .collect();
+    let scale = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv";
+    assert!(names.iter().any(|n| n == scale), "{scale} missing");
+    assert!(
+        !names
+            .iter()
+            .any(|n| n == "model.layers.1.mlp.gate.weight_scale_inv")
+    );
+    let model = MoeModel::load(&out).expect("loads");
+    let c = model.config();
+    assert_eq!(c.architecture, Architecture::DeepseekV3);
+    assert_eq!(c.sparse_layers, [false, true]);
+    assert_eq!(model.moe_layers()[0].experts[3].w2.dtype(), DType::F8E4M3);
+    let logits = prefill_last_logits(&model, &[1, 5, 9, 42]);
+    assert!(logits.iter().all(|x| x.is_finite()) && logits.iter().any(|x| *x != 0.0));
+}
+
+/// The last position's logits of one prefill over a fresh cache.
+fn prefill_last_logits(model: &MoeModel, ids: &[u32]) -> Vec<f32> {
+    use moeserve_model::batch::{ForwardBatch, SequenceSlice};
+    use moeserve_model::kv_cache::PagedKvCache;
+    use moeserve_model::models::ForwardOptions;
+    let mut kv = PagedKvCache::new(model.kv_layout(1, 16));
+    let table = [0u32];
+    let batch = ForwardBatch {
+        token_ids: ids,
+        sequences: &[SequenceSlice {
+            query_start: 0,
+            query_len: ids.len(),
+            context_len: ids.len(),
+            block_table: &table,
+        }],
+    };
+    model
+        .forward(&batch, &mut kv, ForwardOptions::default())
+        .unwrap()
+}

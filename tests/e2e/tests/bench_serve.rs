@@ -221,6 +221,27 @@ async fn bench_serve_writes_a_valid_result_and_plot_that_plan_reads() {
     );
     assert!(plan.contains("--max-num-seqs 2"), "{plan}");
     assert!(plan.contains("--kv-cache-memory"), "{plan}");
+    // A multi-head latent attention model's KV bytes are its latent row's: the DeepSeek-V2-Lite
+    // fixture's 3 layers × (32 + 16) f32 values, not its 4 heads' keys and values.
+    let deepseek = moeserve_e2e::repo_root().join("tests/fixtures/deepseek-v2-lite");
+    let output = moeserve(
+        &[
+            "plan",
+            "--from",
+            json.to_str().unwrap(),
+            "--target-tpot",
+            "10s",
+            "--model",
+            deepseek.to_str().unwrap(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    let plan = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        plan.contains("KV cache: 576 bytes per token (latent 32 + rope 16 values per layer)"),
+        "{plan}"
+    );
     // An impossible target is an error that names the measured figure.
     let output = moeserve(
         &[

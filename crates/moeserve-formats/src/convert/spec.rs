@@ -43,6 +43,27 @@ pub struct DeepseekSpec {
     pub routed_scaling_factor: f64,
     /// YaRN: (factor, original_max_position_embeddings, mscale, mscale_all_dim).
     pub yarn: Option<(f64, usize, f64, f64)>,
+    /// Stored as an FP8 block checkpoint with `[rows, cols]` blocks (V3's release: 128 × 128):
+    /// every linear weight of the layers but the routers as e4m3 plus `weight_scale_inv`.
+    pub fp8_block: Option<[usize; 2]>,
+}
+
+impl SpecTensor {
+    /// Whether an FP8 block checkpoint stores this tensor in FP8 (the layers' matrices but the
+    /// router; the embeddings, lm_head, norms and the correction bias stay as they are).
+    pub fn is_fp8_matrix(self) -> bool {
+        use SpecTensor::*;
+        match self {
+            EmbedTokens | FinalNorm | LmHead | InputNorm { .. } | PostAttentionNorm { .. } => false,
+            QNorm { .. } | KNorm { .. } | Router { .. } => false,
+            QProj { .. } | KProj { .. } | VProj { .. } | OProj { .. } => true,
+            W1 { .. } | W2 { .. } | W3 { .. } => true,
+            Deepseek { part, .. } => !matches!(
+                part,
+                DeepseekPart::QANorm | DeepseekPart::KvANorm | DeepseekPart::CorrectionBias
+            ),
+        }
+    }
 }
 
 /// A DeepSeek layer's tensors beyond the common ones.
@@ -432,6 +453,14 @@ fn deepseek_config(spec: &CheckpointSpec, d: &DeepseekSpec) -> Value {
     });
     if d.v3 {
         config["rope_interleave"] = json!(true);
+    }
+    if let Some([rows, cols]) = d.fp8_block {
+        config["quantization_config"] = json!({
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [rows, cols],
+        });
     }
     if let Some((factor, original, mscale, mscale_all_dim)) = d.yarn {
         config["rope_scaling"] = json!({
