@@ -28,43 +28,76 @@ use crate::layers::rope::RopeScaling;
 use crate::moe::{GroupLimit, Scoring};
 use crate::{ModelError, Result};
 
+/// The config classes' defaults where V2's and V3's differ.
+struct Defaults {
+    max_position_embeddings: usize,
+    n_routed_experts: usize,
+    num_experts_per_tok: usize,
+    first_k_dense_replace: usize,
+    intermediate_size: usize,
+    moe_intermediate_size: usize,
+    n_shared_experts: usize,
+    n_group: usize,
+    topk_group: usize,
+    routed_scaling_factor: f64,
+}
+
+const V2_DEFAULTS: Defaults = Defaults {
+    max_position_embeddings: 2048,
+    n_routed_experts: 64,
+    num_experts_per_tok: 6,
+    first_k_dense_replace: 0,
+    intermediate_size: 12288,
+    moe_intermediate_size: 1407,
+    n_shared_experts: 2,
+    n_group: 1,
+    topk_group: 1,
+    routed_scaling_factor: 1.0,
+};
+
+const V3_DEFAULTS: Defaults = Defaults {
+    max_position_embeddings: 4096,
+    n_routed_experts: 256,
+    num_experts_per_tok: 8,
+    first_k_dense_replace: 3,
+    intermediate_size: 18432,
+    moe_intermediate_size: 2048,
+    n_shared_experts: 1,
+    n_group: 8,
+    topk_group: 4,
+    routed_scaling_factor: 2.5,
+};
+
 pub(super) fn read_config(
     architecture: Architecture,
     fields: &ConfigFields<'_>,
 ) -> Result<ModelConfig> {
     let v3 = architecture == Architecture::DeepseekV3;
-    let c = Common::read(fields, 1e4, 1e-6, if v3 { 4096 } else { 2048 })?;
+    let d = if v3 { V3_DEFAULTS } else { V2_DEFAULTS };
+    let c = Common::read(fields, 1e4, 1e-6, d.max_position_embeddings)?;
     let num_experts = match fields.opt_usize("n_routed_experts")? {
         Some(n) => n,
         None => fields
             .opt_usize("num_local_experts")?
-            .unwrap_or(if v3 { 256 } else { 64 }),
+            .unwrap_or(d.n_routed_experts),
     };
     let first_dense = fields
         .opt_usize("first_k_dense_replace")?
-        .unwrap_or(if v3 { 3 } else { 0 });
+        .unwrap_or(d.first_k_dense_replace);
     let sparse_layers = (0..c.num_hidden_layers).map(|l| l >= first_dense).collect();
-    let moe_intermediate_size =
-        fields
-            .opt_usize("moe_intermediate_size")?
-            .unwrap_or(if v3 { 2048 } else { 1407 });
-    let shared_expert =
-        match fields
-            .opt_usize("n_shared_experts")?
-            .unwrap_or(if v3 { 1 } else { 2 })
-        {
-            0 => None,
-            n => Some(SharedExpertConfig {
-                intermediate_size: n * moe_intermediate_size,
-                gated: false,
-            }),
-        };
-    let groups = fields
-        .opt_usize("n_group")?
-        .unwrap_or(if v3 { 8 } else { 1 });
-    let keep = fields
-        .opt_usize("topk_group")?
-        .unwrap_or(if v3 { 4 } else { 1 });
+    let moe_intermediate_size = fields
+        .opt_usize("moe_intermediate_size")?
+        .unwrap_or(d.moe_intermediate_size);
+    let shared = fields
+        .opt_usize("n_shared_experts")?
+        .unwrap_or(d.n_shared_experts);
+    let shared_expert = (shared > 0).then_some(SharedExpertConfig {
+        intermediate_size: shared * moe_intermediate_size,
+        gated: false,
+    });
+    let groups = fields.opt_usize("n_group")?.unwrap_or(d.n_group);
+    let keep = fields.opt_usize("topk_group")?.unwrap_or(d.topk_group);
+    // One group keeps every expert: the same as no limit, which is cheaper.
     let group_limit = (groups > 1).then_some(GroupLimit { groups, keep });
     let router_scoring = match v3 {
         true => Scoring::Sigmoid { group_limit },
@@ -72,30 +105,24 @@ pub(super) fn read_config(
     };
     let mla = mla_config(fields, v3, &c)?;
     let moe = MoeShape {
-        intermediate_size: fields.opt_usize("intermediate_size")?.unwrap_or(if v3 {
-            18432
-        } else {
-            12288
-        }),
+        intermediate_size: fields
+            .opt_usize("intermediate_size")?
+            .unwrap_or(d.intermediate_size),
         moe_intermediate_size,
         num_experts,
-        num_experts_per_tok: fields.opt_usize("num_experts_per_tok")?.unwrap_or(if v3 {
-            8
-        } else {
-            6
-        }),
+        num_experts_per_tok: fields
+            .opt_usize("num_experts_per_tok")?
+            .unwrap_or(d.num_experts_per_tok),
     };
-    let (head_dim, rotary_dim) = (mla.qk_rope_head_dim, mla.qk_rope_head_dim);
+    let scale = fields
+        .opt_f64("routed_scaling_factor")?
+        .unwrap_or(d.routed_scaling_factor);
     Ok(ModelConfig {
         // transformers' V2 router never renormalises; V3's follows `norm_topk_prob`.
         norm_topk_prob: v3 && fields.opt_bool("norm_topk_prob")?.unwrap_or(true),
         router_scoring,
         score_correction_bias: v3,
-        routed_scaling_factor: fields.opt_f64("routed_scaling_factor")?.unwrap_or(if v3 {
-            2.5
-        } else {
-            1.0
-        }) as f32,
+        routed_scaling_factor: scale as f32,
         shared_expert,
         sparse_layers,
         mla: Some(mla),
@@ -105,8 +132,9 @@ pub(super) fn read_config(
         },
         // Every head reads the one latent: the query heads are the only heads.
         num_key_value_heads: c.num_attention_heads,
-        head_dim,
-        rotary_dim,
+        // As transformers' config: `head_dim` is the rotary slice, all of which RoPE turns.
+        head_dim: mla.qk_rope_head_dim,
+        rotary_dim: mla.qk_rope_head_dim,
         ..c.config(architecture, moe)
     })
 }
@@ -121,7 +149,6 @@ fn v2_scoring(fields: &ConfigFields<'_>, group_limit: Option<GroupLimit>) -> Res
     match (method, group_limit) {
         ("greedy", _) => Ok(Scoring::Softmax),
         ("group_limited_greedy", Some(group_limit)) => Ok(Scoring::SoftmaxGrouped { group_limit }),
-        // One group keeps every expert: plain greedy.
         ("group_limited_greedy", None) => Ok(Scoring::Softmax),
         (other, _) => Err(ModelError::config(
             fields.path,
@@ -139,48 +166,132 @@ fn mla_config(fields: &ConfigFields<'_>, v3: bool, c: &Common) -> Result<MlaConf
         Some(_) => fields.opt_usize("q_lora_rank")?,
         None => Some(1536),
     };
-    let mla = MlaConfig {
-        q_lora_rank,
-        kv_lora_rank: fields.opt_usize("kv_lora_rank")?.unwrap_or(512),
-        qk_nope_head_dim: fields.opt_usize("qk_nope_head_dim")?.unwrap_or(128),
-        qk_rope_head_dim: fields.opt_usize("qk_rope_head_dim")?.unwrap_or(64),
-        v_head_dim: fields.opt_usize("v_head_dim")?.unwrap_or(128),
-        rope_interleave: !v3 || fields.opt_bool("rope_interleave")?.unwrap_or(true),
-        bias: fields.opt_bool("attention_bias")?.unwrap_or(false),
-        softmax_scale: 0.0,
-    };
+    let qk_nope_head_dim = fields.opt_usize("qk_nope_head_dim")?.unwrap_or(128);
+    let qk_rope_head_dim = fields.opt_usize("qk_rope_head_dim")?.unwrap_or(64);
+    let kv_lora_rank = fields.opt_usize("kv_lora_rank")?.unwrap_or(512);
+    let v_head_dim = fields.opt_usize("v_head_dim")?.unwrap_or(128);
+    let bad = |message: String| Err(ModelError::config(fields.path, message));
     for (name, v) in [
-        ("kv_lora_rank", mla.kv_lora_rank),
-        ("qk_rope_head_dim", mla.qk_rope_head_dim),
-        ("v_head_dim", mla.v_head_dim),
+        ("kv_lora_rank", kv_lora_rank),
+        ("qk_rope_head_dim", qk_rope_head_dim),
+        ("v_head_dim", v_head_dim),
         ("q_lora_rank", q_lora_rank.unwrap_or(1)),
     ] {
         if v == 0 {
-            return Err(ModelError::config(
-                fields.path,
-                format!("`{name}` must be at least 1"),
-            ));
+            return bad(format!("`{name}` must be at least 1"));
         }
     }
-    if !mla.qk_rope_head_dim.is_multiple_of(2) {
-        return Err(ModelError::config(
-            fields.path,
-            format!(
-                "`qk_rope_head_dim` ({}) must be even for rotary embeddings",
-                mla.qk_rope_head_dim
-            ),
+    if !qk_rope_head_dim.is_multiple_of(2) {
+        return bad(format!(
+            "`qk_rope_head_dim` ({qk_rope_head_dim}) must be even for rotary embeddings"
         ));
     }
-    let mut scale = (mla.qk_head_dim() as f64).powf(-0.5);
+    let mut softmax_scale = ((qk_nope_head_dim + qk_rope_head_dim) as f64).powf(-0.5);
     if let RopeScaling::Yarn(yarn) = c.rope_scaling
         && let Some(all) = yarn.mscale_all_dim.filter(|m| *m != 0.0)
         && yarn.factor > 1.0
     {
         let mscale = 0.1 * all * yarn.factor.ln() + 1.0;
-        scale *= mscale * mscale;
+        softmax_scale *= mscale * mscale;
     }
     Ok(MlaConfig {
-        softmax_scale: scale as f32,
-        ..mla
+        q_lora_rank,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        rope_interleave: !v3 || fields.opt_bool("rope_interleave")?.unwrap_or(true),
+        bias: fields.opt_bool("attention_bias")?.unwrap_or(false),
+        softmax_scale: softmax_scale as f32,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::config::ModelConfig;
+    use crate::moe::{GroupLimit, Scoring};
+
+    /// DeepSeek-V2-Lite's config.json as the hub has it (the fields the model reads).
+    const V2_LITE: &str = r#"{"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400,
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "kv_lora_rank": 512, "q_lora_rank": null,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": false,
+        "routed_scaling_factor": 1.0, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096}, "torch_dtype": "bfloat16"}"#;
+
+    fn parse(text: &str) -> crate::Result<ModelConfig> {
+        ModelConfig::from_json_str(text, Path::new("config.json"))
+    }
+
+    #[test]
+    fn v2_lite_reads_as_latent_attention_with_yarns_softmax_scale() {
+        let c = parse(V2_LITE).unwrap();
+        let mla = c.mla.unwrap();
+        assert_eq!(
+            (
+                mla.q_lora_rank,
+                mla.kv_lora_rank,
+                mla.qk_head_dim(),
+                mla.latent_dim()
+            ),
+            (None, 512, 192, 576)
+        );
+        assert!(mla.rope_interleave, "V2 turns interleaved pairs");
+        // 192^-0.5 · (0.1 · 0.707 · ln 40 + 1)²
+        let want = 192f64.powf(-0.5) * (0.1 * 0.707 * 40f64.ln() + 1.0).powi(2);
+        assert!((f64::from(mla.softmax_scale) - want).abs() < 1e-7);
+        assert_eq!((c.head_dim, c.rotary_dim), (64, 64));
+        assert_eq!(c.kv_cache_row(), (576, 0));
+        assert_eq!(c.router_scoring, Scoring::Softmax);
+        assert!(!c.norm_topk_prob && !c.score_correction_bias);
+        assert_eq!(c.shared_expert.unwrap().intermediate_size, 2 * 1408);
+        assert_eq!(&c.sparse_layers[..2], [false, true]);
+    }
+
+    #[test]
+    fn v2_group_limited_greedy_and_v3_groups_read_as_grouped_routers() {
+        let grouped = V2_LITE
+            .replace(
+                r#""topk_method": "greedy""#,
+                r#""topk_method": "group_limited_greedy""#,
+            )
+            .replace(r#""n_group": 1"#, r#""n_group": 8"#)
+            .replace(r#""topk_group": 1"#, r#""topk_group": 3"#);
+        let limit = GroupLimit { groups: 8, keep: 3 };
+        let c = parse(&grouped).unwrap();
+        assert_eq!(
+            c.router_scoring,
+            Scoring::SoftmaxGrouped { group_limit: limit }
+        );
+        let v3 = grouped.replace("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM");
+        let c = parse(&v3).unwrap();
+        let sigmoid = Scoring::Sigmoid {
+            group_limit: Some(limit),
+        };
+        assert_eq!(c.router_scoring, sigmoid);
+        // V3 follows `norm_topk_prob` (false here), V2 never renormalises.
+        assert!(!c.norm_topk_prob && c.score_correction_bias);
+        let renormalised = v3.replace(r#""norm_topk_prob": false"#, r#""norm_topk_prob": true"#);
+        assert!(parse(&renormalised).unwrap().norm_topk_prob);
+        let bad = V2_LITE.replace(r#""topk_method": "greedy""#, r#""topk_method": "noaux""#);
+        let msg = parse(&bad).unwrap_err().to_string();
+        assert!(
+            msg.contains(r#"`topk_method` "noaux" is not supported"#),
+            "{msg}"
+        );
+        let bad = V2_LITE.replace(r#""qk_rope_head_dim": 64"#, r#""qk_rope_head_dim": 63"#);
+        assert!(
+            parse(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("must be even")
+        );
+    }
 }
