@@ -289,3 +289,36 @@ fn quantize_refuses_latent_attention_by_name() {
     );
     assert!(!dst.exists());
 }
+
+/// Experts copied onto other devices for expert parallelism keep the checkpoint's GPTQ
+/// integers: the expert-parallel run of the int8 checkpoint equals the one-device run exactly
+/// (the copies once dropped them and rounded the stored weights instead).
+#[test]
+fn expert_parallel_copies_keep_the_stored_int8_rows() {
+    use std::sync::Arc;
+
+    use moeserve_core::ExpertPlacement;
+    use moeserve_model::moe::{ExpertParallel, InProcessAllToAll, MoeOptions};
+    if !run_int8() {
+        return;
+    }
+    let src = fixtures_dir().join("mixtral-swa");
+    let out = tempfile::tempdir().unwrap();
+    quantize(&src, out.path());
+    let model = MoeModel::load(out.path()).unwrap();
+    let c = model.config();
+    let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4, 8, 6];
+    let alone = prefill(&model, &prompt, ForwardOptions::default());
+    let placement =
+        ExpertPlacement::round_robin(c.num_moe_layers(), c.num_local_experts, 2, 2).unwrap();
+    let exchange = Arc::new(InProcessAllToAll::new(2, 2).unwrap());
+    let ep = ExpertParallel::new(&model.moe_layers(), placement, exchange).unwrap();
+    let opts = ForwardOptions {
+        moe: MoeOptions {
+            experts: Some(&ep),
+            ..MoeOptions::default()
+        },
+        ..ForwardOptions::default()
+    };
+    assert_eq!(prefill(&model, &prompt, opts), alone);
+}
