@@ -48,17 +48,13 @@ impl Lanes8 for f16 {
 }
 
 impl Lanes8 for super::fp8::E4m3 {
-    /// e4m3 → f16 bits (sign to bit 15, the rest shifted up by 7) → f32, times 2^8: exact.
+    /// As the AVX-512 variant: the f16 of value / 2^8 (the 2^8 is in the panel's scales).
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> __m256 {
         unsafe {
-            let raw = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
-            let sign = _mm_slli_epi16(_mm_and_si128(raw, _mm_set1_epi16(0x80)), 8);
-            let rest = _mm_slli_epi16(_mm_and_si128(raw, _mm_set1_epi16(0x7f)), 7);
-            _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_or_si128(sign, rest)),
-                _mm256_set1_ps(256.0),
-            )
+            let wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(p as *const __m128i));
+            let bits = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(!0x4000));
+            _mm256_cvtph_ps(bits)
         }
     }
 }

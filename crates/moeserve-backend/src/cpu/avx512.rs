@@ -57,15 +57,16 @@ impl Lanes for i8 {
 }
 
 impl Lanes for super::fp8::E4m3 {
-    /// e4m3 → f16 bits (sign to bit 15, the rest shifted up by 7) → f32, times 2^8: exact.
+    /// e4m3 → the f16 of value / 2^8 → f32: sign-extended to 16 bits and shifted up by 7, the
+    /// exponent and mantissa land in an f16's and the sign's copies in bits 15 and 14; clearing
+    /// bit 14 leaves the sign alone. The 2^8 is in the panel's scales
+    /// ([`super::packed::PackedWeight::F8`]), so this is exact and four instructions.
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> __m512 {
         unsafe {
-            let raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
-            let sign = _mm256_slli_epi16(_mm256_and_si256(raw, _mm256_set1_epi16(0x80)), 8);
-            let rest = _mm256_slli_epi16(_mm256_and_si256(raw, _mm256_set1_epi16(0x7f)), 7);
-            let half = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
-            _mm512_mul_ps(half, _mm512_set1_ps(256.0))
+            let wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i));
+            let bits = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(!0x4000));
+            _mm512_cvtph_ps(bits)
         }
     }
 }

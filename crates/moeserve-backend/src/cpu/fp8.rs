@@ -5,7 +5,8 @@
 //! The kernels keep the one-byte elements (a model loads at one byte per weight, never as a
 //! bf16 copy) and widen them on the fly: e4m3's bits moved into an f16's give the value / 2^8
 //! exactly, normals and subnormals alike (both formats' subnormal steps are 2^-9 and 2^-24),
-//! so the widening is a shift, `cvtph2ps` and a multiply by 256.
+//! so the widening is a sign extension, a shift, a mask and `cvtph2ps`; the 2^8 goes into the
+//! blocks' scales.
 
 /// One float8 e4m3 element (`float8_e4m3fn`), as stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -71,10 +72,10 @@ mod tests {
 
     use super::*;
 
-    /// The f16 whose value is the e4m3 `bits`' divided by 256: sign to bit 15, exponent and
-    /// mantissa shifted up by 7.
+    /// The f16 whose value is the e4m3 `bits`' divided by 256, as the SIMD loads make it: sign
+    /// extended to 16 bits, shifted up by 7 (the sign's copies in bits 15 and 14), bit 14 cleared.
     fn f16_bits(bits: u8) -> u16 {
-        (u16::from(bits & 0x80) << 8) | (u16::from(bits & 0x7f) << 7)
+        ((bits as i8 as i16 as u16) << 7) & !0x4000
     }
 
     #[test]

@@ -29,7 +29,9 @@ pub enum PackedWeight {
         groups: Int8Groups,
     },
     /// FP8 block weights, still one byte each: `w[32q + c][p] = panels[q][p][c] ·
-    /// scales[q][p / block_cols]` (a panel's 32 rows lie in one row of blocks).
+    /// scales[q][p / block_cols]` (a panel's 32 rows lie in one row of blocks). The kernels
+    /// widen an element to its value / 2^8 (see the SIMD `Lanes` of `E4m3`), so the scales are
+    /// the blocks' times 2^8 (exact).
     F8 {
         panels: PackedPanels<E4m3>,
         /// `[num_panels, k.div_ceil(block_cols)]`
@@ -174,7 +176,9 @@ impl PackedWeight {
                 let block_cols = blocks.block[1];
                 let per_panel = k.div_ceil(block_cols);
                 let scales = (0..panels.num_panels())
-                    .flat_map(|q| (0..per_panel).map(move |j| blocks.at(q * PANEL, j * block_cols)))
+                    .flat_map(|q| {
+                        (0..per_panel).map(move |j| 256.0 * blocks.at(q * PANEL, j * block_cols))
+                    })
                     .collect();
                 PackedWeight::F8 {
                     panels,
