@@ -74,15 +74,21 @@ class RunningServer:
             self.proc.wait(timeout=30)
 
 
+def preset_server(tmp_path_factory, preset: str, name: str, make_timeout_s: int = 120) -> RunningServer:
+    """`moeserve serve` on a fresh `make-model --preset` checkpoint in a directory `name` (the
+    served model's name)."""
+    assert BIN.exists(), f"{BIN} is missing: cargo build --release --bin moeserve"
+    model = tmp_path_factory.mktemp("model") / name
+    subprocess.run(
+        [BIN, "make-model", "--preset", preset, "--out", model],
+        check=True, capture_output=True, timeout=make_timeout_s,
+    )
+    return RunningServer(model)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    assert BIN.exists(), f"{BIN} is missing: cargo build --release --bin moeserve"
-    model = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run(
-        [BIN, "make-model", "--preset", "mixtral-tiny", "--out", model],
-        check=True, capture_output=True, timeout=120,
-    )
-    running = RunningServer(model)
+    running = preset_server(tmp_path_factory, "mixtral-tiny", "tiny")
     yield running
     running.stop()
 
@@ -90,12 +96,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
     """A Qwen3-MoE preset with Qwen3-30B-A3B's routing shape (128 experts top-8 per layer)."""
-    model = tmp_path_factory.mktemp("model") / "qwen3"
-    subprocess.run(
-        [BIN, "make-model", "--preset", "qwen3-moe-tiny", "--out", model],
-        check=True, capture_output=True, timeout=120,
-    )
-    running = RunningServer(model)
+    running = preset_server(tmp_path_factory, "qwen3-moe-tiny", "qwen3")
     yield running
     running.stop()
 
@@ -103,12 +104,7 @@ def qwen3_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepseek_server(tmp_path_factory):
     """DeepSeek-V2-Lite's exact shapes, 2 layers (the first dense): MLA, 64 experts top-6, 2 shared."""
-    model = tmp_path_factory.mktemp("model") / "deepseek"
-    subprocess.run(
-        [BIN, "make-model", "--preset", "deepseek-v2-lite-2l", "--out", model],
-        check=True, capture_output=True, timeout=300,
-    )
-    running = RunningServer(model)
+    running = preset_server(tmp_path_factory, "deepseek-v2-lite-2l", "deepseek", make_timeout_s=300)
     yield running
     running.stop()
 
