@@ -328,8 +328,8 @@ async fn an_unknown_architecture_is_refused_at_start_up_naming_it_and_the_suppor
     let config_path = path.join("config.json");
     let config = std::fs::read_to_string(&config_path).unwrap();
     let config = config
-        .replace("MixtralForCausalLM", "DeepseekV3ForCausalLM")
-        .replace("\"mixtral\"", "\"deepseek_v3\"");
+        .replace("MixtralForCausalLM", "LlamaForCausalLM")
+        .replace("\"mixtral\"", "\"llama\"");
     std::fs::write(&config_path, config).unwrap();
     let (status, log) = run_to_exit(
         &["serve", "--model", path.to_str().unwrap(), "--port", "0"],
@@ -337,7 +337,7 @@ async fn an_unknown_architecture_is_refused_at_start_up_naming_it_and_the_suppor
     );
     assert!(!status.success());
     assert!(
-        log.contains("\"DeepseekV3ForCausalLM\" is not supported"),
+        log.contains("\"LlamaForCausalLM\" is not supported"),
         "{log}"
     );
     for supported in [
@@ -345,6 +345,9 @@ async fn an_unknown_architecture_is_refused_at_start_up_naming_it_and_the_suppor
         "Qwen3MoeForCausalLM",
         "Qwen2MoeForCausalLM",
         "OlmoeForCausalLM",
+        "Glm4MoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
     ] {
         assert!(log.contains(supported), "{supported}: {log}");
     }
