@@ -272,22 +272,47 @@ fn broken_int8_tensor_is_named() {
     );
 }
 
-/// GPTQ calibrates grouped-query attention's projections; a multi-head latent attention model
-/// is refused with a message that says so and names the fallback, and nothing is written.
+/// Multi-head latent attention's matrices are calibrated too: q_a_proj and kv_a_proj_with_mqa
+/// on the attention input, q_b_proj on the normed low-rank query, o_proj on the attention
+/// output (kv_b_proj, cut per head at load, stays as stored); the int8 model loads its integers
+/// and stays near the stored one.
 #[test]
-fn quantize_refuses_latent_attention_by_name() {
+fn latent_attention_models_quantize_their_projections() {
+    if !run_int8() {
+        return;
+    }
+    let src = fixtures_dir().join("deepseek-v2");
     let out = tempfile::tempdir().unwrap();
-    let dst = out.path().join("int8");
-    let src = fixtures_dir().join("deepseek-v2-lite");
-    let err = quantize_checkpoint(&src, &dst, &small_run(), &mut |_| {}).unwrap_err();
-    let message = err.to_string();
-    assert!(
-        message.contains("multi-head latent attention")
-            && message.contains("DeepseekV2ForCausalLM")
-            && message.contains("--quantization int8"),
-        "{message}"
+    let report = quantize(&src, out.path());
+    let model = MoeModel::load_as_stored(&src).unwrap();
+    let c = model.config();
+    let (sparse, dense) = (c.num_moe_layers(), c.num_hidden_layers - c.num_moe_layers());
+    // q_a, q_b, kv_a, o; routed experts and the shared one; the dense MLP; lm_head.
+    let per_sparse = 3 * c.num_local_experts + 3;
+    assert_eq!(
+        report.matrices,
+        4 * c.num_hidden_layers + sparse * per_sparse + 3 * dense + 1,
+        "{report:?}"
     );
-    assert!(!dst.exists());
+    let ckpt = moeserve_model::checkpoint::Checkpoint::open(out.path()).unwrap();
+    for name in ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"] {
+        assert!(
+            ckpt.contains(&format!("model.layers.1.self_attn.{name}.qweight")),
+            "{name}"
+        );
+    }
+    assert!(!ckpt.contains("model.layers.1.self_attn.kv_b_proj.qweight"));
+    let quantized = MoeModel::load(out.path()).unwrap();
+    assert!(
+        quantized.quantization_summary().contains("GPTQ integers"),
+        "{}",
+        quantized.quantization_summary()
+    );
+    let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
+    let exact = prefill(&model, &prompt, ForwardOptions::default());
+    let gptq = prefill(&quantized, &prompt, ForwardOptions::default());
+    let diff = common::max_rel_diff(&gptq, &exact);
+    assert!(diff < 0.05, "int8 logits {diff} from the stored weights'");
 }
 
 /// Experts copied onto other devices for expert parallelism keep the checkpoint's GPTQ

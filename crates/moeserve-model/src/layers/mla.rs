@@ -128,6 +128,11 @@ impl MlaAttention {
         all
     }
 
+    /// Matrices that stay as stored under `--quantization`: the per-head pieces of kv_b_proj.
+    pub fn exact_matrices(&self) -> usize {
+        self.absorb_key.len() + self.expand_value.len()
+    }
+
     /// The vectors beside the matrices: norm weights and biases.
     pub fn vectors(&self) -> Vec<&Weight> {
         let mut all = vec![&self.kv_a_norm];
@@ -378,17 +383,13 @@ fn split_kv_b(
                 transposed.extend_from_slice(element(row, col));
             }
         }
-        absorb.push(Weight::new(
-            kv_b.dtype(),
-            vec![r, nope],
-            WeightBytes::owned(&transposed),
-        )?);
+        // Kept as stored under `--quantization`: cut from kv_b_proj, they have no int8 form of
+        // their own in a `moeserve quantize` checkpoint, and they are a small share.
+        let absorb_h = Weight::new(kv_b.dtype(), vec![r, nope], WeightBytes::owned(&transposed))?;
+        absorb.push(absorb_h.exact());
         let values = &bytes[(first + nope) * r * size..(first + nope + v) * r * size];
-        expand.push(Weight::new(
-            kv_b.dtype(),
-            vec![v, r],
-            WeightBytes::owned(values),
-        )?);
+        let expand_h = Weight::new(kv_b.dtype(), vec![v, r], WeightBytes::owned(values))?;
+        expand.push(expand_h.exact());
     }
     Ok((absorb, expand))
 }

@@ -331,6 +331,11 @@ impl DecoderOps for CpuStep<'_, '_> {
                     hs.attention_output(layer, &ws.acts[Act::Attn.index()], t);
                 }
             }
+            Point::QueryLowRank(layer) => {
+                if let Some(hs) = self.calibration.as_deref_mut() {
+                    hs.query_low_rank_input(layer, &ws.acts[Act::QLowRank.index()], t);
+                }
+            }
         }
         Ok(())
     }

@@ -297,12 +297,19 @@ impl MoeModel {
         all
     }
 
-    /// Matrices that stay as stored under `--quantization` (routers and shared-expert gates).
+    /// Matrices that stay as stored under `--quantization` (routers, shared-expert gates, the
+    /// per-head pieces of latent attention's kv_b_proj).
     fn exact_matrices(&self) -> usize {
-        self.moe_layers()
+        let moe: usize = self
+            .moe_layers()
             .iter()
             .map(|m| 1 + m.shared.as_ref().map_or(0, |s| s.gate.iter().count()))
-            .sum()
+            .sum();
+        let latent: usize = (self.layers.iter())
+            .filter_map(|l| l.self_attn.latent())
+            .map(MlaAttention::exact_matrices)
+            .sum();
+        moe + latent
     }
 
     /// What `--quantization` makes of the matrices, for logs: `none`, `int8 (rounded at load)`

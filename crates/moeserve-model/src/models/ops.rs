@@ -101,6 +101,8 @@ pub(crate) enum Point {
     AttentionInput(usize),
     /// `Act::Attn` as layer `l`'s `o_proj` reads it.
     AttentionOutput(usize),
+    /// `Act::QLowRank` as layer `l`'s `q_b_proj` reads it (multi-head latent attention).
+    QueryLowRank(usize),
 }
 
 /// One step's operations on a backend.
@@ -251,6 +253,7 @@ fn latent_attention<O: DecoderOps>(
                 Act::QLowRank,
             )?;
             ops.mla_norm_query(layer)?;
+            ops.observe(Point::QueryLowRank(layer))?;
             ops.linear(layer, Act::QLowRank, W::QBProj, None, Act::Q)?;
         }
     }

@@ -2,7 +2,8 @@
 //! over the inputs `x` it sees while the model (in its stored precision) reads sample text.
 //!
 //! Matrices that read the same input share one Hessian: q, k and v a layer's normed hidden
-//! state; an expert's w1 and w3 the rows routed to it (its own tokens only, so a rarely chosen
+//! state (multi-head latent attention: q_proj or q_a_proj, and kv_a_proj_with_mqa; q_b_proj
+//! reads the normed low-rank query); an expert's w1 and w3 the rows routed to it (its own tokens only, so a rarely chosen
 //! expert gets few); w2 the expert's SwiGLU output for those rows, recomputed here from w1 and
 //! w3; a dense layer's MLP and a shared expert likewise, over every token; lm_head the final
 //! normed hidden state of every position.
@@ -61,6 +62,8 @@ pub struct LayerHessians {
     pub attention_in: Hessian,
     /// Input of o_proj.
     pub attention_out: Hessian,
+    /// Multi-head latent attention: input of q_b_proj (the normed low-rank query).
+    pub query_low_rank_in: Hessian,
     /// Per expert: input of w1 and w3.
     pub expert_in: Vec<Hessian>,
     /// Per expert: input of w2.
@@ -118,6 +121,12 @@ impl Hessians {
         let h = self.hidden;
         if let Some(hs) = self.layer(layer) {
             hs.attention_in.add(x, h);
+        }
+    }
+
+    pub(crate) fn query_low_rank_input(&mut self, layer: usize, x: &[f32], rows: usize) {
+        if let (Some(hs), Some(width)) = (self.layer(layer), x.len().checked_div(rows)) {
+            hs.query_low_rank_in.add(x, width);
         }
     }
 

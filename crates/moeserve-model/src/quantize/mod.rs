@@ -34,13 +34,13 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
 
-pub use calibrate::{Hessian, Hessians};
+pub use calibrate::{Hessian, Hessians, LayerHessians};
 pub use gptq::{Fallback, GptqOptions, gptq_int8};
 
 use crate::batch::{ForwardBatch, SequenceSlice};
 use crate::kv_cache::PagedKvCache;
 use crate::models::MoeModel;
-use crate::models::decoder::FeedForward;
+use crate::models::decoder::{FeedForward, SelfAttention};
 use crate::models::decoder::{ForwardOptions, LogitsFor};
 use crate::models::workspace::ForwardWorkspace;
 use crate::moe::Expert;
@@ -122,17 +122,6 @@ pub fn quantize_checkpoint(
         ));
     }
     let model = MoeModel::load_as_stored(src)?;
-    if model.config().mla.is_some() {
-        // GPTQ's per-matrix Hessians are collected for grouped-query attention's projections.
-        return Err(ModelError::config(
-            src,
-            format!(
-                "`moeserve quantize` does not calibrate multi-head latent attention ({}) yet; \
-                 `--quantization int8` rounds its matrices at load instead",
-                model.config().architecture
-            ),
-        ));
-    }
     let generation = GenerationConfig::from_dir(src)?;
     let bos = generation.bos_token_id.unwrap_or(0);
     let mut report = QuantizeReport::default();
@@ -264,17 +253,7 @@ fn jobs<'a>(model: &'a MoeModel, hessians: &'a Hessians, lm_head: bool) -> Vec<J
     let first = hessians.first_layer();
     let layers = model.layers.iter().enumerate().skip(first);
     for ((l, layer), hs) in layers.zip(&hessians.layers) {
-        let attention = layer
-            .self_attn
-            .grouped()
-            .expect("quantize refuses MLA models");
-        let [q, k, v, o] = attention.weights();
-        for (name, weight, hessian) in [
-            ("q_proj", q, &hs.attention_in),
-            ("k_proj", k, &hs.attention_in),
-            ("v_proj", v, &hs.attention_in),
-            ("o_proj", o, &hs.attention_out),
-        ] {
+        for (name, weight, hessian) in attention_jobs(&layer.self_attn, hs) {
             let prefix = format!("model.layers.{l}.self_attn.{name}");
             jobs.push(Job {
                 prefix,
@@ -325,6 +304,35 @@ fn jobs<'a>(model: &'a MoeModel, hessians: &'a Hessians, lm_head: bool) -> Vec<J
         });
     }
     jobs
+}
+
+/// A layer's attention matrices by hub name, with their inputs' Hessians. Multi-head latent
+/// attention's `kv_b_proj` is not among them: it is cut per head at load (absorbed into the
+/// query and applied to the output) and those pieces stay as stored.
+fn attention_jobs<'a>(
+    attention: &'a SelfAttention,
+    hs: &'a LayerHessians,
+) -> Vec<(&'static str, &'a Weight, &'a Hessian)> {
+    use crate::models::ops::LayerWeight as W;
+    let roles: &[(&str, W, &Hessian)] = match attention {
+        SelfAttention::Grouped(_) => &[
+            ("q_proj", W::QProj, &hs.attention_in),
+            ("k_proj", W::KProj, &hs.attention_in),
+            ("v_proj", W::VProj, &hs.attention_in),
+            ("o_proj", W::OProj, &hs.attention_out),
+        ],
+        SelfAttention::Latent(_) => &[
+            ("q_proj", W::QProj, &hs.attention_in),
+            ("q_a_proj", W::QAProj, &hs.attention_in),
+            ("q_b_proj", W::QBProj, &hs.query_low_rank_in),
+            ("kv_a_proj_with_mqa", W::KvAProj, &hs.attention_in),
+            ("o_proj", W::OProj, &hs.attention_out),
+        ],
+    };
+    roles
+        .iter()
+        .filter_map(|&(name, role, hessian)| Some((name, attention.weight(role)?, hessian)))
+        .collect()
 }
 
 /// `opts.samples` sequences of `opts.sample_len` tokens: BOS, then tokens drawn from the
