@@ -266,3 +266,13 @@ pub struct AttentionStep<'a> {
     pub batch: &'a ForwardBatch<'a>,
     pub places: &'a [TokenPlace],
 }
+
+impl<'a> AttentionStep<'a> {
+    pub fn new(layer: usize, batch: &'a ForwardBatch<'a>, places: &'a [TokenPlace]) -> Self {
+        AttentionStep {
+            layer,
+            batch,
+            places,
+        }
+    }
+}

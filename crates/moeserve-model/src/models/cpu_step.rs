@@ -135,11 +135,7 @@ impl DecoderOps for CpuStep<'_, '_> {
 
     fn write_kv(&mut self, layer: usize) -> Result<(), Self::Error> {
         let ws = &*self.ws;
-        let step = AttentionStep {
-            layer,
-            batch: self.batch,
-            places: &ws.places,
-        };
+        let step = AttentionStep::new(layer, self.batch, &ws.places);
         let (k, v) = (&ws.acts[Act::K.index()], &ws.acts[Act::V.index()]);
         grouped(self.model, layer).write_kv(&step, self.kv, k, v);
         Ok(())
@@ -149,11 +145,7 @@ impl DecoderOps for CpuStep<'_, '_> {
         let c = self.model.config();
         let t = self.num_tokens();
         let ws = &mut *self.ws;
-        let step = AttentionStep {
-            layer,
-            batch: self.batch,
-            places: &ws.places,
-        };
+        let step = AttentionStep::new(layer, self.batch, &ws.places);
         let (q, out) = read_write(&mut ws.acts, Act::Q, Act::Attn);
         zeroed(out, t * c.q_dim());
         grouped(self.model, layer).attend_all(&step, self.kv, q, out);
@@ -188,11 +180,7 @@ impl DecoderOps for CpuStep<'_, '_> {
 
     fn mla_write_latent(&mut self, layer: usize) -> Result<(), Self::Error> {
         let ws = &*self.ws;
-        let step = AttentionStep {
-            layer,
-            batch: self.batch,
-            places: &ws.places,
-        };
+        let step = AttentionStep::new(layer, self.batch, &ws.places);
         let rows = &ws.acts[Act::Latent.index()];
         latent(self.model, layer).write_latent(&step, self.kv, rows);
         Ok(())
@@ -203,11 +191,7 @@ impl DecoderOps for CpuStep<'_, '_> {
         let mla = c.mla.as_ref().expect("an MLA config");
         let t = self.num_tokens();
         let ws = &mut *self.ws;
-        let step = AttentionStep {
-            layer,
-            batch: self.batch,
-            places: &ws.places,
-        };
+        let step = AttentionStep::new(layer, self.batch, &ws.places);
         let (q, out) = read_write(&mut ws.acts, Act::LatentQ, Act::LatentAttn);
         // Sized, not cleared: every head's output is written.
         out.resize(t * c.num_attention_heads * mla.kv_lora_rank, 0.0);

@@ -41,27 +41,15 @@ impl Act {
 
 /// `x` to read and `y` to write: two different activations of a backend's `[A; Act::COUNT]`.
 pub(crate) fn read_write<A>(acts: &mut [A; Act::COUNT], x: Act, y: Act) -> (&A, &mut A) {
-    let (x, y) = (x.index(), y.index());
-    assert_ne!(x, y, "an operation reads and writes the same activation");
-    if x < y {
-        let (low, high) = acts.split_at_mut(y);
-        (&low[x], &mut high[0])
-    } else {
-        let (low, high) = acts.split_at_mut(x);
-        (&high[0], &mut low[y])
-    }
+    let (x, y) = read_write_mut(acts, x, y);
+    (x, y)
 }
 
 /// Two different activations of a backend's `[A; Act::COUNT]`, both to write.
 pub(crate) fn read_write_mut<A>(acts: &mut [A; Act::COUNT], x: Act, y: Act) -> (&mut A, &mut A) {
-    let (xi, yi) = (x.index(), y.index());
-    assert_ne!(xi, yi, "an operation writes the same activation twice");
-    if xi < yi {
-        let (low, high) = acts.split_at_mut(yi);
-        (&mut low[xi], &mut high[0])
-    } else {
-        let (low, high) = acts.split_at_mut(xi);
-        (&mut high[0], &mut low[yi])
+    match acts.get_disjoint_mut([x.index(), y.index()]) {
+        Ok([x, y]) => (x, y),
+        Err(_) => panic!("an operation reads and writes the same activation ({x:?})"),
     }
 }
 
