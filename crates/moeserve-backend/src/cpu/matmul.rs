@@ -86,24 +86,14 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => {
             let x = TiledRows::pack(isa, x, m, d.k, tiled);
-            match w.packed() {
-                PackedWeight::F32(p) => run_packed(isa, x, d, p, out, PanelScales::None),
-                PackedWeight::F16(p) => run_packed(isa, x, d, p, out, PanelScales::None),
-                PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, PanelScales::None),
-                PackedWeight::I8 { panels, groups } => {
-                    run_packed(isa, x, d, panels, out, PanelScales::Int8(groups))
-                }
-                PackedWeight::F8 {
-                    panels,
-                    scales,
-                    block_cols,
-                } => {
-                    let blocks = PanelScales::Blocks {
-                        scales,
-                        block_cols: *block_cols,
-                    };
-                    run_packed(isa, x, d, panels, out, blocks)
-                }
+            let packed = w.packed();
+            let scales = PanelScales::of(packed);
+            match packed {
+                PackedWeight::F32(p) => run_packed(isa, x, d, p, out, scales),
+                PackedWeight::F16(p) => run_packed(isa, x, d, p, out, scales),
+                PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, scales),
+                PackedWeight::I8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
+                PackedWeight::F8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
             }
         }
         _ => match w.data() {
@@ -167,6 +157,24 @@ enum PanelScales<'a> {
         scales: &'a [f32],
         block_cols: usize,
     },
+}
+
+impl<'a> PanelScales<'a> {
+    /// The scales of a packed weight's panels.
+    fn of(w: &'a PackedWeight) -> Self {
+        match w {
+            PackedWeight::F32(_) | PackedWeight::F16(_) | PackedWeight::BF16(_) => {
+                PanelScales::None
+            }
+            PackedWeight::I8 { groups, .. } => PanelScales::Int8(groups),
+            PackedWeight::F8 {
+                scales, block_cols, ..
+            } => PanelScales::Blocks {
+                scales,
+                block_cols: *block_cols,
+            },
+        }
+    }
 }
 
 /// Activation rows `[m, k]` in the order the microkernels read them: cut into the row tiles of
@@ -301,24 +309,14 @@ pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc
             && acc.len() == d.m * PANEL
             && q < d.n.div_ceil(PANEL)
     );
-    match w.packed() {
-        PackedWeight::F32(p) => panel_product(isa, x, d, p, q, PanelScales::None, acc),
-        PackedWeight::F16(p) => panel_product(isa, x, d, p, q, PanelScales::None, acc),
-        PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, PanelScales::None, acc),
-        PackedWeight::I8 { panels, groups } => {
-            panel_product(isa, x, d, panels, q, PanelScales::Int8(groups), acc)
-        }
-        PackedWeight::F8 {
-            panels,
-            scales,
-            block_cols,
-        } => {
-            let blocks = PanelScales::Blocks {
-                scales,
-                block_cols: *block_cols,
-            };
-            panel_product(isa, x, d, panels, q, blocks, acc)
-        }
+    let packed = w.packed();
+    let scales = PanelScales::of(packed);
+    match packed {
+        PackedWeight::F32(p) => panel_product(isa, x, d, p, q, scales, acc),
+        PackedWeight::F16(p) => panel_product(isa, x, d, p, q, scales, acc),
+        PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, scales, acc),
+        PackedWeight::I8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
+        PackedWeight::F8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
     }
 }
 
