@@ -40,6 +40,25 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
     sign | (rounded - ((127 - 7) << 3)) as u8
 }
 
+/// The scale of each `[rows, cols]` block of the row-major `values` (`k` columns): its largest
+/// magnitude over 448, as the FP8 releases' quantizers set it (`weight_scale_inv`), row-major
+/// `[n.div_ceil(rows), k.div_ceil(cols)]`; an all-zero block gets the least positive scale.
+pub fn block_scales(values: &[f32], k: usize, block: [usize; 2]) -> Vec<f32> {
+    let n = values.len() / k;
+    let cols = k.div_ceil(block[1]);
+    let mut scales = vec![0.0f32; n.div_ceil(block[0]) * cols];
+    for (i, row) in values.chunks_exact(k).enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            let s = &mut scales[i / block[0] * cols + j / block[1]];
+            *s = s.max(v.abs() / E4M3_MAX);
+        }
+    }
+    scales
+        .iter_mut()
+        .for_each(|s| *s = s.max(f32::MIN_POSITIVE));
+    scales
+}
+
 /// The least normal e4m3, 2^-6.
 const MIN_NORMAL: f32 = 1.0 / 64.0;
 
@@ -85,5 +104,19 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
         assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
         assert!(e4m3_to_f32(0x7f).is_nan());
+    }
+
+    #[test]
+    fn block_scales_are_each_blocks_largest_magnitude_over_448() {
+        // 3 × 5 in blocks of 2 × 2: blocks of 2 × 2, 2 × 1, 1 × 2, 1 × 1; one all zero.
+        let values = [
+            1.0, -4.0, 2.0, 0.0, 8.0, //
+            0.5, 3.0, -6.0, 1.0, 0.0, //
+            0.0, 0.0, 0.0, 0.0, -448.0,
+        ];
+        let s = block_scales(&values, 5, [2, 2]);
+        let want =
+            [4.0, 6.0, 8.0, 0.0, 0.0, 448.0].map(|m| f32::max(m / E4M3_MAX, f32::MIN_POSITIVE));
+        assert_eq!(s, want);
     }
 }

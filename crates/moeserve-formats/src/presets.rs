@@ -364,12 +364,12 @@ fn random_tensors(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Vec<T
     let scale_fill = move |out: &mut [f32]| {
         let mut v = vec![0.0; n * k];
         values(&mut v)?;
-        out.copy_from_slice(&fp8_block_scales(&v, k, block));
+        out.copy_from_slice(&moeserve_core::fp8::block_scales(&v, k, block));
         Ok(())
     };
     let scaled_fill = move |out: &mut [f32]| {
         fill(out)?;
-        let scales = fp8_block_scales(out, k, block);
+        let scales = moeserve_core::fp8::block_scales(out, k, block);
         let cols = k.div_ceil(block[1]);
         for (i, row) in out.chunks_exact_mut(k).enumerate() {
             for (j, v) in row.iter_mut().enumerate() {
@@ -388,24 +388,6 @@ fn random_tensors(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Vec<T
             scale_fill,
         ),
     ]
-}
-
-/// Each `[rows, cols]` block's scale, its largest magnitude over e4m3's 448 (as the FP8
-/// releases' quantizer), of the `[n, k]` row-major `values`.
-fn fp8_block_scales(values: &[f32], k: usize, block: [usize; 2]) -> Vec<f32> {
-    let n = values.len() / k;
-    let cols = k.div_ceil(block[1]);
-    let mut scales = vec![0.0f32; n.div_ceil(block[0]) * cols];
-    for (i, row) in values.chunks_exact(k).enumerate() {
-        for (j, v) in row.iter().enumerate() {
-            let s = &mut scales[i / block[0] * cols + j / block[1]];
-            *s = s.max(v.abs() / moeserve_core::fp8::E4M3_MAX);
-        }
-    }
-    scales
-        .iter_mut()
-        .for_each(|s| *s = s.max(f32::MIN_POSITIVE));
-    scales
 }
 
 fn random_tensor(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> TensorSource {

@@ -53,18 +53,10 @@ pub(crate) fn weight_of(
 #[cfg(test)]
 pub(crate) fn fp8_weight_of(shape: Vec<usize>, block: [usize; 2], values: &[f32]) -> crate::Weight {
     use crate::cpu::fp8::{BlockScales, E4m3};
-    let [n, k] = shape[..] else {
+    let [_, k] = shape[..] else {
         panic!("FP8 weights are matrices")
     };
-    let (rows, cols) = (n.div_ceil(block[0]), k.div_ceil(block[1]));
-    let mut scales = vec![0.0f32; rows * cols];
-    for (i, row) in values.chunks_exact(k).enumerate() {
-        for (j, v) in row.iter().enumerate() {
-            let s = &mut scales[i / block[0] * cols + j / block[1]];
-            *s = s.max(v.abs() / E4m3::MAX);
-        }
-    }
-    scales.iter_mut().for_each(|s| *s = s.max(1e-12));
+    let scales = moeserve_core::fp8::block_scales(values, k, block);
     let blocks = BlockScales { block, k, scales };
     let bytes: Vec<u8> = (values.iter().enumerate())
         .map(|(i, v)| E4m3::from_f32(v / blocks.at(i / k, i % k)).0)
