@@ -1,8 +1,10 @@
 //! The presets `moeserve make-model` writes (moeserve-formats) load as their family.
 
+mod common;
+
 use moeserve_formats::presets::{MakeModelOptions, Preset, make_model};
 use moeserve_model::config::{Architecture, ModelConfig};
-use moeserve_model::models::MoeModel;
+use moeserve_model::models::{ForwardOptions, MoeModel};
 
 fn make(preset: Preset) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -62,27 +64,6 @@ fn deepseek_v3_tiny_loads_as_an_fp8_block_checkpoint_and_runs() {
     assert_eq!(c.architecture, Architecture::DeepseekV3);
     assert_eq!(c.sparse_layers, [false, true]);
     assert_eq!(model.moe_layers()[0].experts[3].w2.dtype(), DType::F8E4M3);
-    let logits = prefill_last_logits(&model, &[1, 5, 9, 42]);
+    let logits = common::prefill(&model, &[1, 5, 9, 42], ForwardOptions::default());
     assert!(logits.iter().all(|x| x.is_finite()) && logits.iter().any(|x| *x != 0.0));
-}
-
-/// The last position's logits of one prefill over a fresh cache.
-fn prefill_last_logits(model: &MoeModel, ids: &[u32]) -> Vec<f32> {
-    use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-    use moeserve_model::kv_cache::PagedKvCache;
-    use moeserve_model::models::ForwardOptions;
-    let mut kv = PagedKvCache::new(model.kv_layout(1, 16));
-    let table = [0u32];
-    let batch = ForwardBatch {
-        token_ids: ids,
-        sequences: &[SequenceSlice {
-            query_start: 0,
-            query_len: ids.len(),
-            context_len: ids.len(),
-            block_table: &table,
-        }],
-    };
-    model
-        .forward(&batch, &mut kv, ForwardOptions::default())
-        .unwrap()
 }
