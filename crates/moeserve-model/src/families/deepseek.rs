@@ -22,109 +22,66 @@
 //! V3's MTP layers (`model.layers.{num_hidden_layers}.*`, `num_nextn_predict_layers`) are not
 //! loaded, as transformers ignores them.
 
-use super::{Architecture, Common, MLP_NAMES, MoeShape};
-use crate::config::{ConfigFields, MlaConfig, ModelConfig, SharedExpertConfig};
+use super::{Architecture, Common, DeepseekMoe, DeepseekMoeDefaults, MLP_NAMES};
+use crate::config::{ConfigFields, MlaConfig, ModelConfig};
 use crate::layers::rope::RopeScaling;
 use crate::moe::{GroupLimit, Scoring};
 use crate::{ModelError, Result};
 
-/// The config classes' defaults where V2's and V3's differ.
-struct Defaults {
-    max_position_embeddings: usize,
-    n_routed_experts: usize,
-    num_experts_per_tok: usize,
-    first_k_dense_replace: usize,
-    intermediate_size: usize,
-    moe_intermediate_size: usize,
-    n_shared_experts: usize,
-    n_group: usize,
-    topk_group: usize,
-    routed_scaling_factor: f64,
-}
+/// `DeepseekV2Config`'s and `DeepseekV3Config`'s defaults (they differ) with their context.
+const V2_DEFAULTS: (usize, DeepseekMoeDefaults) = (
+    2048,
+    DeepseekMoeDefaults {
+        n_routed_experts: 64,
+        num_experts_per_tok: 6,
+        first_k_dense_replace: 0,
+        intermediate_size: 12288,
+        moe_intermediate_size: 1407,
+        n_shared_experts: 2,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 1.0,
+    },
+);
 
-const V2_DEFAULTS: Defaults = Defaults {
-    max_position_embeddings: 2048,
-    n_routed_experts: 64,
-    num_experts_per_tok: 6,
-    first_k_dense_replace: 0,
-    intermediate_size: 12288,
-    moe_intermediate_size: 1407,
-    n_shared_experts: 2,
-    n_group: 1,
-    topk_group: 1,
-    routed_scaling_factor: 1.0,
-};
-
-const V3_DEFAULTS: Defaults = Defaults {
-    max_position_embeddings: 4096,
-    n_routed_experts: 256,
-    num_experts_per_tok: 8,
-    first_k_dense_replace: 3,
-    intermediate_size: 18432,
-    moe_intermediate_size: 2048,
-    n_shared_experts: 1,
-    n_group: 8,
-    topk_group: 4,
-    routed_scaling_factor: 2.5,
-};
+const V3_DEFAULTS: (usize, DeepseekMoeDefaults) = (
+    4096,
+    DeepseekMoeDefaults {
+        n_routed_experts: 256,
+        num_experts_per_tok: 8,
+        first_k_dense_replace: 3,
+        intermediate_size: 18432,
+        moe_intermediate_size: 2048,
+        n_shared_experts: 1,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+    },
+);
 
 pub(super) fn read_config(
     architecture: Architecture,
     fields: &ConfigFields<'_>,
 ) -> Result<ModelConfig> {
     let v3 = architecture == Architecture::DeepseekV3;
-    let d = if v3 { V3_DEFAULTS } else { V2_DEFAULTS };
-    let c = Common::read(fields, 1e4, 1e-6, d.max_position_embeddings)?;
-    let num_experts = match fields.opt_usize("n_routed_experts")? {
-        Some(n) => n,
-        None => fields
-            .opt_usize("num_local_experts")?
-            .unwrap_or(d.n_routed_experts),
-    };
-    let first_dense = fields
-        .opt_usize("first_k_dense_replace")?
-        .unwrap_or(d.first_k_dense_replace);
-    let sparse_layers = (0..c.num_hidden_layers).map(|l| l >= first_dense).collect();
-    let moe_intermediate_size = fields
-        .opt_usize("moe_intermediate_size")?
-        .unwrap_or(d.moe_intermediate_size);
-    let shared = fields
-        .opt_usize("n_shared_experts")?
-        .unwrap_or(d.n_shared_experts);
-    let shared_expert = (shared > 0).then_some(SharedExpertConfig {
-        intermediate_size: shared * moe_intermediate_size,
-        gated: false,
-    });
-    let groups = fields.opt_usize("n_group")?.unwrap_or(d.n_group);
-    let keep = fields.opt_usize("topk_group")?.unwrap_or(d.topk_group);
-    // One group keeps every expert: the same as no limit, which is cheaper.
-    let group_limit = (groups > 1).then_some(GroupLimit { groups, keep });
+    let (max_positions, defaults) = if v3 { V3_DEFAULTS } else { V2_DEFAULTS };
+    let c = Common::read(fields, 1e4, 1e-6, max_positions)?;
+    let moe = DeepseekMoe::read(fields, &defaults, c.num_hidden_layers)?;
     let router_scoring = match v3 {
-        true => Scoring::Sigmoid { group_limit },
-        false => v2_scoring(fields, group_limit)?,
+        true => Scoring::Sigmoid {
+            group_limit: moe.group_limit,
+        },
+        false => v2_scoring(fields, moe.group_limit)?,
     };
     let mla = mla_config(fields, v3, &c)?;
-    let moe = MoeShape {
-        intermediate_size: fields
-            .opt_usize("intermediate_size")?
-            .unwrap_or(d.intermediate_size),
-        moe_intermediate_size,
-        num_experts,
-        num_experts_per_tok: fields
-            .opt_usize("num_experts_per_tok")?
-            .unwrap_or(d.num_experts_per_tok),
-    };
-    let scale = fields
-        .opt_f64("routed_scaling_factor")?
-        .unwrap_or(d.routed_scaling_factor);
     Ok(ModelConfig {
         // transformers' V2 router never renormalises; V3's follows `norm_topk_prob`.
         norm_topk_prob: v3 && fields.opt_bool("norm_topk_prob")?.unwrap_or(true),
         router_scoring,
         score_correction_bias: v3,
-        routed_scaling_factor: scale as f32,
-        shared_expert,
-        sparse_layers,
+        routed_scaling_factor: moe.routed_scaling_factor,
+        shared_expert: moe.shared_expert,
+        sparse_layers: moe.sparse_layers,
         mla: Some(mla),
         names: crate::config::TensorNames {
             shared_expert: "shared_experts",
@@ -135,7 +92,7 @@ pub(super) fn read_config(
         // As transformers' config: `head_dim` is the rotary slice, all of which RoPE turns.
         head_dim: mla.qk_rope_head_dim,
         rotary_dim: mla.qk_rope_head_dim,
-        ..c.config(architecture, moe)
+        ..c.config(architecture, moe.shape)
     })
 }
 

@@ -9,19 +9,27 @@
 //! The MTP layers after the last decoder layer (`num_nextn_predict_layers`) are not loaded, as
 //! transformers ignores them.
 
-use super::{Architecture, Common, MLP_NAMES, MoeShape};
-use crate::config::{AttentionConfig, ConfigFields, ModelConfig, QkNorm, SharedExpertConfig};
-use crate::moe::{GroupLimit, Scoring};
+use super::{Architecture, Common, DeepseekMoe, DeepseekMoeDefaults, MLP_NAMES};
+use crate::config::{AttentionConfig, ConfigFields, ModelConfig, QkNorm};
+use crate::moe::Scoring;
 use crate::{ModelError, Result};
+
+/// `Glm4MoeConfig`'s defaults.
+const DEFAULTS: DeepseekMoeDefaults = DeepseekMoeDefaults {
+    n_routed_experts: 128,
+    num_experts_per_tok: 8,
+    first_k_dense_replace: 1,
+    intermediate_size: 10944,
+    moe_intermediate_size: 1408,
+    n_shared_experts: 1,
+    n_group: 1,
+    topk_group: 1,
+    routed_scaling_factor: 1.0,
+};
 
 pub(super) fn read_config(fields: &ConfigFields<'_>) -> Result<ModelConfig> {
     let c = Common::read(fields, 1e4, 1e-5, 131072)?;
-    let num_experts = match fields.opt_usize("n_routed_experts")? {
-        Some(n) => n,
-        None => fields.opt_usize("num_local_experts")?.unwrap_or(128),
-    };
-    let first_dense = fields.opt_usize("first_k_dense_replace")?.unwrap_or(1);
-    let sparse_layers = (0..c.num_hidden_layers).map(|l| l >= first_dense).collect();
+    let moe = DeepseekMoe::read(fields, &DEFAULTS, c.num_hidden_layers)?;
     let bias = fields.opt_bool("attention_bias")?.unwrap_or(false);
     let attention = AttentionConfig {
         qkv_bias: bias,
@@ -33,40 +41,22 @@ pub(super) fn read_config(fields: &ConfigFields<'_>) -> Result<ModelConfig> {
         clip_qkv: None,
     };
     let rotary_dim = (c.head_dim as f64 * partial_rotary_factor(fields)?) as usize;
-    let moe_intermediate_size = fields.opt_usize("moe_intermediate_size")?.unwrap_or(1408);
-    let shared_expert = match fields.opt_usize("n_shared_experts")?.unwrap_or(1) {
-        0 => None,
-        n => Some(SharedExpertConfig {
-            intermediate_size: n * moe_intermediate_size,
-            gated: false,
-        }),
-    };
-    let groups = fields.opt_usize("n_group")?.unwrap_or(1);
-    let keep = fields.opt_usize("topk_group")?.unwrap_or(1);
-    let moe = MoeShape {
-        intermediate_size: fields.opt_usize("intermediate_size")?.unwrap_or(10944),
-        moe_intermediate_size,
-        num_experts,
-        num_experts_per_tok: fields.opt_usize("num_experts_per_tok")?.unwrap_or(8),
-    };
-    let scale = fields.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32;
     Ok(ModelConfig {
         norm_topk_prob: fields.opt_bool("norm_topk_prob")?.unwrap_or(true),
         router_scoring: Scoring::Sigmoid {
-            // One group keeps every expert: the same as no limit, which is cheaper.
-            group_limit: (groups > 1).then_some(GroupLimit { groups, keep }),
+            group_limit: moe.group_limit,
         },
         score_correction_bias: true,
-        routed_scaling_factor: scale,
-        shared_expert,
-        sparse_layers,
+        routed_scaling_factor: moe.routed_scaling_factor,
+        shared_expert: moe.shared_expert,
+        sparse_layers: moe.sparse_layers,
         attention,
         names: crate::config::TensorNames {
             shared_expert: "shared_experts",
             ..MLP_NAMES
         },
         rotary_dim,
-        ..c.config(Architecture::Glm4Moe, moe)
+        ..c.config(Architecture::Glm4Moe, moe.shape)
     })
 }
 

@@ -11,9 +11,9 @@ mod olmoe;
 mod qwen_moe;
 
 use crate::Result;
-use crate::config::{AttentionConfig, ConfigFields, ModelConfig, TensorNames};
+use crate::config::{AttentionConfig, ConfigFields, ModelConfig, SharedExpertConfig, TensorNames};
 use crate::layers::rope::RopeScaling;
-use crate::moe::Scoring;
+use crate::moe::{GroupLimit, Scoring};
 
 /// The `architectures` entries this crate serves, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str = "MixtralForCausalLM, Qwen3MoeForCausalLM, \
@@ -110,6 +110,80 @@ pub(crate) struct MoeShape {
     pub moe_intermediate_size: usize,
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
+}
+
+/// The config classes' defaults of the MoE block DeepSeek introduced and GLM-4.5 reuses.
+pub(crate) struct DeepseekMoeDefaults {
+    pub n_routed_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub first_k_dense_replace: usize,
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub n_shared_experts: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f64,
+}
+
+/// That block as a config describes it: `n_routed_experts` (or `num_local_experts`) of
+/// `moe_intermediate_size`, the first `first_k_dense_replace` layers dense (an MLP of
+/// `intermediate_size`), `n_shared_experts · moe_intermediate_size` of shared experts
+/// (`mlp.shared_experts`, no gate), `topk_group` of `n_group` groups, `routed_scaling_factor`.
+pub(crate) struct DeepseekMoe {
+    pub shape: MoeShape,
+    pub sparse_layers: Vec<bool>,
+    pub shared_expert: Option<SharedExpertConfig>,
+    /// `None` with one group: it keeps every expert, the same as no limit, which is cheaper.
+    pub group_limit: Option<GroupLimit>,
+    pub routed_scaling_factor: f32,
+}
+
+impl DeepseekMoe {
+    pub(crate) fn read(
+        fields: &ConfigFields<'_>,
+        d: &DeepseekMoeDefaults,
+        num_layers: usize,
+    ) -> Result<Self> {
+        let num_experts = match fields.opt_usize("n_routed_experts")? {
+            Some(n) => n,
+            None => fields
+                .opt_usize("num_local_experts")?
+                .unwrap_or(d.n_routed_experts),
+        };
+        let first_dense = fields
+            .opt_usize("first_k_dense_replace")?
+            .unwrap_or(d.first_k_dense_replace);
+        let moe_intermediate_size = fields
+            .opt_usize("moe_intermediate_size")?
+            .unwrap_or(d.moe_intermediate_size);
+        let shared = fields
+            .opt_usize("n_shared_experts")?
+            .unwrap_or(d.n_shared_experts);
+        let groups = fields.opt_usize("n_group")?.unwrap_or(d.n_group);
+        let keep = fields.opt_usize("topk_group")?.unwrap_or(d.topk_group);
+        let scale = fields
+            .opt_f64("routed_scaling_factor")?
+            .unwrap_or(d.routed_scaling_factor);
+        Ok(DeepseekMoe {
+            shape: MoeShape {
+                intermediate_size: fields
+                    .opt_usize("intermediate_size")?
+                    .unwrap_or(d.intermediate_size),
+                moe_intermediate_size,
+                num_experts,
+                num_experts_per_tok: fields
+                    .opt_usize("num_experts_per_tok")?
+                    .unwrap_or(d.num_experts_per_tok),
+            },
+            sparse_layers: (0..num_layers).map(|l| l >= first_dense).collect(),
+            shared_expert: (shared > 0).then_some(SharedExpertConfig {
+                intermediate_size: shared * moe_intermediate_size,
+                gated: false,
+            }),
+            group_limit: (groups > 1).then_some(GroupLimit { groups, keep }),
+            routed_scaling_factor: scale as f32,
+        })
+    }
 }
 
 /// The tensor names of the families whose block is `mlp` with `{gate,up,down}_proj` experts.
