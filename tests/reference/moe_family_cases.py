@@ -554,7 +554,7 @@ def mtp_tensors(case: FamilyCase) -> dict[str, torch.Tensor]:
     """Some of a DeepSeek-V3 MTP layer's tensors (`model.layers.{num_hidden_layers}.*`): on
     disk as V3 ships them, not part of the model (transformers and moeserve ignore them)."""
     gen = torch.Generator().manual_seed(case.base_seed + 777)
-    h, p = case.hidden, f"model.layers.{case.layers}"
+    h = case.hidden
     shapes = {
         "enorm.weight": (h,),
         "hnorm.weight": (h,),
@@ -565,9 +565,9 @@ def mtp_tensors(case: FamilyCase) -> dict[str, torch.Tensor]:
         "mlp.gate.weight": (case.experts, h),
     }
     return {
-        f"{p}.{name}": torch.randn(shape, generator=gen).to(case.dtype).contiguous()
+        f"model.layers.{case.layers + i}.{name}": torch.randn(shape, generator=gen).to(case.dtype).contiguous()
+        for i in range(case.mtp_layers)
         for name, shape in shapes.items()
-        for _ in range(case.mtp_layers)
     }
 
 
