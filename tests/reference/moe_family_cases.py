@@ -286,9 +286,9 @@ def make_config(case: FamilyCase):
         )
     if case.family == "qwen2_moe":
         kwargs.update(shared_expert_intermediate_size=case.shared_intermediate, qkv_bias=True)
-    if case.family == "glm4_moe":
-        del kwargs["num_experts"], kwargs["mlp_only_layers"], kwargs["decoder_sparse_step"]
-        del kwargs["use_sliding_window"]
+    if case.family in DEEPSEEK_MOE:  # DeepSeek's MoE block, in its config names
+        for key in ("num_experts", "mlp_only_layers", "decoder_sparse_step", "use_sliding_window"):
+            del kwargs[key]
         kwargs.update(
             n_routed_experts=case.experts,
             n_shared_experts=case.n_shared,
@@ -296,25 +296,18 @@ def make_config(case: FamilyCase):
             n_group=case.n_group,
             topk_group=case.topk_group,
             routed_scaling_factor=case.routed_scaling,
-            use_qk_norm=case.qk_norm,
             attention_bias=case.attention_bias,
         )
+    if case.family == "glm4_moe":
+        kwargs["use_qk_norm"] = case.qk_norm
         kwargs["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": ROPE_THETA,
             "partial_rotary_factor": case.partial_rotary,
         }
     if case.mla:
-        for key in ("num_experts", "mlp_only_layers", "decoder_sparse_step", "use_sliding_window", "head_dim"):
-            kwargs.pop(key, None)
+        kwargs.pop("head_dim", None)
         kwargs.update(
-            n_routed_experts=case.experts,
-            n_shared_experts=case.n_shared,
-            first_k_dense_replace=case.first_k_dense,
-            n_group=case.n_group,
-            topk_group=case.topk_group,
-            routed_scaling_factor=case.routed_scaling,
-            attention_bias=case.attention_bias,
             q_lora_rank=case.q_lora_rank,
             kv_lora_rank=case.kv_lora_rank,
             qk_nope_head_dim=case.qk_nope,
