@@ -9,6 +9,7 @@
 //! `N(0, 16/hidden)` (logits of std ≈ 4 after the final norm: peaked but not one-hot).
 
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
 use moeserve_core::DType;
 use serde_json::Value;
@@ -359,17 +360,23 @@ fn random_tensors(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Vec<T
     let [n, k] = plain.shape[..] else {
         unreachable!("FP8 tensors are matrices")
     };
-    let fill = std::sync::Arc::new(plain.fill);
-    let values = fill.clone();
+    // The scales come from the values: whichever of the two tensors is made first computes
+    // them, so the (costly) random values are drawn once when the weight is written first.
+    let scales = Arc::new(OnceLock::<Vec<f32>>::new());
+    let fill = Arc::new(plain.fill);
+    let (values, known) = (fill.clone(), scales.clone());
     let scale_fill = move |out: &mut [f32]| {
-        let mut v = vec![0.0; n * k];
-        values(&mut v)?;
-        out.copy_from_slice(&moeserve_core::fp8::block_scales(&v, k, block));
+        if known.get().is_none() {
+            let mut v = vec![0.0; n * k];
+            values(&mut v)?;
+            known.get_or_init(|| moeserve_core::fp8::block_scales(&v, k, block));
+        }
+        out.copy_from_slice(known.get().expect("set above"));
         Ok(())
     };
     let scaled_fill = move |out: &mut [f32]| {
         fill(out)?;
-        let scales = moeserve_core::fp8::block_scales(out, k, block);
+        let scales = scales.get_or_init(|| moeserve_core::fp8::block_scales(out, k, block));
         let cols = k.div_ceil(block[1]);
         for (i, row) in out.chunks_exact_mut(k).enumerate() {
             for (j, v) in row.iter_mut().enumerate() {
