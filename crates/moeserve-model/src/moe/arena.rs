@@ -190,7 +190,7 @@ fn build_arenas(
                 None => {
                     let source = &moe.experts[expert as usize];
                     copied += source.size_in_bytes() as u64;
-                    source.deep_copy()?
+                    source.deep_copy()
                 }
             };
             arenas[device].layers[l].insert(expert, weights);
