@@ -324,9 +324,9 @@ impl Checkpoint {
     }
 }
 
-/// `quantization_config.weight_block_size` of `dir/config.json` when it says `fp8`; other
-/// quantization methods are not this module's (the int8 checkpoints `moeserve quantize`
-/// writes are read elsewhere).
+/// `quantization_config.weight_block_size` of `dir/config.json` when it says `fp8`, or when
+/// the int8 checkpoint `moeserve quantize` made of an FP8 one keeps that config beside its own;
+/// other quantization methods are not this module's (the int8 tensors are read elsewhere).
 fn fp8_block_size(dir: &Path) -> Result<Option<[usize; 2]>> {
     let path = dir.join("config.json");
     let Ok(text) = std::fs::read_to_string(&path) else {
@@ -335,9 +335,12 @@ fn fp8_block_size(dir: &Path) -> Result<Option<[usize; 2]>> {
     let Ok(config) = serde_json::from_str::<Value>(&text) else {
         return Ok(None);
     };
-    let Some(q) = config.get("quantization_config") else {
+    let Some(mut q) = config.get("quantization_config") else {
         return Ok(None);
     };
+    if let Some(source) = q.get(crate::quantize::SOURCE_QUANTIZATION) {
+        q = source;
+    }
     if q.get("quant_method").and_then(Value::as_str) != Some("fp8") {
         return Ok(None);
     }

@@ -315,6 +315,34 @@ fn latent_attention_models_quantize_their_projections() {
     assert!(diff < 0.05, "int8 logits {diff} from the stored weights'");
 }
 
+/// An FP8 block checkpoint quantizes too: the int8 checkpoint keeps the FP8 tensors it does
+/// not replace (kv_b_proj here) and the FP8 config that reads them.
+#[test]
+fn fp8_checkpoints_quantize_and_keep_their_fp8_storage() {
+    if !run_int8() {
+        return;
+    }
+    let src = fixtures_dir().join("deepseek-v3-fp8");
+    let out = tempfile::tempdir().unwrap();
+    quantize(&src, out.path());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+            .unwrap();
+    let q = &config["quantization_config"];
+    assert_eq!(q["quant_method"], "moeserve-int8");
+    assert_eq!(
+        q["source_quantization_config"]["weight_block_size"],
+        serde_json::json!([32, 32])
+    );
+    let stored = MoeModel::load_as_stored(&src).unwrap();
+    let quantized = MoeModel::load(out.path()).unwrap();
+    let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
+    let exact = prefill(&stored, &prompt, ForwardOptions::default());
+    let gptq = prefill(&quantized, &prompt, ForwardOptions::default());
+    let diff = common::max_rel_diff(&gptq, &exact);
+    assert!(diff < 0.05, "int8 logits {diff} from the FP8 weights'");
+}
+
 /// Experts copied onto other devices for expert parallelism keep the checkpoint's GPTQ
 /// integers: the expert-parallel run of the int8 checkpoint equals the one-device run exactly
 /// (the copies once dropped them and rounded the stored weights instead).

@@ -50,6 +50,9 @@ use moeserve_text::generation_config::GenerationConfig;
 
 /// `quantization_config.quant_method` of a checkpoint this module wrote.
 pub const QUANT_METHOD: &str = "moeserve-int8";
+/// The field of a quantized checkpoint's `quantization_config` that keeps the source's own
+/// (an FP8 checkpoint's, whose tensors the int8 checkpoint keeps as stored).
+pub const SOURCE_QUANTIZATION: &str = "source_quantization_config";
 /// The start of the int8 files' names ([`int8_file`]).
 pub const INT8_PREFIX: &str = "model-int8";
 
@@ -548,6 +551,9 @@ fn write_index_and_config(
         std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
     let mut config: Value =
         serde_json::from_str(&text).map_err(|e| ModelError::config(&config_path, e.to_string()))?;
+    // The source's tensors stay beside the int8 ones, as stored: an FP8 checkpoint's storage
+    // (its block size) must still be said for them to load.
+    let source = config.get("quantization_config").cloned();
     config["quantization_config"] = json!({
         "quant_method": QUANT_METHOD,
         "bits": 8,
@@ -567,6 +573,9 @@ fn write_index_and_config(
         },
         "round_to_nearest": report.round_to_nearest.iter().map(|(m, _)| m).collect::<Vec<_>>(),
     });
+    if let Some(source) = source {
+        config["quantization_config"][SOURCE_QUANTIZATION] = source;
+    }
     write_json(&dst.join("config.json"), &config)
 }
 
