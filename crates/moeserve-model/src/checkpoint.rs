@@ -229,7 +229,10 @@ impl Checkpoint {
             Dtype::F32 => DType::F32,
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
-            Dtype::F8_E4M3 => return self.fp8_weight(name, entry, path, (index, part_shape)),
+            Dtype::F8_E4M3 => {
+                let weight = self.fp8_weight(name, entry, path, (index, part_shape))?;
+                return self.for_kernels(weight, int8_prefix);
+            }
             other => {
                 return Err(ModelError::UnsupportedDType {
                     path: path.clone(),
@@ -253,12 +256,17 @@ impl Checkpoint {
             start,
             end: start + part_bytes,
         };
-        let weight = Weight::new(dtype, part_shape.to_vec(), bytes)?;
+        self.for_kernels(Weight::new(dtype, part_shape.to_vec(), bytes)?, int8_prefix)
+    }
+
+    /// `weight` as the kernels take it: as stored ([`Checkpoint::as_stored`]), or with the int8
+    /// rows `moeserve quantize` stored for `{int8_prefix}` when the process runs int8.
+    fn for_kernels(&self, weight: Weight, int8_prefix: Option<&str>) -> Result<Weight> {
         if self.as_stored {
             return Ok(weight.exact());
         }
-        let int8 = match (int8_prefix, part_shape) {
-            (Some(prefix), [n, k]) => self.int8_for_kernels(prefix, *n, *k)?,
+        let int8 = match (int8_prefix, weight.shape()) {
+            (Some(prefix), &[n, k]) => self.int8_for_kernels(prefix, n, k)?,
             _ => None,
         };
         match int8 {
@@ -315,12 +323,7 @@ impl Checkpoint {
             start: entry.start,
             end: entry.end,
         };
-        let weight = Weight::fp8(part_shape.to_vec(), bytes, scales)?;
-        Ok(if self.as_stored {
-            weight.exact()
-        } else {
-            weight
-        })
+        Ok(Weight::fp8(part_shape.to_vec(), bytes, scales)?)
     }
 }
 

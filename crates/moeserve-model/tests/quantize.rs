@@ -336,6 +336,14 @@ fn fp8_checkpoints_quantize_and_keep_their_fp8_storage() {
     );
     let stored = MoeModel::load_as_stored(&src).unwrap();
     let quantized = MoeModel::load(out.path()).unwrap();
+    // The FP8 matrices run their GPTQ integers, not a rounding of the FP8 values at load.
+    let expert = &quantized.moe_layers()[0].experts[3];
+    assert_eq!(expert.w2.dtype(), moeserve_core::DType::F8E4M3);
+    assert!(
+        [&expert.w1, &expert.w2, &expert.w3]
+            .iter()
+            .all(|w| w.has_stored_int8())
+    );
     let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
     let exact = prefill(&stored, &prompt, ForwardOptions::default());
     let gptq = prefill(&quantized, &prompt, ForwardOptions::default());
