@@ -22,6 +22,8 @@ What it makes (the file formats are a contract with the Rust tests):
      fused 3-D module tensors), Qwen2-MoE (q/k/v biases, gated shared expert, dense layer)
      and OLMoE (q/k norm over the flat projections, clip_qkv) checkpoints, in set A's layout
      with the dense layers and term ablations in manifest.json. See moe_family_cases.py.
+  G. gpt-oss/  a tiny random GPT-OSS (attention sinks, alternating sliding and full layers,
+     YaRN, biased router and experts with the clamped SwiGLU). See gpt_oss_cases.py.
 
 How to run (from the repository root, CPU only, ~5 minutes):
     python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
@@ -48,7 +50,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ref_common import FIXTURES_DIR, script_sha256, set_determinism, versions  # noqa: E402
 
 GLOBAL_SEED = 1234
-SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo", "smolmoe-eval", "moe-families")
+SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo", "smolmoe-eval", "moe-families", "gpt-oss")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -96,6 +98,11 @@ def main(argv: list[str]) -> int:
 
             for case in moe_family_cases.CASES:
                 moe_family_cases.generate_case(case, FIXTURES_DIR, provenance)
+        elif section == "gpt-oss":
+            import gpt_oss_cases  # noqa: PLC0415
+
+            for case in gpt_oss_cases.CASES:
+                gpt_oss_cases.generate_case(case, FIXTURES_DIR, provenance)
         print(f"[{section}] done in {time.time() - started:.1f}s")
     return 0
 

@@ -217,6 +217,63 @@ impl Checkpoint {
         self.weight_view(name, shape, (index, part_shape), Some(int8_prefix))
     }
 
+    /// Expert `index`'s matrix of an input-major fused tensor `name` (`[E, k, n·step]`, each
+    /// expert's `[k, n·step]` in `x · W` order, as GPT-OSS stores `gate_up_proj`): its columns
+    /// `first, first + step, …` transposed into the kernels' `[n, k]` rows, in the stored
+    /// dtype. A copy (the kernels read output rows); its int8 form, where `moeserve quantize`
+    /// stored one, is `{int8_prefix}.qweight`.
+    pub fn weight_columns(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: usize,
+        (first, step): (usize, usize),
+        int8_prefix: &str,
+    ) -> Result<Weight> {
+        let (entry, path) = self.entry(name, shape)?;
+        let &[experts, k, cols] = shape else {
+            return Err(ModelError::config(
+                path,
+                format!("`{name}`: an input-major expert tensor is 3-D, got {shape:?}"),
+            ));
+        };
+        let dtype = match entry.dtype {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(ModelError::UnsupportedDType {
+                    path: path.clone(),
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        assert!(index < experts && first < step && cols.is_multiple_of(step));
+        let n = cols / step;
+        let size = dtype.size_in_bytes();
+        let bytes = &self.files[entry.file].1[entry.start..entry.end];
+        let expert = &bytes[index * k * cols * size..][..k * cols * size];
+        let mut rows = vec![0u8; n * k * size];
+        for (r, row) in rows.chunks_exact_mut(k * size).enumerate() {
+            let col = first + r * step;
+            for (i, out) in row.chunks_exact_mut(size).enumerate() {
+                out.copy_from_slice(&expert[(i * cols + col) * size..][..size]);
+            }
+        }
+        let weight = Weight::new(dtype, vec![n, k], WeightBytes::owned(&rows))?;
+        self.for_kernels(weight, Some(int8_prefix))
+    }
+
+    /// A 1-D or 2-D f32 view of the float tensor `name` (biases, norms), widened from its
+    /// stored dtype: `[len]`, or part `index` of `[parts, len]`.
+    pub fn vector_part(&self, name: &str, shape: &[usize], index: usize) -> Result<Vec<f32>> {
+        let len = *shape.last().expect("a vector shape");
+        Ok(self
+            .weight_view(name, shape, (index, &[len]), None)?
+            .to_f32_vec())
+    }
+
     fn weight_view(
         &self,
         name: &str,

@@ -38,6 +38,9 @@ pub struct AttentionConfig {
     pub qk_norm: QkNorm,
     /// q, k and v clamped to `[-clip, clip]` (OLMoE's `clip_qkv`, after the q/k norms).
     pub clip_qkv: Option<f32>,
+    /// A learned sink logit per head (`self_attn.sinks`, GPT-OSS) joins each softmax's
+    /// denominator.
+    pub sinks: bool,
 }
 
 impl AttentionConfig {
@@ -47,6 +50,7 @@ impl AttentionConfig {
         o_bias: false,
         qk_norm: QkNorm::None,
         clip_qkv: None,
+        sinks: false,
     };
 }
 
@@ -96,11 +100,42 @@ pub struct SharedExpertConfig {
     pub gated: bool,
 }
 
+/// How a checkpoint may fuse a layer's experts into two 3-D tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedExperts {
+    /// `experts.gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and
+    /// `experts.down_proj [E, H, I]`, as transformers ≥ 5 writes the Mixtral-like families.
+    GateThenUp,
+    /// GPT-OSS's `experts.gate_up_proj [E, H, 2I]` (input-major; even columns gate, odd up)
+    /// and `experts.down_proj [E, I, H]`, with `_bias` tensors beside them.
+    InterleavedInputMajor,
+}
+
+/// What the experts of a sparse block compute beyond a SwiGLU MLP.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertConfig {
+    /// Biases on the gate, up and down projections (GPT-OSS).
+    pub bias: bool,
+    pub activation: moeserve_backend::cpu::GatedActivation,
+}
+
+impl ExpertConfig {
+    /// SwiGLU without biases.
+    pub const SWIGLU: ExpertConfig = ExpertConfig {
+        bias: false,
+        activation: moeserve_backend::cpu::GatedActivation::Silu,
+    };
+}
+
 /// Where a family keeps its tensors, below `model.layers.L.`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TensorNames {
     /// The feed-forward block: `block_sparse_moe` (Mixtral) or `mlp`.
     pub moe_block: &'static str,
+    /// The router below it: `gate` (`[E, H]`), or GPT-OSS's `router` (with a bias).
+    pub router: &'static str,
+    /// How fused expert tensors are laid out, when the checkpoint has them.
+    pub fused_experts: FusedExperts,
     /// An expert's gate, up and down projections: `w1, w3, w2` or `gate_proj, up_proj, down_proj`.
     pub expert_proj: [&'static str; 3],
     /// The shared expert under the block: `shared_expert` (Qwen2-MoE) or `shared_experts`
@@ -134,6 +169,10 @@ pub struct ModelConfig {
     /// `routed_scaling_factor`: the routed experts' weights are multiplied by it.
     pub routed_scaling_factor: f32,
     pub shared_expert: Option<SharedExpertConfig>,
+    /// The routed experts' biases and activation.
+    pub experts: ExpertConfig,
+    /// The router has a bias (`router.bias`, GPT-OSS).
+    pub router_bias: bool,
     /// Per decoder layer: whether its feed-forward block is the sparse MoE block (else a dense
     /// MLP of `intermediate_size`).
     pub sparse_layers: Vec<bool>,
@@ -149,8 +188,12 @@ pub struct ModelConfig {
     /// The leading part of each head that RoPE rotates (`head_dim · partial_rotary_factor`;
     /// `head_dim` for most families).
     pub rotary_dim: usize,
-    /// Attend to at most this many most recent positions (the query's own included).
+    /// Attend to at most this many most recent positions (the query's own included), in the
+    /// layers `window_layers` marks.
     pub sliding_window: Option<usize>,
+    /// Per decoder layer: whether `sliding_window` applies to it (every layer, but GPT-OSS's
+    /// `full_attention` ones in `layer_types`).
+    pub window_layers: Vec<bool>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// `torch_dtype` / `dtype` as declared; the tensors' own dtypes are what is used.
@@ -255,6 +298,11 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The sliding window of decoder layer `layer`, if it has one.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.window_layers[layer])
+    }
+
     /// The rotary frequencies of the rotated part of a head, and the cos/sin scaling.
     pub fn rope_frequencies(&self) -> RopeFrequencies {
         RopeFrequencies::new(self.rotary_dim, self.rope_theta, self.rope_scaling)
@@ -318,6 +366,8 @@ impl ModelConfig {
             && self.routed_scaling_factor == 1.0
             && self.rotary_dim == self.head_dim
             && self.mla.is_none()
+            && self.experts == ExpertConfig::SWIGLU
+            && !self.router_bias
     }
 }
 

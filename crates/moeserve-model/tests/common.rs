@@ -22,8 +22,9 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 /// q/k norms per head and `head_dim` ≠ hidden/heads, dense layers among sparse ones, fused
 /// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`,
 /// YaRN, DeepSeek-V3's sigmoid router on GQA (GLM-4.5), multi-head latent attention with
-/// DeepSeek-V2's and V3's routers, and V3 as an FP8 block checkpoint.
-pub const FAMILY_CASES: [&str; 10] = [
+/// DeepSeek-V2's and V3's routers, V3 as an FP8 block checkpoint, and GPT-OSS (attention
+/// sinks, alternating sliding and full layers, biased router and clamped, biased experts).
+pub const FAMILY_CASES: [&str; 11] = [
     "qwen3-moe",
     "qwen3-moe-fused",
     "qwen3-moe-yarn",
@@ -34,6 +35,7 @@ pub const FAMILY_CASES: [&str; 10] = [
     "deepseek-v2",
     "deepseek-v3",
     "deepseek-v3-fp8",
+    "gpt-oss",
 ];
 
 /// Every transformers fixture of a sparse model.

@@ -1,7 +1,7 @@
 //! Parity with Hugging Face transformers on the committed fixtures (made by
 //! tests/reference/generate.py): per-layer outputs and router logits, final logits, 24 greedy
 //! tokens with their logprobs and top-5 alternatives, for every case and prompt of every family
-//! (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE).
+//! (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V2/V3, GPT-OSS).
 
 mod common;
 
@@ -138,6 +138,7 @@ fn each_family_fixture_loads_as_its_family() {
             Architecture::DeepseekV3,
             vec![false, true, true],
         ),
+        ("gpt-oss", Architecture::GptOss, vec![true, true, true]),
     ];
     for (case, arch, sparse) in want {
         let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();

@@ -1,7 +1,8 @@
 //! Attention of one query token against the cached rows of one KV head, for every query head
 //! that shares it (grouped-query attention): `softmax(q·kᵀ · scale) · v`. Values may be
 //! narrower than keys: multi-head latent attention reads its values as the leading part of
-//! the same cached latent rows its keys are.
+//! the same cached latent rows its keys are. A head may have a sink (GPT-OSS): a learned logit
+//! that joins the softmax's denominator and contributes no value.
 //!
 //! The caller (the model's attention layer) runs one call per (token, KV head), in parallel, so
 //! a batch-1 decode keeps every core busy. Each key and value row is loaded once per call and
@@ -40,6 +41,33 @@ pub struct KvHeadQuery<'a> {
     pub values: HeadRows<'a>,
     /// The visible positions' slots, in position order.
     pub slots: &'a [usize],
+    /// `[group]`: each query head's sink logit (GPT-OSS's `self_attn.sinks`), if it has one.
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl KvHeadQuery<'_> {
+    /// Query head `h`'s sink logit, if the heads have sinks.
+    fn sink(&self, h: usize) -> Option<f32> {
+        self.sinks.map(|s| s[h])
+    }
+}
+
+/// Softmax of one row of scores in place, with `sink` joining the denominator when set:
+/// `e^{x_i - m} / (Σ_j e^{x_j - m} + e^{sink - m})`, `m` the largest of the row and the sink
+/// (HF `eager_attention_forward` of GPT-OSS concatenates the sink and drops its column).
+fn softmax_with_sink(row: &mut [f32], sink: Option<f32>) {
+    let Some(sink) = sink else {
+        super::softmax_in_place(row);
+        return;
+    };
+    let max = row.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - max).exp();
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// `out: [group, value_dim]` ← attention of each query head of `a`; `scores` is scratch,
@@ -82,8 +110,8 @@ fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
             scores[h * n + s] = qh.iter().zip(k).map(|(x, y)| x * y).sum::<f32>() * a.scale;
         }
     }
-    for row in scores.chunks_exact_mut(n) {
-        super::softmax_in_place(row);
+    for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+        softmax_with_sink(row, a.sink(h));
     }
     out.fill(0.0);
     for (s, slot) in a.slots.iter().enumerate() {
@@ -146,8 +174,8 @@ pub(super) mod avx512 {
                     _mm512_mask_storeu_ps(row, mask(keys.len()), sums);
                 }
             }
-            for row in scores.chunks_exact_mut(n) {
-                softmax(row);
+            for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+                softmax(row, a.sink(h));
             }
             for h0 in (0..group).step_by(VALUE_HEADS) {
                 let heads = (group - h0).min(VALUE_HEADS);
@@ -251,9 +279,10 @@ pub(super) mod avx512 {
         fold(fold(q[0], q[1]), fold(q[2], q[3]))
     }
 
-    /// Softmax of one row in place: max, `exp(x - max)`, sum, scale — 16 lanes at a time.
+    /// Softmax of one row in place: max, `exp(x - max)`, sum, scale — 16 lanes at a time; a
+    /// sink joins the max and the sum (see `softmax_with_sink`).
     #[target_feature(enable = "avx512f")]
-    unsafe fn softmax(row: &mut [f32]) {
+    unsafe fn softmax(row: &mut [f32], sink: Option<f32>) {
         let p = row.as_mut_ptr();
         let chunks = row.len().div_ceil(16);
         let mask_of = |c: usize| mask(row.len() - 16 * c);
@@ -264,7 +293,8 @@ pub(super) mod avx512 {
                 let x = _mm512_mask_loadu_ps(neg_inf, mask_of(c), p.add(16 * c));
                 max = _mm512_max_ps(max, x);
             }
-            let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+            let max = _mm512_reduce_max_ps(max);
+            let max = _mm512_set1_ps(sink.map_or(max, |s| max.max(s)));
             let mut sum = _mm512_setzero_ps();
             for c in 0..chunks {
                 let m = mask_of(c);
@@ -272,7 +302,11 @@ pub(super) mod avx512 {
                 sum = _mm512_mask_add_ps(sum, m, sum, e);
                 _mm512_mask_storeu_ps(p.add(16 * c), m, e);
             }
-            let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
+            let mut total = _mm512_reduce_add_ps(sum);
+            if let Some(sink) = sink {
+                total += (sink - _mm_cvtss_f32(_mm512_castps512_ps128(max))).exp();
+            }
+            let inv = _mm512_set1_ps(1.0 / total);
             for c in 0..chunks {
                 let m = mask_of(c);
                 let e = _mm512_maskz_loadu_ps(m, p.add(16 * c));
@@ -345,8 +379,8 @@ mod avx2 {
                     scores[h * n + s] = _mm_cvtss_f32(one) * a.scale;
                 }
             }
-            for row in scores.chunks_exact_mut(n) {
-                super::super::softmax_in_place(row);
+            for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+                super::softmax_with_sink(row, a.sink(h));
             }
             out.fill(0.0);
             for (s, slot) in a.slots.iter().enumerate() {
@@ -373,7 +407,8 @@ mod tests {
     use super::*;
     use crate::cpu::reference::pseudo_random;
 
-    /// softmax(q·kᵀ·scale)·v in f64, the definition.
+    /// softmax(q·kᵀ·scale)·v in f64, the definition; a head's sink is one more logit in the
+    /// softmax whose probability multiplies no value.
     fn reference(a: &KvHeadQuery<'_>) -> Vec<f64> {
         let d = a.head_dim;
         let mut out = vec![0.0f64; a.q.len() / d * a.value_dim];
@@ -390,9 +425,13 @@ mod tests {
                         * a.scale as f64
                 })
                 .collect();
-            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sink = a.sinks.map(|s| s[h] as f64);
+            let max = s
+                .iter()
+                .copied()
+                .fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
             let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
-            let sum: f64 = e.iter().sum();
+            let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             let dv = a.value_dim;
             for (p, slot) in e.iter().zip(a.slots) {
                 let v = a.values.row(*slot, dv);
@@ -468,6 +507,7 @@ mod tests {
                     offset: kvh * head_dim,
                 },
                 slots: &slots,
+                sinks: None,
             };
             let mut out = vec![f32::NAN; q.len()];
             attend_kv_head(&a, &mut Vec::new(), &mut out);
@@ -477,6 +517,57 @@ mod tests {
                     "d={head_dim}: {got} vs {want}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn sinks_join_the_denominator_on_every_path() {
+        // Sinks below, among and above the scores (a sink of 8 takes most of the mass), for the
+        // AVX-512, AVX2 and portable widths; then a sink that dominates every head equals
+        // scaling the plain outputs down.
+        for head_dim in [64, 24, 12] {
+            let (group, num_slots) = (4, 19);
+            let k = pseudo_random(num_slots * head_dim, 11);
+            let v = pseudo_random(num_slots * head_dim, 12);
+            let q = pseudo_random(group * head_dim, 13);
+            let slots: Vec<usize> = (0..num_slots).collect();
+            let sinks = [-3.0, 0.2, 1.5, 8.0];
+            let rows = |data| HeadRows {
+                data,
+                stride: head_dim,
+                offset: 0,
+            };
+            let a = KvHeadQuery {
+                q: &q,
+                head_dim,
+                value_dim: head_dim,
+                scale: (head_dim as f32).powf(-0.5),
+                keys: rows(&k),
+                values: rows(&v),
+                slots: &slots,
+                sinks: Some(&sinks),
+            };
+            let mut out = vec![f32::NAN; q.len()];
+            attend_kv_head(&a, &mut Vec::new(), &mut out);
+            let plain = reference(&KvHeadQuery { sinks: None, ..a });
+            for (i, (got, want)) in out.iter().zip(reference(&a)).enumerate() {
+                assert!(
+                    (*got as f64 - want).abs() < 1e-5,
+                    "d={head_dim}, head {}: {got} vs {want}",
+                    i / head_dim
+                );
+            }
+            // The sink of 8 leaves the last head only a small part of its plain output.
+            let last = (group - 1) * head_dim..group * head_dim;
+            let ratio: f64 = out[last.clone()]
+                .iter()
+                .map(|x| x.abs() as f64)
+                .sum::<f64>()
+                / plain[last].iter().map(|x| x.abs()).sum::<f64>();
+            assert!(
+                ratio < 0.01,
+                "d={head_dim}: sink 8 keeps {ratio} of the output"
+            );
         }
     }
 
@@ -503,6 +594,7 @@ mod tests {
                 keys: cached,
                 values: cached,
                 slots: &slots,
+                sinks: None,
             };
             let mut out = vec![f32::NAN; group * latent];
             attend_kv_head(&a, &mut Vec::new(), &mut out);

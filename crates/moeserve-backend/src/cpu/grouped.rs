@@ -1,7 +1,8 @@
 //! The grouped expert GEMM: all routed experts of one MoE layer computed as one job, each
 //! expert's weights read once for all of its rows.
 //!
-//! `out = w2 · (silu(w1 · x) * (w3 · x))` per expert (HF `MixtralBlockSparseTop2MLP`) in two
+//! `out = w2 · (silu(w1 · x) * (w3 · x))` per expert (HF `MixtralBlockSparseTop2MLP`), or with
+//! biases on the three projections and GPT-OSS's clamped activation ([`GatedActivation`]), in two
 //! parallel phases over (expert, 32-column panel) tasks: gate and up projections of a panel
 //! together with SwiGLU applied while the panel is in cache (one pass over the activations),
 //! then the down projection. Two fork-joins per layer instead of three per expert, and the
@@ -12,7 +13,7 @@ use rayon::prelude::*;
 
 use super::matmul::{OutPtr, TiledRows};
 use super::packed::PANEL;
-use super::{matmul_wt, silu_mul};
+use super::{GatedActivation, matmul_wt};
 use crate::Weight;
 
 /// One expert's share of a grouped SwiGLU: the next `rows` rows of the input.
@@ -25,6 +26,29 @@ pub struct ExpertRows<'a> {
     pub w3: &'a Weight,
     /// down projection `[hidden, intermediate]`
     pub w2: &'a Weight,
+    /// Biases of the three projections (GPT-OSS), added before the activation and to the
+    /// output.
+    pub bias: Option<&'a ExpertBias>,
+    pub activation: GatedActivation,
+}
+
+/// An expert's projection biases, `[intermediate]`, `[intermediate]` and `[hidden]`, in f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertBias {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
+}
+
+impl ExpertBias {
+    /// Adds `bias[first..first + cols]` to the leading `cols` columns of every `width`-wide row
+    /// of `rows`.
+    fn add_columns(bias: &[f32], first: usize, cols: usize, width: usize, rows: &mut [f32]) {
+        let b = &bias[first..first + cols];
+        for row in rows.chunks_exact_mut(width) {
+            row[..cols].iter_mut().zip(b).for_each(|(x, b)| *x += b);
+        }
+    }
 }
 
 /// The experts of a grouped SwiGLU in row order: a slice of [`ExpertRows`], or a view that
@@ -97,6 +121,15 @@ pub fn grouped_swiglu_in<G: ExpertGroup + ?Sized>(
             e.w3.shape(),
             e.w2.shape()
         );
+        if let Some(b) = e.bias {
+            assert!(
+                b.gate.len() == inter && b.up.len() == inter && b.down.len() == hidden,
+                "grouped_swiglu: bias lengths {} {} {} for [{inter}, {hidden}]",
+                b.gate.len(),
+                b.up.len(),
+                b.down.len()
+            );
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if super::isa().packs_weights() {
@@ -124,8 +157,16 @@ fn one_expert_at_a_time<G: ExpertGroup + ?Sized>(
         up.resize(e.rows * inter, 0.0);
         matmul_wt(&x[rows.clone()], e.rows, e.w1, gate);
         matmul_wt(&x[rows.clone()], e.rows, e.w3, up);
-        silu_mul(gate, up);
-        matmul_wt(gate, e.rows, e.w2, &mut out[rows]);
+        if let Some(b) = e.bias {
+            ExpertBias::add_columns(&b.gate, 0, inter, inter, gate);
+            ExpertBias::add_columns(&b.up, 0, inter, inter, up);
+        }
+        e.activation.apply(gate, up);
+        let out = &mut out[rows];
+        matmul_wt(gate, e.rows, e.w2, out);
+        if let Some(b) = e.bias {
+            ExpertBias::add_columns(&b.down, 0, hidden, hidden, out);
+        }
         row += e.rows;
     }
 }
@@ -225,8 +266,12 @@ fn two_phases<G: ExpertGroup + ?Sized>(
                 up.resize(e.rows * PANEL, 0.0);
                 weight_panel(isa, xe, e.w1, q, gate);
                 weight_panel(isa, xe, e.w3, q, up);
-                silu_mul(gate, up);
                 let cols = PANEL.min(inter - q * PANEL);
+                if let Some(b) = e.bias {
+                    ExpertBias::add_columns(&b.gate, q * PANEL, cols, PANEL, gate);
+                    ExpertBias::add_columns(&b.up, q * PANEL, cols, PANEL, up);
+                }
+                e.activation.apply(gate, up);
                 // SAFETY: positions 32q .. 32q + cols of this expert's `[rows, inter]` block are
                 // inside `act` and written by this task only.
                 unsafe {
@@ -251,6 +296,9 @@ fn two_phases<G: ExpertGroup + ?Sized>(
                 down.resize(e.rows * PANEL, 0.0);
                 weight_panel(isa, ae, e.w2, q, down);
                 let cols = PANEL.min(hidden - q * PANEL);
+                if let Some(b) = e.bias {
+                    ExpertBias::add_columns(&b.down, q * PANEL, cols, PANEL, down);
+                }
                 for (i, d) in down.chunks_exact(PANEL).enumerate() {
                     // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
                     // written by this task only.
@@ -311,7 +359,14 @@ mod tests {
         let experts: Vec<ExpertRows<'_>> = rows
             .iter()
             .zip(weights.iter().cycle())
-            .map(|(&rows, [w1, w3, w2])| ExpertRows { rows, w1, w3, w2 })
+            .map(|(&rows, [w1, w3, w2])| ExpertRows {
+                rows,
+                w1,
+                w3,
+                w2,
+                bias: None,
+                activation: GatedActivation::Silu,
+            })
             .collect();
         let total: usize = rows.iter().sum();
         let x = pseudo_random(total * hidden, 7);
@@ -326,5 +381,72 @@ mod tests {
             &mut GroupedScratch::default(),
         );
         assert_eq!(grouped, want);
+    }
+
+    #[test]
+    fn biases_and_the_clamped_activation_equal_the_definition() {
+        // GPT-OSS's expert: (x·w1ᵀ + b1, x·w3ᵀ + b3) → min(g, l) · σ(α·min(g, l)) ·
+        // (clamp(u, -l, l) + 1) → ·w2ᵀ + b2, a limit small enough to clamp some values, on the
+        // panel path and the portable one alike.
+        let (hidden, inter, rows) = (40, 70, 9);
+        let [w1, w3, w2] = [
+            bf16_weight(inter, hidden, 1),
+            bf16_weight(inter, hidden, 2),
+            bf16_weight(hidden, inter, 3),
+        ];
+        let bias = ExpertBias {
+            gate: pseudo_random(inter, 4),
+            up: pseudo_random(inter, 5),
+            down: pseudo_random(hidden, 6),
+        };
+        let (alpha, limit) = (1.702, 0.6);
+        let expert = [ExpertRows {
+            rows,
+            w1: &w1,
+            w3: &w3,
+            w2: &w2,
+            bias: Some(&bias),
+            activation: GatedActivation::ClampedSwiglu { alpha, limit },
+        }];
+        let x = pseudo_random(rows * hidden, 7);
+        let mut got = vec![f32::NAN; x.len()];
+        grouped_swiglu(&x, &expert[..], &mut got);
+        let (w1, w3, w2) = (w1.to_f32_vec(), w3.to_f32_vec(), w2.to_f32_vec());
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| (a * b) as f64).sum::<f64>();
+        let mut clamped = 0;
+        for r in 0..rows {
+            let xr = &x[r * hidden..][..hidden];
+            let act: Vec<f64> = (0..inter)
+                .map(|i| {
+                    let g = dot(xr, &w1[i * hidden..][..hidden]) + bias.gate[i] as f64;
+                    let u = dot(xr, &w3[i * hidden..][..hidden]) + bias.up[i] as f64;
+                    clamped += usize::from(g > limit as f64 || u.abs() > limit as f64);
+                    let g = g.min(limit as f64);
+                    let u = u.clamp(-limit as f64, limit as f64);
+                    g / (1.0 + (-alpha as f64 * g).exp()) * (u + 1.0)
+                })
+                .collect();
+            for c in 0..hidden {
+                let want = (0..inter)
+                    .map(|i| act[i] * w2[c * inter + i] as f64)
+                    .sum::<f64>()
+                    + bias.down[c] as f64;
+                let g = got[r * hidden + c] as f64;
+                assert!((g - want).abs() < 1e-4, "row {r} col {c}: {g} vs {want}");
+            }
+        }
+        assert!(
+            clamped > rows * inter / 4,
+            "the limit clamps too little: {clamped}"
+        );
+        let mut portable = vec![0.0; x.len()];
+        one_expert_at_a_time(
+            &x,
+            hidden,
+            &expert[..],
+            &mut portable,
+            &mut GroupedScratch::default(),
+        );
+        assert_eq!(got, portable);
     }
 }

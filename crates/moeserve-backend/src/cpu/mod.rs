@@ -18,11 +18,14 @@ pub mod probe;
 pub mod quant;
 pub mod reference;
 
-pub use grouped::{ExpertGroup, ExpertRows, GroupedScratch, grouped_swiglu, grouped_swiglu_in};
+pub use grouped::{
+    ExpertBias, ExpertGroup, ExpertRows, GroupedScratch, grouped_swiglu, grouped_swiglu_in,
+};
 pub use matmul::{matmul_wt, matmul_wt_in};
 pub use ops::{
-    RopeAngles, add_assign, add_bias, add_rms_norm, apply_rope, apply_rope_interleaved,
-    log_sum_exp, rms_norm, rms_norm_in_place, rope_inv_freq, silu_mul, softmax_in_place,
+    GatedActivation, RopeAngles, add_assign, add_bias, add_rms_norm, apply_rope,
+    apply_rope_interleaved, log_sum_exp, rms_norm, rms_norm_in_place, rope_inv_freq, silu_mul,
+    softmax_in_place,
 };
 pub use quant::{WeightQuantization, set_weight_quantization, weight_quantization};
 

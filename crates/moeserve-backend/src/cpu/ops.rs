@@ -95,6 +95,33 @@ pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &Weight, eps: f32, out: &mu
     }
 }
 
+/// The activation between an expert's gate and up projections and its down projection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GatedActivation {
+    /// SwiGLU: `silu(gate) · up` (Mixtral and every family but GPT-OSS).
+    Silu,
+    /// GPT-OSS's clamped SwiGLU: `gate = min(gate, limit)`, `up = clamp(up, -limit, limit)`,
+    /// `gate · σ(alpha · gate) · (up + 1)` (`swiglu_alpha`, `swiglu_limit`).
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
+impl GatedActivation {
+    /// `gate[i] = act(gate[i], up[i])`.
+    pub fn apply(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            GatedActivation::Silu => silu_mul(gate, up),
+            GatedActivation::ClampedSwiglu { alpha, limit } => {
+                assert_eq!(gate.len(), up.len(), "clamped SwiGLU: lengths differ");
+                for (g, u) in gate.iter_mut().zip(up) {
+                    let x = g.min(limit);
+                    let glu = x / (1.0 + (-alpha * x).exp());
+                    *g = glu * (u.clamp(-limit, limit) + 1.0);
+                }
+            }
+        }
+    }
+}
+
 /// `gate[i] = silu(gate[i]) * up[i]`, SwiGLU's activation (`act_fn(w1(x)) * w3(x)` in Mixtral).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(

@@ -11,7 +11,7 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 14] = [
+pub const FIXTURE_CASES: [&str; 15] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
@@ -26,6 +26,7 @@ pub const FIXTURE_CASES: [&str; 14] = [
     "deepseek-v2",
     "deepseek-v3",
     "deepseek-v3-fp8",
+    "gpt-oss",
 ];
 
 pub fn repo_root() -> PathBuf {

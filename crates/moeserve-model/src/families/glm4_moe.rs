@@ -39,6 +39,7 @@ pub(super) fn read_config(fields: &ConfigFields<'_>) -> Result<ModelConfig> {
             false => QkNorm::None,
         },
         clip_qkv: None,
+        sinks: false,
     };
     let rotary_dim = (c.head_dim as f64 * partial_rotary_factor(fields)?) as usize;
     Ok(ModelConfig {

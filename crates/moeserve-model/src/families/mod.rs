@@ -6,19 +6,23 @@
 
 mod deepseek;
 mod glm4_moe;
+mod gpt_oss;
 mod mixtral;
 mod olmoe;
 mod qwen_moe;
 
 use crate::Result;
-use crate::config::{AttentionConfig, ConfigFields, ModelConfig, SharedExpertConfig, TensorNames};
+use crate::config::{
+    AttentionConfig, ConfigFields, ExpertConfig, FusedExperts, ModelConfig, SharedExpertConfig,
+    TensorNames,
+};
 use crate::layers::rope::RopeScaling;
 use crate::moe::{GroupLimit, Scoring};
 
 /// The `architectures` entries this crate serves, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str = "MixtralForCausalLM, Qwen3MoeForCausalLM, \
      Qwen2MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM, DeepseekV2ForCausalLM, \
-     DeepseekV3ForCausalLM";
+     DeepseekV3ForCausalLM, GptOssForCausalLM";
 
 /// A model family, as config.json's `architectures` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,10 +34,11 @@ pub enum Architecture {
     Glm4Moe,
     DeepseekV2,
     DeepseekV3,
+    GptOss,
 }
 
 impl Architecture {
-    pub const ALL: [Architecture; 7] = [
+    pub const ALL: [Architecture; 8] = [
         Architecture::Mixtral,
         Architecture::Qwen3Moe,
         Architecture::Qwen2Moe,
@@ -41,6 +46,7 @@ impl Architecture {
         Architecture::Glm4Moe,
         Architecture::DeepseekV2,
         Architecture::DeepseekV3,
+        Architecture::GptOss,
     ];
 
     /// The transformers class name (`architectures` in config.json).
@@ -53,6 +59,7 @@ impl Architecture {
             Architecture::Glm4Moe => "Glm4MoeForCausalLM",
             Architecture::DeepseekV2 => "DeepseekV2ForCausalLM",
             Architecture::DeepseekV3 => "DeepseekV3ForCausalLM",
+            Architecture::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -66,6 +73,7 @@ impl Architecture {
             Architecture::Glm4Moe => "glm4_moe",
             Architecture::DeepseekV2 => "deepseek_v2",
             Architecture::DeepseekV3 => "deepseek_v3",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 
@@ -99,6 +107,7 @@ pub(crate) fn read_config(
         Architecture::DeepseekV2 | Architecture::DeepseekV3 => {
             deepseek::read_config(architecture, fields)
         }
+        Architecture::GptOss => gpt_oss::read_config(fields),
     }
 }
 
@@ -189,6 +198,8 @@ impl DeepseekMoe {
 /// The tensor names of the families whose block is `mlp` with `{gate,up,down}_proj` experts.
 pub(crate) const MLP_NAMES: TensorNames = TensorNames {
     moe_block: "mlp",
+    router: "gate",
+    fused_experts: FusedExperts::GateThenUp,
     expert_proj: ["gate_proj", "up_proj", "down_proj"],
     shared_expert: "shared_expert",
 };
@@ -235,8 +246,12 @@ impl Common {
             sparse_layers: vec![true; self.num_hidden_layers],
             attention: AttentionConfig::PLAIN,
             mla: None,
+            experts: ExpertConfig::SWIGLU,
+            router_bias: false,
             names: TensorNames {
                 moe_block: "block_sparse_moe",
+                router: "gate",
+                fused_experts: FusedExperts::GateThenUp,
                 expert_proj: ["w1", "w3", "w2"],
                 shared_expert: "shared_expert",
             },
@@ -245,6 +260,7 @@ impl Common {
             rope_scaling: self.rope_scaling,
             rotary_dim: self.head_dim,
             sliding_window: None,
+            window_layers: vec![true; self.num_hidden_layers],
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings,
             dtype: self.dtype,

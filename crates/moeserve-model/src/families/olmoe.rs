@@ -24,6 +24,7 @@ pub(super) fn read_config(fields: &ConfigFields<'_>) -> Result<ModelConfig> {
             o_bias: bias,
             qk_norm: QkNorm::Flat,
             clip_qkv: fields.opt_f64("clip_qkv")?.map(|v| v as f32),
+            sinks: false,
         },
         names: MLP_NAMES,
         ..c.config(Architecture::Olmoe, moe)

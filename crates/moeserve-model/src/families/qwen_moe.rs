@@ -49,6 +49,7 @@ pub(super) fn read_config(
             o_bias: bias,
             qk_norm: QkNorm::PerHead,
             clip_qkv: None,
+            sinks: false,
         }
     } else {
         AttentionConfig {
@@ -56,6 +57,7 @@ pub(super) fn read_config(
             o_bias: false,
             qk_norm: QkNorm::None,
             clip_qkv: None,
+            sinks: false,
         }
     };
     let shared_expert = match fields.opt_usize("shared_expert_intermediate_size")? {

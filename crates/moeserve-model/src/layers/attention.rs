@@ -6,7 +6,8 @@
 //! Follows HF `MixtralAttention` (eager): `apply_rotary_pos_emb` with `rotate_half`,
 //! `softmax(q·kᵀ · head_dim^-0.5)` in f32 under a causal (optionally sliding-window) mask. The
 //! window admits keys `j` with `q_pos - j < sliding_window`, as HF's
-//! `sliding_window_causal_mask_function` does.
+//! `sliding_window_causal_mask_function` does. GPT-OSS adds a sink logit per head to each
+//! softmax's denominator (its `eager_attention_forward`).
 
 use moeserve_backend::Weight;
 use moeserve_backend::cpu::{self, attention};
@@ -31,6 +32,8 @@ pub struct Attention {
     o_bias: Option<Weight>,
     /// `q_norm`, `k_norm`: `[head_dim]` each (per head) or the projections' widths (flat).
     qk_norm: Option<(Weight, Weight)>,
+    /// `[num_heads]`: each head's sink logit (GPT-OSS's `sinks`), in f32.
+    sinks: Option<Vec<f32>>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -39,15 +42,22 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Loads `{prefix}.{q,k,v,o}_proj.weight` and what `config.attention` adds: the
-    /// projections' `.bias`, `{prefix}.{q,k}_norm.weight`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result<Self> {
+    /// Loads `{prefix}.{q,k,v,o}_proj.weight` of decoder layer `layer` and what
+    /// `config.attention` adds: the projections' `.bias`, `{prefix}.{q,k}_norm.weight`,
+    /// `{prefix}.sinks`.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        config: &ModelConfig,
+        layer: usize,
+    ) -> Result<Self> {
         let (h, q, kv) = (config.hidden_size, config.q_dim(), config.kv_dim());
         let AttentionConfig {
             qkv_bias,
             o_bias,
             qk_norm,
             clip_qkv: _,
+            sinks,
         } = config.attention;
         let vector = |name: &str, len: usize| ckpt.weight(&format!("{prefix}.{name}"), &[len]);
         let qkv_bias = match qkv_bias {
@@ -76,10 +86,14 @@ impl Attention {
             qkv_bias,
             o_bias: o_bias.then(|| vector("o_proj.bias", h)).transpose()?,
             qk_norm,
+            sinks: sinks
+                .then(|| vector("sinks", config.num_attention_heads))
+                .transpose()?
+                .map(|s| s.to_f32_vec()),
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
-            sliding_window: config.sliding_window,
+            sliding_window: config.layer_window(layer),
             // Over the rotated part of a head only (`partial_rotary_factor`), YaRN's if set.
             rope: config.rope_frequencies(),
         })
@@ -209,6 +223,7 @@ impl Attention {
         out: &mut [f32],
     ) {
         let d = self.head_dim;
+        let group = self.num_heads / self.num_kv_heads;
         let first = match self.sliding_window {
             Some(w) => (place.position + 1).saturating_sub(w),
             None => 0,
@@ -230,6 +245,7 @@ impl Attention {
             keys: rows(keys),
             values: rows(values),
             slots,
+            sinks: (self.sinks.as_deref()).map(|s| &s[kvh * group..(kvh + 1) * group]),
         };
         attention::attend_kv_head(&query, scores, out);
     }

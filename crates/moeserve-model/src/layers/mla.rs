@@ -308,6 +308,7 @@ impl MlaAttention {
                         keys: cached,
                         values: cached,
                         slots,
+                        sinks: None,
                     };
                     attention::attend_kv_head(&query, scores, out);
                 });

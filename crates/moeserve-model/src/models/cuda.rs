@@ -264,6 +264,19 @@ impl<T: CudaElement> DeviceModel<T> {
                 ),
             });
         }
+        if c.attention.sinks
+            || c.experts != crate::config::ExpertConfig::SWIGLU
+            || c.router_bias
+            || c.window_layers.iter().any(|w| !w)
+        {
+            return Err(ModelError::InvalidInput {
+                message: format!(
+                    "{}: attention sinks, per-layer windows and biased, clamped experts run on \
+                     the CPU backend only so far (--device cpu)",
+                    c.architecture
+                ),
+            });
+        }
         let slots = layout.num_slots() * layout.key_dim;
         let corrections: Vec<_> = (0..c.num_hidden_layers)
             .map(|l| source.correction_bias(l))

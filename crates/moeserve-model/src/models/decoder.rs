@@ -224,7 +224,7 @@ impl MoeModel {
                         SelfAttention::Latent(Box::new(MlaAttention::load(ckpt, &attn, &config)?))
                     }
                     None => {
-                        SelfAttention::Grouped(Box::new(Attention::load(ckpt, &attn, &config)?))
+                        SelfAttention::Grouped(Box::new(Attention::load(ckpt, &attn, &config, l)?))
                     }
                 };
                 Ok(DecoderLayer {
@@ -422,7 +422,13 @@ impl MoeModel {
     pub fn reserve_task_scratch(&self, max_tokens: usize, max_context: usize) {
         let c = &self.config;
         cpu::reserve_task_scratch(max_tokens);
-        let visible = c.sliding_window.map_or(max_context, |w| w.min(max_context));
+        let windows: Option<Vec<usize>> = (0..c.num_hidden_layers)
+            .map(|l| c.layer_window(l))
+            .collect();
+        let visible = match windows {
+            Some(w) => w.into_iter().max().unwrap_or(0).min(max_context),
+            None => max_context,
+        };
         let group = match c.mla {
             Some(_) => crate::layers::mla::MAX_HEADS_PER_TASK,
             None => c.num_attention_heads / c.num_key_value_heads.max(1),

@@ -6,9 +6,12 @@
 //! and summed per token in expert order (`index_add_`). A shared expert (Qwen2-MoE, GLM-4.5)
 //! goes through every token beside the routed ones, scaled by `sigmoid(shared_expert_gate · x)`
 //! where the family has that gate, and is added after them (`routed + shared`, as HF sums
-//! them); it is never capacity-limited. Routing (`router.rs`, with an optional capacity)
+//! them); it is never capacity-limited. GPT-OSS's experts add biases to the three projections
+//! and clamp their SwiGLU (`GptOssExperts._apply_gate`); its router has a bias. Routing (`router.rs`, with an optional capacity)
 //! decides the pairs; `dispatch.rs` groups them and combines the outputs; with expert
 //! parallelism (`arena.rs`) the groups run on the devices holding their slots.
+
+use std::sync::Arc;
 
 use moeserve_backend::{Weight, cpu};
 
@@ -19,7 +22,7 @@ use super::parallel::{DeviceOutput, compute_segments_into};
 use super::record::LayerRouting;
 use super::router::{Ranking, RoutedStep, RouterConfig, Scoring, route_into};
 use crate::checkpoint::Checkpoint;
-use crate::config::{ModelConfig, SharedExpertConfig};
+use crate::config::{FusedExperts, ModelConfig, SharedExpertConfig};
 use crate::models::workspace::zeroed;
 use crate::{ModelError, Result};
 
@@ -32,6 +35,9 @@ pub struct Expert {
     pub w2: Weight,
     /// up projection `[intermediate, hidden]`
     pub w3: Weight,
+    /// The projections' biases (GPT-OSS).
+    pub bias: Option<Arc<cpu::ExpertBias>>,
+    pub activation: cpu::GatedActivation,
 }
 
 /// A shared expert and its optional scalar gate (`[1, hidden]`).
@@ -44,6 +50,8 @@ pub struct SharedExpert {
 pub struct SparseMoe {
     /// `[num_experts, hidden]`
     pub gate: Weight,
+    /// `[num_experts]`: the router's own bias (GPT-OSS's `router.bias`), in f32.
+    pub gate_bias: Option<Vec<f32>>,
     pub experts: Vec<Expert>,
     pub top_k: usize,
     /// Whether the top-k weights are renormalised to sum to 1 (`norm_topk_prob`).
@@ -93,13 +101,15 @@ pub struct MoeLayerStep<'a> {
 }
 
 impl SparseMoe {
-    /// Loads `{prefix}.gate.weight` and the experts, per expert
-    /// (`{prefix}.experts.{e}.{gate,up,down}` under the family's names) or fused
-    /// (`{prefix}.experts.gate_up_proj [E, 2I, H]`, `{prefix}.experts.down_proj [E, H, I]`, as
-    /// transformers ≥ 5 writes them), and the shared expert the config declares.
+    /// Loads the router (`{prefix}.gate.weight`, or GPT-OSS's `{prefix}.router.{weight,bias}`)
+    /// and the experts, per expert (`{prefix}.experts.{e}.{gate,up,down}` under the family's
+    /// names) or fused (`{prefix}.experts.gate_up_proj [E, 2I, H]`,
+    /// `{prefix}.experts.down_proj [E, H, I]`, as transformers ≥ 5 writes them; GPT-OSS's
+    /// input-major interleaved form), and the shared expert the config declares.
     pub fn load(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result<Self> {
         let n = config.num_local_experts;
         let h = config.hidden_size;
+        let router = format!("{prefix}.{}", config.names.router);
         let experts = load_experts(ckpt, &format!("{prefix}.experts"), config)?;
         let shared = config
             .shared_expert
@@ -108,9 +118,11 @@ impl SparseMoe {
         Ok(SparseMoe {
             // The router stays as stored under --quantization: expert choice is sensitive and
             // the matrix is tiny (llama.cpp keeps it unquantized too).
-            gate: ckpt
-                .weight(&format!("{prefix}.gate.weight"), &[n, h])?
-                .exact(),
+            gate: ckpt.weight(&format!("{router}.weight"), &[n, h])?.exact(),
+            gate_bias: config
+                .router_bias
+                .then(|| ckpt.vector_part(&format!("{router}.bias"), &[n], 0))
+                .transpose()?,
             experts,
             top_k: config.num_experts_per_tok,
             renormalize: config.norm_topk_prob,
@@ -118,7 +130,7 @@ impl SparseMoe {
             scale: config.routed_scaling_factor,
             correction_bias: config
                 .score_correction_bias
-                .then(|| ckpt.weight(&format!("{prefix}.gate.e_score_correction_bias"), &[n]))
+                .then(|| ckpt.weight(&format!("{router}.e_score_correction_bias"), &[n]))
                 .transpose()?
                 .map(|b| b.to_f32_vec()),
             shared,
@@ -159,7 +171,7 @@ impl SparseMoe {
     ) {
         zeroed(logits, num_tokens * self.num_experts());
         cpu::matmul_wt_in(x, num_tokens, &self.gate, logits, tiled);
-        if let Some(bias) = &self.router_bias {
+        for bias in [&self.gate_bias, &self.router_bias].into_iter().flatten() {
             for row in logits.chunks_exact_mut(bias.len()) {
                 row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
             }
@@ -240,23 +252,53 @@ fn load_experts(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result
     );
     let [gate, up, down] = config.names.expert_proj;
     let gate_up = format!("{prefix}.gate_up_proj");
+    let down_name = format!("{prefix}.down_proj");
+    let int8 = |e: usize, proj: &str| format!("{prefix}.{e}.{proj}");
+    let (bias, activation) = (config.experts.bias, config.experts.activation);
+    let biases = |e: usize| -> Result<Option<Arc<cpu::ExpertBias>>> {
+        if !bias {
+            return Ok(None);
+        }
+        // GPT-OSS: `gate_up_proj_bias [E, 2I]` interleaved as its columns, `down_proj_bias`.
+        let gate_up = ckpt.vector_part(&format!("{gate_up}_bias"), &[n, 2 * i], e)?;
+        Ok(Some(Arc::new(cpu::ExpertBias {
+            gate: gate_up.iter().step_by(2).copied().collect(),
+            up: gate_up.iter().skip(1).step_by(2).copied().collect(),
+            down: ckpt.vector_part(&format!("{down_name}_bias"), &[n, h], e)?,
+        })))
+    };
     if ckpt.contains(&gate_up) {
-        // One [E, 2I, H] tensor (gate rows, then up rows, per expert) and one [E, H, I]: each
-        // expert's matrices are contiguous runs of them, viewed without a copy.
-        let down_name = format!("{prefix}.down_proj");
         return (0..n)
             .map(|e| {
-                let int8 = |proj: &str| format!("{prefix}.{e}.{proj}");
+                let (w1, w3, w2) = match config.names.fused_experts {
+                    // One [E, 2I, H] tensor (gate rows, then up rows, per expert) and one
+                    // [E, H, I]: each expert's matrices are contiguous runs of them, viewed
+                    // without a copy.
+                    FusedExperts::GateThenUp => (
+                        ckpt.weight_part(&gate_up, &[n, 2 * i, h], 2 * e, &[i, h], &int8(e, gate))?,
+                        ckpt.weight_part(
+                            &gate_up,
+                            &[n, 2 * i, h],
+                            2 * e + 1,
+                            &[i, h],
+                            &int8(e, up),
+                        )?,
+                        ckpt.weight_part(&down_name, &[n, h, i], e, &[h, i], &int8(e, down))?,
+                    ),
+                    // [E, H, 2I] with gate and up in alternate columns, and [E, I, H]: input-
+                    // major, so transposed into output rows.
+                    FusedExperts::InterleavedInputMajor => (
+                        ckpt.weight_columns(&gate_up, &[n, h, 2 * i], e, (0, 2), &int8(e, gate))?,
+                        ckpt.weight_columns(&gate_up, &[n, h, 2 * i], e, (1, 2), &int8(e, up))?,
+                        ckpt.weight_columns(&down_name, &[n, i, h], e, (0, 1), &int8(e, down))?,
+                    ),
+                };
                 Ok(Expert {
-                    w1: ckpt.weight_part(&gate_up, &[n, 2 * i, h], 2 * e, &[i, h], &int8(gate))?,
-                    w3: ckpt.weight_part(
-                        &gate_up,
-                        &[n, 2 * i, h],
-                        2 * e + 1,
-                        &[i, h],
-                        &int8(up),
-                    )?,
-                    w2: ckpt.weight_part(&down_name, &[n, h, i], e, &[h, i], &int8(down))?,
+                    w1,
+                    w2,
+                    w3,
+                    bias: biases(e)?,
+                    activation,
                 })
             })
             .collect();
@@ -268,6 +310,15 @@ fn load_experts(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result
                 w1: ckpt.weight(&format!("{p}.{gate}.weight"), &[i, h])?,
                 w2: ckpt.weight(&format!("{p}.{down}.weight"), &[h, i])?,
                 w3: ckpt.weight(&format!("{p}.{up}.weight"), &[i, h])?,
+                bias: match bias {
+                    true => Some(Arc::new(cpu::ExpertBias {
+                        gate: ckpt.vector_part(&format!("{p}.{gate}.bias"), &[i], 0)?,
+                        up: ckpt.vector_part(&format!("{p}.{up}.bias"), &[i], 0)?,
+                        down: ckpt.vector_part(&format!("{p}.{down}.bias"), &[h], 0)?,
+                    })),
+                    false => None,
+                },
+                activation,
             })
         })
         .collect()
@@ -339,6 +390,8 @@ impl Expert {
             w1: ckpt.weight(&format!("{prefix}.gate_proj.weight"), &[i, h])?,
             w2: ckpt.weight(&format!("{prefix}.down_proj.weight"), &[h, i])?,
             w3: ckpt.weight(&format!("{prefix}.up_proj.weight"), &[i, h])?,
+            bias: None,
+            activation: cpu::GatedActivation::Silu,
         })
     }
 
@@ -366,11 +419,16 @@ impl Expert {
             w1: &self.w1,
             w3: &self.w3,
             w2: &self.w2,
+            bias: self.bias.as_deref(),
+            activation: self.activation,
         }
     }
 
     pub fn size_in_bytes(&self) -> usize {
-        self.w1.size_in_bytes() + self.w2.size_in_bytes() + self.w3.size_in_bytes()
+        let bias = self.bias.as_ref().map_or(0, |b| {
+            (b.gate.len() + b.up.len() + b.down.len()) * std::mem::size_of::<f32>()
+        });
+        self.w1.size_in_bytes() + self.w2.size_in_bytes() + self.w3.size_in_bytes() + bias
     }
 
     /// A copy in fresh owned buffers (what placing the expert on another device means on the
@@ -380,6 +438,8 @@ impl Expert {
             w1: self.w1.deep_copy(),
             w2: self.w2.deep_copy(),
             w3: self.w3.deep_copy(),
+            bias: self.bias.as_deref().cloned().map(Arc::new),
+            activation: self.activation,
         };
         if cpu::isa().packs_weights() {
             for w in [&expert.w1, &expert.w2, &expert.w3] {
@@ -432,11 +492,14 @@ pub(crate) mod tests {
         };
         SparseMoe {
             gate: w([num_experts, HIDDEN], 1),
+            gate_bias: None,
             experts: (0..num_experts as u64)
                 .map(|e| Expert {
                     w1: w([INTER, HIDDEN], 10 + e),
                     w2: w([HIDDEN, INTER], 20 + e),
                     w3: w([INTER, HIDDEN], 30 + e),
+                    bias: None,
+                    activation: cpu::GatedActivation::Silu,
                 })
                 .collect(),
             top_k,

@@ -16,15 +16,21 @@ use super::gptq::{f32_matrix, transposed};
 use crate::moe::router::route_with_bias;
 use crate::moe::{Capacity, Expert, SparseMoe};
 
-/// An MLP's intermediate width and its down projection's input `silu(w1 x) · w3 x` for the rows
-/// of `x: [m, hidden]`.
+/// An MLP's intermediate width and its down projection's input `act(w1 x + b1, w3 x + b3)` for
+/// the rows of `x: [m, hidden]` (`silu(w1 x) · w3 x` but for GPT-OSS's biased, clamped experts).
 fn swiglu_inputs(mlp: &Expert, x: &[f32], hidden: usize) -> (usize, Vec<f32>) {
     let m = x.len() / hidden;
     let inter = mlp.w1.shape()[0];
     let (mut gate, mut up) = (vec![0.0f32; m * inter], vec![0.0f32; m * inter]);
     cpu::matmul_wt(x, m, &mlp.w1, &mut gate);
     cpu::matmul_wt(x, m, &mlp.w3, &mut up);
-    cpu::silu_mul(&mut gate, &up);
+    if let Some(b) = &mlp.bias {
+        for (g, u) in gate.chunks_exact_mut(inter).zip(up.chunks_exact_mut(inter)) {
+            g.iter_mut().zip(&b.gate).for_each(|(g, b)| *g += b);
+            u.iter_mut().zip(&b.up).for_each(|(u, b)| *u += b);
+        }
+    }
+    mlp.activation.apply(&mut gate, &up);
     (inter, gate)
 }
 
