@@ -758,6 +758,74 @@ mod tests {
     }
 
     #[test]
+    fn gpt_oss_has_sinks_alternating_windows_and_biased_clamped_experts() {
+        use moeserve_backend::cpu::GatedActivation;
+        // gpt-oss-20b's config.json, its layers cut to 4.
+        let text = r#"{"architectures":["GptOssForCausalLM"],"attention_bias":true,
+            "head_dim":64,"hidden_size":2880,"intermediate_size":2880,"layer_types":
+            ["sliding_attention","full_attention","sliding_attention","full_attention"],
+            "max_position_embeddings":131072,"model_type":"gpt_oss","num_attention_heads":64,
+            "num_experts_per_tok":4,"num_hidden_layers":4,"num_key_value_heads":8,
+            "num_local_experts":32,"rms_norm_eps":1e-05,"rope_scaling":{"beta_fast":32.0,
+            "beta_slow":1.0,"factor":32.0,"original_max_position_embeddings":4096,
+            "rope_type":"yarn","truncate":false},"rope_theta":150000,"sliding_window":128,
+            "swiglu_limit":7.0,"tie_word_embeddings":false,"vocab_size":201088}"#;
+        let c = parse(text).unwrap();
+        assert_eq!(c.architecture, Architecture::GptOss);
+        assert_eq!((c.q_dim(), c.hidden_size, c.kv_dim()), (4096, 2880, 512));
+        assert_eq!(c.window_layers, vec![true, false, true, false]);
+        assert_eq!(
+            (0..4).map(|l| c.layer_window(l)).collect::<Vec<_>>(),
+            vec![Some(128), None, Some(128), None]
+        );
+        assert!(c.attention.sinks && c.attention.qkv_bias && c.attention.o_bias);
+        assert!(c.router_bias && c.norm_topk_prob && c.sparse_layers.iter().all(|s| *s));
+        assert_eq!(c.names.router, "router");
+        assert_eq!(c.names.fused_experts, FusedExperts::InterleavedInputMajor);
+        assert_eq!(
+            c.experts,
+            ExpertConfig {
+                bias: true,
+                activation: GatedActivation::ClampedSwiglu {
+                    alpha: 1.702,
+                    limit: 7.0
+                }
+            }
+        );
+        let RopeScaling::Yarn(y) = c.rope_scaling else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!((y.factor, y.truncate, c.rope_theta), (32.0, false, 150000.0));
+        assert!(!c.is_mixtral_shaped());
+        // The config class's defaults: YaRN, window 128, even layers sliding.
+        let bare = text
+            .replace(
+                r#""rope_scaling":{"beta_fast":32.0,
+            "beta_slow":1.0,"factor":32.0,"original_max_position_embeddings":4096,
+            "rope_type":"yarn","truncate":false},"#,
+                "",
+            )
+            .replace(r#""sliding_window":128,"#, "")
+            .replace(
+                r#""layer_types":
+            ["sliding_attention","full_attention","sliding_attention","full_attention"],"#,
+                "",
+            );
+        let d = parse(&bare).unwrap();
+        assert_eq!(d.rope_scaling, c.rope_scaling);
+        assert_eq!((d.sliding_window, &d.window_layers), (Some(128), &c.window_layers));
+        // A layer_types entry the family does not have, or the wrong count, is refused.
+        let msg = parse(&text.replace(r#""full_attention"]"#, r#""chunked_attention"]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("layer_types") && msg.contains("chunked"), "{msg}");
+        let msg = parse(&text.replace(r#""num_hidden_layers":4"#, r#""num_hidden_layers":3"#))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("lists 4 layers"), "{msg}");
+    }
+
+    #[test]
     fn mixtral_is_the_plain_shape() {
         let c = parse(BASE).unwrap();
         assert!(c.is_mixtral_shaped());

@@ -101,7 +101,8 @@ fn quantized_checkpoint_loads_its_gptq_integers() {
 
 /// Every family's matrices are quantized and reloaded by their hub names: dense layers' MLPs,
 /// the shared expert (its scalar gate stays as stored, like the routers), and experts a
-/// checkpoint stores fused (their int8 forms under per-expert names).
+/// checkpoint stores fused (their int8 forms under per-expert names; GPT-OSS's input-major,
+/// interleaved ones too, calibrated through its biased, clamped activation).
 #[test]
 fn every_family_quantizes_its_dense_shared_and_fused_matrices() {
     if !run_int8() {
@@ -112,6 +113,7 @@ fn every_family_quantizes_its_dense_shared_and_fused_matrices() {
         ("qwen3-moe-fused", false),
         ("olmoe", false),
         ("glm4-moe", true),
+        ("gpt-oss", false),
     ] {
         let src = fixtures_dir().join(case);
         let out = tempfile::tempdir().unwrap();
@@ -143,8 +145,9 @@ fn every_family_quantizes_its_dense_shared_and_fused_matrices() {
             assert!(has(&format!("{p}.{name}.up_proj")), "{case}");
             assert!(!has(&format!("{p}.shared_expert_gate")), "{case}");
         }
+        let router = c.names.router;
         assert!(
-            !has(&format!("model.layers.{first_sparse}.mlp.gate")),
+            !has(&format!("model.layers.{first_sparse}.mlp.{router}")),
             "{case}"
         );
         let prompt = [1u32, 5, 9, 2, 7, 3, 11, 4];
