@@ -795,7 +795,10 @@ mod tests {
         let RopeScaling::Yarn(y) = c.rope_scaling else {
             panic!("{:?}", c.rope_scaling)
         };
-        assert_eq!((y.factor, y.truncate, c.rope_theta), (32.0, false, 150000.0));
+        assert_eq!(
+            (y.factor, y.truncate, c.rope_theta),
+            (32.0, false, 150000.0)
+        );
         assert!(!c.is_mixtral_shaped());
         // The config class's defaults: YaRN, window 128, even layers sliding.
         let bare = text
@@ -813,12 +816,18 @@ mod tests {
             );
         let d = parse(&bare).unwrap();
         assert_eq!(d.rope_scaling, c.rope_scaling);
-        assert_eq!((d.sliding_window, &d.window_layers), (Some(128), &c.window_layers));
+        assert_eq!(
+            (d.sliding_window, &d.window_layers),
+            (Some(128), &c.window_layers)
+        );
         // A layer_types entry the family does not have, or the wrong count, is refused.
         let msg = parse(&text.replace(r#""full_attention"]"#, r#""chunked_attention"]"#))
             .unwrap_err()
             .to_string();
-        assert!(msg.contains("layer_types") && msg.contains("chunked"), "{msg}");
+        assert!(
+            msg.contains("layer_types") && msg.contains("chunked"),
+            "{msg}"
+        );
         let msg = parse(&text.replace(r#""num_hidden_layers":4"#, r#""num_hidden_layers":3"#))
             .unwrap_err()
             .to_string();
