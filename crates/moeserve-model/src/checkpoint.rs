@@ -265,8 +265,8 @@ impl Checkpoint {
         self.for_kernels(weight, Some(int8_prefix))
     }
 
-    /// A 1-D or 2-D f32 view of the float tensor `name` (biases, norms), widened from its
-    /// stored dtype: `[len]`, or part `index` of `[parts, len]`.
+    /// The float vector `name` (a bias, a norm), widened into f32 from its stored dtype: the
+    /// whole of a `[len]` tensor, or row `index` of a `[rows, len]` one.
     pub fn vector_part(&self, name: &str, shape: &[usize], index: usize) -> Result<Vec<f32>> {
         let len = *shape.last().expect("a vector shape");
         Ok(self

@@ -7,9 +7,10 @@
 //! goes through every token beside the routed ones, scaled by `sigmoid(shared_expert_gate · x)`
 //! where the family has that gate, and is added after them (`routed + shared`, as HF sums
 //! them); it is never capacity-limited. GPT-OSS's experts add biases to the three projections
-//! and clamp their SwiGLU (`GptOssExperts._apply_gate`); its router has a bias. Routing (`router.rs`, with an optional capacity)
-//! decides the pairs; `dispatch.rs` groups them and combines the outputs; with expert
-//! parallelism (`arena.rs`) the groups run on the devices holding their slots.
+//! and clamp their SwiGLU (`GptOssExperts._apply_gate`); its router has a bias. Routing
+//! (`router.rs`, with an optional capacity) decides the pairs; `dispatch.rs` groups them and
+//! combines the outputs; with expert parallelism (`arena.rs`) the groups run on the devices
+//! holding their slots.
 
 use std::sync::Arc;
 
