@@ -23,6 +23,19 @@ const SWIGLU_ALPHA: f64 = 1.702;
 const SWIGLU_LIMIT: f64 = 7.0;
 
 pub(super) fn read_config(fields: &ConfigFields<'_>) -> Result<ModelConfig> {
+    let quant = fields
+        .json
+        .get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(serde_json::Value::as_str);
+    if quant == Some("mxfp4") {
+        return Err(ModelError::config(
+            fields.path,
+            "`quantization_config.quant_method: \"mxfp4\"`: MXFP4 expert checkpoints (the \
+             `*_blocks` / `*_scales` tensors of the gpt-oss release) are not supported yet; \
+             serve a bf16 copy of the model",
+        ));
+    }
     let mut c = Common::read(fields, 150_000.0, 1e-5, 131_072)?;
     if !rope_scaling_given(fields) {
         c.rope_scaling = DEFAULT_YARN;
