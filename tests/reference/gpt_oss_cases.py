@@ -16,7 +16,6 @@ the hub's bf16 copies of gpt-oss-20b), and save_pretrained writes them back unch
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from mixtral_cases import (
     styled_config_json,
     write_tensors,
 )
+from moe_family_cases import _attrs, _replaced, _rms_norm
 from ref_common import GreedyParams, greedy_generate, write_json
 
 
@@ -236,32 +236,6 @@ def verify_checkpoint(case: GptOssCase, out: Path, stored, model, results) -> No
 # ---------------------------------------------------------------- ablations
 
 
-@contextlib.contextmanager
-def _replaced(params, fill: float):
-    saved = [p.data.clone() for p in params]
-    try:
-        for p in params:
-            p.data.fill_(fill)
-        yield
-    finally:
-        for p, data in zip(params, saved):
-            p.data.copy_(data)
-
-
-@contextlib.contextmanager
-def _attrs(objects, **values):
-    saved = [{k: getattr(o, k) for k in values} for o in objects]
-    try:
-        for o in objects:
-            for k, v in values.items():
-                setattr(o, k, v)
-        yield
-    finally:
-        for o, old in zip(objects, saved):
-            for k, v in old.items():
-                setattr(o, k, v)
-
-
 def ablations(case: GptOssCase, model) -> dict:
     """Named context managers that each drop one GPT-OSS-specific term."""
     attns = [layer.self_attn for layer in model.model.layers]
@@ -304,10 +278,6 @@ def ablation_effects(case: GptOssCase, model, results) -> dict:
 
 
 # ---------------------------------------------------------------- independent forward
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _yarn(case: GptOssCase) -> tuple[torch.Tensor, float]:
