@@ -12,19 +12,30 @@ see mixtral_cases.py, whose helpers it reuses). Follows transformers 5.24's mode
   `gate.clamp(max=limit)`, `up.clamp(-limit, limit)`, `(up + 1) · gate · σ(alpha · gate)`.
 transformers has no conversion rules for gpt_oss: the module names are the checkpoint's (as in
 the hub's bf16 copies of gpt-oss-20b), and save_pretrained writes them back unchanged.
+
+Fixture set G also holds gpt-oss-mxfp4/: the same weights (the same seed) with the experts
+packed as the release ships them (`quantization_config: {"quant_method": "mxfp4"}`;
+`*_blocks` u8 `[E, rows, cols/32, 16]`, two e2m1 values per byte, low nibble first, and
+`*_scales` u8 e8m0 `[E, rows, cols/32]`, rows the output features). Its references are
+transformers on the dequantised weights, and from_pretrained with `Mxfp4Config(dequantize=True)`
+must give the same logits, so the packing is the one transformers reads. Its
+`dequant_probe.safetensors` holds blocks covering every byte value with scales from 0 to 254
+and transformers' `convert_moe_packed_tensors` of them in float32.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from transformers import GptOssConfig, GptOssForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 from mixtral_cases import (
     EOS_TOKEN_ID,
@@ -67,6 +78,9 @@ class GptOssCase:
     embed_std: float = 1.0
     bias_std: float = 0.5
     sink_std: float = 1.5
+    # The experts as MXFP4 blocks, quantised from the weights of the bf16 case of this name
+    # (whose seed they reuse).
+    mxfp4_of: str | None = None
 
 
 CASES = (
@@ -74,14 +88,19 @@ CASES = (
         # Sliding, full, sliding; a window of 8 (shorter than two of the prompts and than every
         # continuation); head_dim 32 with q_dim 128 ≠ hidden 64; a SwiGLU limit small enough to
         # clamp a good part of the gate and up values; YaRN over 4× the original context,
-        # not truncated, as the release configures it.
+        # not truncated, as the release configures it. hidden and intermediate are multiples
+        # of MXFP4's 32-element blocks.
         name="gpt-oss", dtype=torch.bfloat16, hidden=64, heads=4, kv_heads=2, head_dim=32,
         layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=8,
-        experts=8, top_k=2, intermediate=48, swiglu_limit=1.2, swiglu_alpha=1.702, base_seed=14000,
+        experts=8, top_k=2, intermediate=64, swiglu_limit=1.2, swiglu_alpha=1.702, base_seed=14000,
         rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
               "beta_slow": 1.0, "truncate": False},
     ),
 )
+CASES = (*CASES, replace(CASES[0], name="gpt-oss-mxfp4", mxfp4_of="gpt-oss"))
+
+# What the release's config.json leaves in bf16.
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
 def make_config(case: GptOssCase) -> GptOssConfig:
@@ -197,31 +216,106 @@ def router_gap(captured: dict[str, torch.Tensor], top_k: int) -> float:
     return min(gaps)
 
 
+# ---------------------------------------------------------------- MXFP4
+
+# Magnitudes of the e2m1 codes 0..7; code | 8 is the negative of code.
+FP4_MAGNITUDES = torch.tensor(FP4_VALUES[:8])
+FP4_BY_CODE = torch.tensor(FP4_VALUES)
+MXFP4_PROJS = ("gate_up_proj", "down_proj")
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX quantisation of w [E, rows, cols] along cols: per 32 elements the shared exponent
+    floor(log2(amax)) - 2 (e2m1's largest exponent is 2), each element rounded to the nearest
+    e2m1 value (ties to the smaller magnitude, saturating at 6) → blocks u8
+    [E, rows, cols/32, 16] (element 2j in the low nibble of byte j, 2j+1 in the high one) and
+    scales u8 [E, rows, cols/32] (the exponent + 127)."""
+    e, rows, cols = w.shape
+    groups = w.float().reshape(e, rows, cols // 32, 32)
+    amax = groups.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax)).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exp)[..., None]
+    codes = (scaled.abs()[..., None] - FP4_MAGNITUDES).abs().argmin(-1)
+    codes = codes | ((scaled < 0).to(torch.int64) << 3)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def pack_experts(stored: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The checkpoint with MXFP4 experts, and the model's tensors with those experts dequantised
+    by transformers (`convert_moe_packed_tensors`, to bf16: exact, e2m1 times a power of two)."""
+    checkpoint, dequantized = dict(stored), dict(stored)
+    for name in [n for n in stored if n.endswith(MXFP4_PROJS)]:
+        # The parameter is input-major [E, in, out]; blocks run along `in` per output row.
+        blocks, scales = quantize_mxfp4(stored[name].float().transpose(1, 2))
+        del checkpoint[name]
+        checkpoint[f"{name}_blocks"], checkpoint[f"{name}_scales"] = blocks, scales
+        values = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+        if values.shape != stored[name].shape:
+            raise RuntimeError(f"{name}: dequantised to {tuple(values.shape)}, not {tuple(stored[name].shape)}")
+        mine = FP4_BY_CODE[blocks_codes(blocks)] * torch.pow(2.0, scales.float() - 127)[..., None]
+        if not torch.equal(mine.flatten(2).transpose(1, 2), values.float()):
+            raise RuntimeError(f"{name}: transformers' dequantisation is not e2m1 × 2^(scale - 127)")
+        dequantized[name] = values.contiguous()
+    return checkpoint, dequantized
+
+
+def blocks_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """u8 blocks [..., 16] → the 32 e2m1 codes of each, in element order."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)
+    return codes.reshape(*blocks.shape[:-1], 32).to(torch.int64)
+
+
+def dequant_probe(seed: int) -> dict[str, torch.Tensor]:
+    """Blocks holding every byte value under scales from 0 to 254 (255 is e8m0's NaN), and
+    transformers' dequantisation of them in float32 ([E, cols, rows], as it returns them)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, rows, groups = 2, 32, 4
+    blocks = torch.randint(0, 256, (experts * rows * groups * 16,), generator=gen)
+    blocks[:256] = torch.arange(256)
+    scales = torch.randint(0, 255, (experts * rows * groups,), generator=gen)
+    edges = torch.tensor([0, 1, 2, 63, 100, 126, 127, 128, 200, 253, 254])
+    scales[: len(edges)] = edges
+    blocks = blocks.reshape(experts, rows, groups, 16).to(torch.uint8)
+    scales = scales.reshape(experts, rows, groups).to(torch.uint8)
+    values = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    return {"blocks": blocks, "scales": scales, "dequantized": values.contiguous()}
+
+
 def attempt(case: GptOssCase, seed: int):
     stored = init_tensors(case, seed)
-    model = build_model(case, stored)
+    checkpoint, weights = pack_experts(stored) if case.mxfp4_of else (stored, stored)
+    model = build_model(case, weights)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
     results = [greedy_generate(model, p, GreedyParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     gap = min(router_gap(capture_forward(model, r.prompt_ids + r.greedy_ids[:-1]), case.top_k) for r in results)
     margin = min(r.min_margin for r in results)
-    return stored, model, results, margin, gap
+    return (checkpoint, weights), model, results, margin, gap
 
 
 def config_json(case: GptOssCase) -> dict:
-    return styled_config_json(make_config(case), "parameters")
+    config = styled_config_json(make_config(case), "parameters")
+    if case.mxfp4_of:
+        config["quantization_config"] = {"modules_to_not_convert": MXFP4_NOT_CONVERTED, "quant_method": "mxfp4"}
+    return config
 
 
 def verify_checkpoint(case: GptOssCase, out: Path, stored, model, results) -> None:
-    """The written tensors are the computed ones, save_pretrained writes the same names, and
+    """The written tensors are the computed ones, save_pretrained writes the model's names, and
     from_pretrained on the directory gives identical logits."""
+    (checkpoint, weights) = stored
     on_disk = read_tensors(out)
-    if set(on_disk) != set(stored) or any(not torch.equal(on_disk[k], stored[k]) for k in stored):
+    if set(on_disk) != set(checkpoint) or any(not torch.equal(on_disk[k], checkpoint[k]) for k in checkpoint):
         raise RuntimeError(f"{case.name}: written tensors differ from the computed ones")
-    saved = save_pretrained_names(build_model(case, stored), case.dtype)
-    if saved != set(stored):
-        raise RuntimeError(f"{case.name}: save_pretrained names differ: {sorted(saved ^ set(stored))}")
-    reloaded = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    saved = save_pretrained_names(build_model(case, weights), case.dtype)
+    if saved != set(weights):
+        raise RuntimeError(f"{case.name}: save_pretrained names differ: {sorted(saved ^ set(weights))}")
+    # An MXFP4 checkpoint loads through transformers' own MXFP4 reader, dequantising.
+    quantized = {"quantization_config": Mxfp4Config(dequantize=True)} if case.mxfp4_of else {}
+    reloaded = GptOssForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", **quantized
+    ).eval()
     config = reloaded.config
     if list(config.layer_types) != list(case.layer_types) or config.sliding_window != case.sliding_window:
         raise RuntimeError(f"{case.name}: config reload lost layer_types / sliding_window")
@@ -380,7 +474,11 @@ def generate_case(case: GptOssCase, fixtures: Path, provenance: dict) -> dict:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    for seed in range(case.base_seed, case.base_seed + MAX_SEED_TRIES):
+    # The MXFP4 case packs the weights of its bf16 case: that case's seed, and no other.
+    seeds = range(case.base_seed, case.base_seed + MAX_SEED_TRIES)
+    if case.mxfp4_of:
+        seeds = [json.loads((fixtures / case.mxfp4_of / "manifest.json").read_text())["seed"]]
+    for seed in seeds:
         stored, model, results, margin, gap = attempt(case, seed)
         why = rejection(results, margin, gap)
         if why is None:
@@ -390,8 +488,9 @@ def generate_case(case: GptOssCase, fixtures: Path, provenance: dict) -> dict:
         raise RuntimeError(f"{case.name}: no seed gave decisive margins")
     write_json(out / "config.json", config_json(case))
     write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": EOS_TOKEN_ID})
-    write_tensors(out, stored, 1)
+    write_tensors(out, stored[0], 1)
     verify_checkpoint(case, out, stored, model, results)
+    stored = stored[1]
     write_json(out / "reference.json", {"case": case.name, "prompts": [r.as_reference() for r in results]})
     expected_ids = results[EXPECTED_PROMPT_INDEX].prompt_ids
     expected = {k: v.contiguous() for k, v in capture_forward(model, expected_ids).items()}
@@ -420,6 +519,20 @@ def generate_case(case: GptOssCase, fixtures: Path, provenance: dict) -> dict:
         "distinct_greedy_ids_per_prompt": [len(set(r.greedy_ids)) for r in results],
         "new_tokens": NEW_TOKENS,
     }
+    if case.mxfp4_of:
+        probe = dequant_probe(seed)
+        save_file(probe, str(out / "dequant_probe.safetensors"), metadata={"format": "pt"})
+        bf16 = init_tensors(case, seed)
+        manifest["mxfp4"] = {
+            "packed_from": case.mxfp4_of,
+            "quantization": "OCP MX: shared exponent floor(log2(amax)) - 2 per 32, nearest e2m1 (ties down)",
+            "reference_weights": "transformers' convert_moe_packed_tensors of the blocks (bf16, exact)",
+            "reload": "from_pretrained with Mxfp4Config(dequantize=True) gives identical logits",
+            "max_abs_expert_weight_change": max(
+                float((stored[n].float() - bf16[n].float()).abs().max()) for n in stored if n.endswith(MXFP4_PROJS)
+            ),
+            "probe": "dequant_probe.safetensors: every byte value, scales 0..254, float32 dequantisation",
+        }
     write_json(out / "manifest.json", manifest)
     print(f"  {case.name}: seed {seed}, min margin {margin:.4f}, router gap {gap:.4f}")
     return manifest
