@@ -33,6 +33,8 @@ pub enum BackendError {
     },
     #[error("FP8 weight: {message}")]
     Fp8Scales { message: String },
+    #[error("MXFP4 weight: {message}")]
+    Mxfp4 { message: String },
     #[error(transparent)]
     Cuda(#[from] cuda::CudaError),
 }

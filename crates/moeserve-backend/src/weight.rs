@@ -12,6 +12,7 @@ use moeserve_core::DType;
 
 use crate::cpu::WeightQuantization;
 use crate::cpu::fp8::{BlockScales, E4m3};
+use crate::cpu::mxfp4::Mxfp4Panels;
 use crate::cpu::packed::PackedWeight;
 use crate::cpu::quant::Int8Rows;
 use crate::{BackendError, Result};
@@ -63,6 +64,9 @@ pub struct Weight {
     int8: Option<Arc<Int8Rows>>,
     /// An FP8 matrix's block scales (set exactly when the dtype is `F8E4M3`).
     block_scales: Option<Arc<BlockScales>>,
+    /// An MXFP4 matrix's panels, its only copy (set exactly when the dtype is `Mxfp4`; the
+    /// bytes are then empty and `packed` holds the same panels).
+    mxfp4: Option<Arc<Mxfp4Panels>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -77,6 +81,11 @@ impl Weight {
         if dtype == DType::F8E4M3 {
             return Err(BackendError::Fp8Scales {
                 message: format!("an FP8 tensor {shape:?} needs its block scales (Weight::fp8)"),
+            });
+        }
+        if dtype == DType::Mxfp4 {
+            return Err(BackendError::Mxfp4 {
+                message: format!("an MXFP4 tensor {shape:?} is made by Weight::mxfp4"),
             });
         }
         Self::new_unchecked(dtype, shape, bytes)
@@ -106,6 +115,22 @@ impl Weight {
         Ok(weight)
     }
 
+    /// An MXFP4 matrix, already in its panels (made from the checkpoint's blocks at load): 4.25
+    /// bits per weight, and no other copy. `--quantization` leaves it as it is.
+    pub fn mxfp4(panels: Mxfp4Panels) -> Self {
+        let panels = Arc::new(panels);
+        Weight {
+            dtype: DType::Mxfp4,
+            shape: panels.shape().to_vec(),
+            bytes: WeightBytes::owned(&[]),
+            packed: Arc::new(OnceLock::from(PackedWeight::Mxfp4(panels.clone()))),
+            quantizable: false,
+            int8: None,
+            block_scales: None,
+            mxfp4: Some(panels),
+        }
+    }
+
     fn new_unchecked(dtype: DType, shape: Vec<usize>, bytes: WeightBytes) -> Result<Self> {
         let numel: usize = shape.iter().product();
         let len = bytes.as_slice().len();
@@ -131,6 +156,7 @@ impl Weight {
             quantizable: true,
             int8: None,
             block_scales: None,
+            mxfp4: None,
         })
     }
 
@@ -155,8 +181,12 @@ impl Weight {
         self.shape.iter().product()
     }
 
+    /// The stored bytes (an MXFP4 matrix's: its panels' codes and scales).
     pub fn size_in_bytes(&self) -> usize {
-        self.bytes.as_slice().len()
+        match &self.mxfp4 {
+            Some(p) => p.size_in_bytes(),
+            None => self.bytes.as_slice().len(),
+        }
     }
 
     pub fn as_bytes(&self) -> &[u8] {
@@ -176,6 +206,9 @@ impl Weight {
                     .as_deref()
                     .expect("FP8 weights have block scales"),
             ),
+            DType::Mxfp4 => {
+                WeightData::Mxfp4(self.mxfp4.as_deref().expect("MXFP4 weights have panels"))
+            }
         }
     }
 
@@ -183,6 +216,9 @@ impl Weight {
     /// expert on another device means on the CPU): dtype, shape, block scales, stored int8
     /// rows and whether `--quantization` applies all kept.
     pub fn deep_copy(&self) -> Self {
+        if let Some(p) = &self.mxfp4 {
+            return Weight::mxfp4((**p).clone());
+        }
         Weight {
             bytes: WeightBytes::owned(self.as_bytes()),
             packed: Arc::default(),
@@ -258,6 +294,7 @@ impl Weight {
             WeightData::F16(v) => v[i].to_f32(),
             WeightData::BF16(v) => v[i].to_f32(),
             WeightData::F8E4M3(v, s) => v[i].to_f32() * s.at(i / s.k, i % s.k),
+            WeightData::Mxfp4(p) => p.value(i / p.shape()[1], i % p.shape()[1]),
         }
     }
 
@@ -289,6 +326,8 @@ pub enum WeightData<'a> {
     BF16(&'a [bf16]),
     /// FP8 block matrix: the elements and their blocks' scales.
     F8E4M3(&'a [E4m3], &'a BlockScales),
+    /// MXFP4 matrix, in its panels.
+    Mxfp4(&'a Mxfp4Panels),
 }
 
 impl WeightData<'_> {
@@ -298,6 +337,7 @@ impl WeightData<'_> {
             WeightData::F16(v) => v.len(),
             WeightData::BF16(v) => v.len(),
             WeightData::F8E4M3(v, _) => v.len(),
+            WeightData::Mxfp4(p) => p.shape().iter().product(),
         }
     }
 

@@ -12,14 +12,23 @@ pub enum DType {
     /// float8 e4m3 (`float8_e4m3fn`: no infinities, one NaN), with block scales beside it
     /// (FP8 block checkpoints: DeepSeek-V3/R1, the Qwen3 FP8 releases).
     F8E4M3,
+    /// OCP MXFP4: e2m1 elements, two per byte, with an e8m0 scale per 32 along a row (the
+    /// gpt-oss release's experts). Never a plain tensor's type: checkpoints store it as u8
+    /// blocks and scales, and the weights hold it in the kernels' panels.
+    Mxfp4,
 }
 
 impl DType {
+    /// Bytes per element, for the types plain tensors have (not [`DType::Mxfp4`]).
     pub fn size_in_bytes(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::F8E4M3 => 1,
+            DType::Mxfp4 => unreachable!(
+                "MXFP4 elements are half a byte and their scales lie apart: size such a weight \
+                 by its blocks (Weight::size_in_bytes)"
+            ),
         }
     }
 
@@ -30,6 +39,8 @@ impl DType {
             DType::F16 => "F16",
             DType::BF16 => "BF16",
             DType::F8E4M3 => "F8_E4M3",
+            // As its blocks are stored.
+            DType::Mxfp4 => "U8",
         }
     }
 
@@ -53,6 +64,7 @@ impl std::fmt::Display for DType {
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
             DType::F8E4M3 => "float8_e4m3fn",
+            DType::Mxfp4 => "mxfp4",
         })
     }
 }

@@ -51,7 +51,10 @@ impl TensorSource {
     }
 
     pub fn byte_size(&self) -> usize {
-        self.num_elements() * self.dtype.size_in_bytes()
+        match self.dtype {
+            DType::Mxfp4 => self.num_elements(),
+            dtype => self.num_elements() * dtype.size_in_bytes(),
+        }
     }
 }
 
@@ -292,6 +295,8 @@ fn safetensors_dtype(dtype: DType) -> Dtype {
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::BF16,
         DType::F8E4M3 => Dtype::F8_E4M3,
+        // Its `*_blocks` and `*_scales` tensors ([`encode`]).
+        DType::Mxfp4 => Dtype::U8,
     }
 }
 
@@ -386,9 +391,13 @@ fn scaled(mut value: f64, units: &[&str]) -> String {
     }
 }
 
-/// Little-endian bytes of `values` in `dtype`, converted on all cores for big tensors.
+/// Little-endian bytes of `values` in `dtype`, converted on all cores for big tensors. An
+/// MXFP4 tensor is one of its u8 `*_blocks` or `*_scales` tensors: `values` are its bytes.
 pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
-    let width = dtype.size_in_bytes();
+    let width = match dtype {
+        DType::Mxfp4 => 1,
+        other => other.size_in_bytes(),
+    };
     let mut out = vec![0u8; values.len() * width];
     const CHUNK: usize = 1 << 20;
     let encode_chunk = |src: &[f32], dst: &mut [u8]| match dtype {
@@ -411,6 +420,12 @@ pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
         DType::F8E4M3 => {
             for (d, &v) in dst.iter_mut().zip(src) {
                 *d = moeserve_core::fp8::e4m3_from_f32(v);
+            }
+        }
+        DType::Mxfp4 => {
+            for (d, &v) in dst.iter_mut().zip(src) {
+                debug_assert!((0.0..=255.0).contains(&v) && v.fract() == 0.0);
+                *d = v as u8;
             }
         }
     };

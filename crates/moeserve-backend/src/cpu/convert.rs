@@ -1,4 +1,4 @@
-//! Widening of stored element types to f32 (FP8 block weights: times their blocks' scales).
+//! Widening of stored element types to f32 (FP8 and MXFP4 weights: times their blocks' scales).
 
 use crate::WeightData;
 
@@ -14,6 +14,11 @@ pub fn widen_into(src: WeightData<'_>, dst: &mut [f32]) {
                 scales.dequantize_row(v, row, out);
             }
         }
+        WeightData::Mxfp4(p) => {
+            for (row, out) in dst.chunks_exact_mut(p.shape()[1]).enumerate() {
+                p.row_into(row, out);
+            }
+        }
     }
 }
 
@@ -26,5 +31,6 @@ pub fn widen_row(src: WeightData<'_>, row: usize, dst: &mut [f32]) {
         WeightData::F16(v) => widen_into(WeightData::F16(&v[range]), dst),
         WeightData::BF16(v) => widen_into(WeightData::BF16(&v[range]), dst),
         WeightData::F8E4M3(v, scales) => scales.dequantize_row(v, row, dst),
+        WeightData::Mxfp4(p) => p.row_into(row, dst),
     }
 }

@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 
 use super::fp8::{BlockScales, E4m3};
+use super::mxfp4::Mxfp4Panels;
 use super::packed::{Int8Groups, PANEL, PackedPanels, PackedWeight};
 use super::quant::GROUP;
 use super::{Isa, isa};
@@ -94,6 +95,9 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
                 PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, scales),
                 PackedWeight::I8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
                 PackedWeight::F8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
+                PackedWeight::Mxfp4(p) => run_panels(p.num_panels(), d, out, |q, acc| {
+                    mxfp4_panel_product(isa, x, d, p, q, acc)
+                }),
             }
         }
         _ => match w.data() {
@@ -101,6 +105,7 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
             WeightData::F16(v) => run_scalar(x, v, d, out),
             WeightData::BF16(v) => run_scalar(x, v, d, out),
             WeightData::F8E4M3(v, blocks) => run_scalar_fp8(x, v, blocks, d, out),
+            WeightData::Mxfp4(p) => run_scalar_mxfp4(x, p, d, out),
         },
     }
 }
@@ -145,6 +150,22 @@ fn run_scalar_fp8(x: &[f32], w: &[E4m3], blocks: &BlockScales, d: Dims, out: Out
     });
 }
 
+/// [`run_scalar`] of an MXFP4 weight, a row widened at a time.
+fn run_scalar_mxfp4(x: &[f32], w: &Mxfp4Panels, d: Dims, out: OutPtr) {
+    for_each_task(d.n.div_ceil(ROWS_PER_TASK), d, |t| {
+        let mut wr = vec![0.0; d.k];
+        for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(d.n) {
+            w.row_into(j, &mut wr);
+            for i in 0..d.m {
+                let xr = &x[i * d.k..(i + 1) * d.k];
+                let v: f32 = wr.iter().zip(xr).map(|(a, b)| a * b).sum();
+                // SAFETY: `i * n + j < m * n`, and only this task writes column j.
+                unsafe { *out.get().add(i * d.n + j) = v };
+            }
+        }
+    });
+}
+
 /// How a packed panel's products are scaled.
 #[derive(Clone, Copy)]
 enum PanelScales<'a> {
@@ -163,9 +184,11 @@ impl<'a> PanelScales<'a> {
     /// The scales of a packed weight's panels.
     fn of(w: &'a PackedWeight) -> Self {
         match w {
-            PackedWeight::F32(_) | PackedWeight::F16(_) | PackedWeight::BF16(_) => {
-                PanelScales::None
-            }
+            // MXFP4's scales are applied as its blocks are widened.
+            PackedWeight::F32(_)
+            | PackedWeight::F16(_)
+            | PackedWeight::BF16(_)
+            | PackedWeight::Mxfp4(_) => PanelScales::None,
             PackedWeight::I8 { groups, .. } => PanelScales::Int8(groups),
             PackedWeight::F8 {
                 scales, block_cols, ..
@@ -317,6 +340,7 @@ pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc
         PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, scales, acc),
         PackedWeight::I8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
         PackedWeight::F8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
+        PackedWeight::Mxfp4(p) => mxfp4_panel_product(isa, x, d, p, q, acc),
     }
 }
 
@@ -330,10 +354,24 @@ fn run_packed<T: Element + Sync>(
     out: OutPtr,
     scales: PanelScales<'_>,
 ) {
-    for_each_task(w.num_panels(), d, |q| {
+    run_panels(w.num_panels(), d, out, |q, acc| {
+        panel_product(isa, x, d, w, q, scales, acc)
+    });
+}
+
+/// One task per panel: `panel(q, acc)` fills panel `q`'s `[m, PANEL]` sums, which go to its
+/// output columns.
+#[cfg(target_arch = "x86_64")]
+fn run_panels(
+    num_panels: usize,
+    d: Dims,
+    out: OutPtr,
+    panel: impl Fn(usize, &mut [f32]) + Sync + Send,
+) {
+    for_each_task(num_panels, d, |q| {
         PANEL_OUT.with_borrow_mut(|acc| {
             acc.resize(d.m * PANEL, 0.0);
-            panel_product(isa, x, d, w, q, scales, acc);
+            panel(q, acc);
             let cols = PANEL.min(d.n - q * PANEL);
             for (i, row) in acc.chunks_exact(PANEL).enumerate() {
                 // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
@@ -476,6 +514,37 @@ fn panel_product<T: Element>(
                     *a = base + p * scale;
                 }
             }
+        }
+    })
+}
+
+/// Panel `q` of `x · Wᵀ` for an MXFP4 weight into `acc: [m, PANEL]`: each `KC` block of
+/// positions (whole MXFP4 blocks: `k` is a multiple of 32) widened to the f32 of the
+/// dequantised weights, then every row tile through it as through an f32 panel — the same FMA
+/// chain, so the same bits as the dequantised weights give, whatever the batch.
+#[cfg(target_arch = "x86_64")]
+fn mxfp4_panel_product(
+    isa: Isa,
+    x: TiledRows<'_>,
+    d: Dims,
+    w: &Mxfp4Panels,
+    q: usize,
+    acc: &mut [f32],
+) {
+    const _: () = assert!(KC.is_multiple_of(super::mxfp4::BLOCK));
+    BLOCK_SCRATCH.with_borrow_mut(|s| {
+        for k0 in (0..d.k).step_by(KC) {
+            let kc = KC.min(d.k - k0);
+            s.wide.resize(kc * PANEL, 0.0);
+            w.widen_block(isa, q, k0, kc, &mut s.wide);
+            let b = Block {
+                x,
+                d,
+                k0,
+                kc,
+                first: k0 == 0,
+            };
+            b.run_tiles(isa, &s.wide, false, acc);
         }
     })
 }
@@ -670,8 +739,20 @@ mod tests {
             eprintln!("skipped: needs a CPU with both AVX-512 and AVX2");
             return;
         }
-        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F8E4M3] {
-            for (m, n, k) in [(1, 70, 300), (4, 33, 257), (13, 64, 600), (40, 45, 96)] {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::F8E4M3,
+            DType::Mxfp4,
+        ] {
+            for (m, n, k) in [(1, 70, 300usize), (4, 33, 257), (13, 64, 600), (40, 45, 96)] {
+                // MXFP4 rows are whole blocks of 32.
+                let k = if dtype == DType::Mxfp4 {
+                    k.next_multiple_of(32)
+                } else {
+                    k
+                };
                 let x = pseudo_random(m * k, 5);
                 let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 6));
                 let run = |isa| {
@@ -812,6 +893,44 @@ mod tests {
             if block[0] % PANEL == 0 {
                 assert!(w.kernel_bytes() < n.div_ceil(PANEL) * PANEL * k * 2);
             }
+        }
+    }
+
+    #[test]
+    fn mxfp4_equals_the_dequantized_weights_in_f32_bit_for_bit_whatever_the_batch() {
+        use crate::cpu::reference::mxfp4_weight_of;
+        // k = 2880 is gpt-oss's width (a last block of 64 positions); 45 rows pad a panel.
+        for (m, n, k) in [(1, 70, 2880), (3, 45, 96), (13, 64, 608), (30, 33, 256)] {
+            let x = pseudo_random(m * k, 13);
+            let w = mxfp4_weight_of(vec![n, k], &pseudo_random(n * k, 14));
+            let deq = weight_of(DType::F32, vec![n, k], &w.to_f32_vec());
+            let run = |w: &Weight, x: &[f32], m: usize| {
+                let mut out = vec![0.0; m * n];
+                matmul_wt_on(isa(), x, m, w, &mut out, &mut Vec::new());
+                out
+            };
+            let got = run(&w, &x, m);
+            if isa().packs_weights() {
+                assert_eq!(got, run(&deq, &x, m), "{m}x{n}x{k}");
+            } else {
+                let want = run(&deq, &x, m);
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{m}x{n}x{k}: {a} vs {b}"
+                    );
+                }
+            }
+            for i in 0..m {
+                assert_eq!(
+                    &got[i * n..(i + 1) * n],
+                    &run(&w, &x[i * k..(i + 1) * k], 1)[..],
+                    "{m}x{n}x{k}: row {i} alone"
+                );
+            }
+            // 4.25 bits per weight: 17/64 of bf16's bytes (panel padding aside).
+            let bf16_bytes = n.div_ceil(PANEL) * PANEL * k * 2;
+            assert_eq!(w.kernel_bytes() * 64, bf16_bytes * 17, "{n}x{k}");
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod convert;
 pub mod fp8;
 mod grouped;
 mod matmul;
+pub mod mxfp4;
 mod ops;
 pub mod packed;
 pub mod probe;

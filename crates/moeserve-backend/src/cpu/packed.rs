@@ -8,9 +8,12 @@
 //! ```
 //! Packing happens once per weight, on first use (see `Weight::packed`).
 
+use std::sync::Arc;
+
 use half::{bf16, f16};
 
 use super::fp8::E4m3;
+use super::mxfp4::Mxfp4Panels;
 use crate::WeightData;
 
 /// Output rows per panel (two 16-lane vectors).
@@ -38,6 +41,9 @@ pub enum PackedWeight {
         scales: Vec<f32>,
         block_cols: usize,
     },
+    /// MXFP4, packed at load into its own 4-bit panels (see `mxfp4.rs`): the weight's only
+    /// copy, shared with [`crate::WeightData::Mxfp4`].
+    Mxfp4(Arc<Mxfp4Panels>),
 }
 
 /// The scales and offsets of an int8 weight's groups, each in panel layout
@@ -162,12 +168,15 @@ impl PackedWeight {
                 panels.data.len() + (groups.scales.len() + groups.offsets.len()) * 4
             }
             PackedWeight::F8 { panels, scales, .. } => panels.data.len() + scales.len() * 4,
+            PackedWeight::Mxfp4(p) => p.size_in_bytes(),
         }
     }
 
     /// Repacks a row-major `[n, k]` weight.
     pub fn pack(data: WeightData<'_>, n: usize, k: usize) -> Self {
         match data {
+            // Already in panels: made so at load.
+            WeightData::Mxfp4(p) => PackedWeight::Mxfp4(Arc::new(p.clone())),
             WeightData::F32(v) => PackedWeight::F32(PackedPanels::pack(v, n, k)),
             WeightData::F16(v) => PackedWeight::F16(PackedPanels::pack(v, n, k)),
             WeightData::BF16(v) => PackedWeight::BF16(PackedPanels::pack(v, n, k)),

@@ -44,6 +44,7 @@ pub(crate) fn weight_of(
             .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
             .collect(),
         DType::F8E4M3 => return fp8_weight_of(shape, [128, 128], values),
+        DType::Mxfp4 => return mxfp4_weight_of(shape, values),
     };
     crate::Weight::new(dtype, shape, crate::WeightBytes::owned(&bytes)).unwrap()
 }
@@ -62,4 +63,45 @@ pub(crate) fn fp8_weight_of(shape: Vec<usize>, block: [usize; 2], values: &[f32]
         .map(|(i, v)| E4m3::from_f32(v / blocks.at(i / k, i % k)).0)
         .collect();
     crate::Weight::fp8(shape, crate::WeightBytes::owned(&bytes), blocks).unwrap()
+}
+
+/// A test MXFP4 weight standing for `values` (`[n, k]`, `k` a multiple of 32), quantised as the
+/// OCP MX spec says: per 32 elements the exponent `floor(log2(amax)) - 2`, each element the
+/// nearest e2m1 value (saturating at 6).
+#[cfg(test)]
+pub(crate) fn mxfp4_weight_of(shape: Vec<usize>, values: &[f32]) -> crate::Weight {
+    use crate::cpu::mxfp4::{BLOCK, E2M1, Mxfp4Panels};
+    let [n, k] = shape[..] else {
+        panic!("MXFP4 weights are matrices")
+    };
+    let (mut bytes, mut scales) = (vec![0u8; n * k / 2], vec![0u8; n * k / BLOCK]);
+    for (b, block) in values.chunks_exact(BLOCK).enumerate() {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let exp = if amax > 0.0 {
+            amax.log2().floor() as i32 - 2
+        } else {
+            0
+        }
+        .clamp(-127, 127);
+        scales[b] = (exp + 127) as u8;
+        for (i, v) in block.iter().enumerate() {
+            let x = v / 2f32.powi(exp);
+            let code = (0..8)
+                .min_by(|&a, &c| {
+                    (x.abs() - E2M1[a])
+                        .abs()
+                        .total_cmp(&(x.abs() - E2M1[c]).abs())
+                })
+                .unwrap() as u8
+                | (u8::from(x < 0.0) << 3);
+            bytes[(b * BLOCK + i) / 2] |= code << (4 * (i % 2));
+        }
+    }
+    let row = |r: usize| {
+        (
+            &bytes[r * k / 2..(r + 1) * k / 2],
+            &scales[r * k / BLOCK..(r + 1) * k / BLOCK],
+        )
+    };
+    crate::Weight::mxfp4(Mxfp4Panels::from_rows(n, k, row).unwrap())
 }
