@@ -279,7 +279,7 @@ def dequant_probe(seed: int) -> dict[str, torch.Tensor]:
     blocks = blocks.reshape(experts, rows, groups, 16).to(torch.uint8)
     scales = scales.reshape(experts, rows, groups).to(torch.uint8)
     values = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    return {"blocks": blocks, "scales": scales, "dequantized": values.contiguous()}
+    return {"probe_blocks": blocks, "probe_scales": scales, "probe_dequantized": values.contiguous()}
 
 
 def attempt(case: GptOssCase, seed: int):

@@ -10,6 +10,7 @@ mod dtype;
 pub mod fp8;
 mod ids;
 mod moe_config;
+pub mod mxfp4;
 mod placement;
 mod sampling;
 

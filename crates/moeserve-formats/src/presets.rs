@@ -19,7 +19,8 @@ use crate::convert::tokenizer::{
     AddedToken, BpeTokenizerSpec, PreTokenizer, TokenizerConfig, byte_to_unicode,
 };
 use crate::convert::{
-    CheckpointSpec, DeepseekPart, DeepseekSpec, MAX_SHARD_BYTES, SpecFamily, SpecTensor, TensorRng,
+    CheckpointSpec, DeepseekPart, DeepseekSpec, GptOssPart, GptOssSpec, MAX_SHARD_BYTES,
+    SpecFamily, SpecTensor, TensorRng,
 };
 use crate::writer::{
     CheckpointWriter, ShardLayout, StagedDir, TensorSource, human_bytes, human_count,
@@ -56,10 +57,23 @@ pub enum Preset {
     /// DeepSeek-V3's layout in small (hidden 64, 4 heads of MLA with q LoRA, 16 experts top-4
     /// in 4 groups keep 2, 1 shared, the first layer dense), in FP8 blocks of 32 × 32: for tests.
     DeepseekV3Tiny,
+    /// GPT-OSS-20B's exact shapes (hidden 2880, 64 / 8 heads of 64 with sinks, 32 experts
+    /// top-4 of width 2880, window 128, YaRN ×32, vocab 201088) with 2 of its 24 layers (one
+    /// sliding, one full), the experts in MXFP4 as released (≈ 2.80 B parameters, 3.3 GB: the
+    /// embeddings and lm_head are 1.16 B of them, in bf16).
+    GptOss20b2l,
+    /// [`Preset::GptOss20b2l`] with the same expert weights in bf16 (their exact values, 5.6
+    /// GB): MXFP4 against bf16 on the same model.
+    GptOss20b2lBf16,
+    /// GPT-OSS's layout in small (hidden 64, 4 heads of 16 with sinks, 8 experts top-2 of
+    /// width 64, window 4), MXFP4 experts: for tests.
+    GptOssTiny,
+    /// [`Preset::GptOssTiny`] with the same expert weights in bf16.
+    GptOssTinyBf16,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 9] = [
+    pub const ALL: [Preset; 13] = [
         Preset::MixtralTiny,
         Preset::MixtralBench1b,
         Preset::Mixtral8x7b2l,
@@ -69,6 +83,10 @@ impl Preset {
         Preset::DeepseekV2Lite2l,
         Preset::DeepseekV32l,
         Preset::DeepseekV3Tiny,
+        Preset::GptOss20b2l,
+        Preset::GptOss20b2lBf16,
+        Preset::GptOssTiny,
+        Preset::GptOssTinyBf16,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +100,10 @@ impl Preset {
             Preset::DeepseekV2Lite2l => "deepseek-v2-lite-2l",
             Preset::DeepseekV32l => "deepseek-v3-2l",
             Preset::DeepseekV3Tiny => "deepseek-v3-tiny",
+            Preset::GptOss20b2l => "gpt-oss-20b-2l",
+            Preset::GptOss20b2lBf16 => "gpt-oss-20b-2l-bf16",
+            Preset::GptOssTiny => "gpt-oss-tiny",
+            Preset::GptOssTinyBf16 => "gpt-oss-tiny-bf16",
         }
     }
 
@@ -266,6 +288,33 @@ impl Preset {
                 rms_norm_eps: 1e-6,
                 ..base
             },
+            // openai/gpt-oss-20b's config.json, num_hidden_layers 2.
+            Preset::GptOss20b2l | Preset::GptOss20b2lBf16 => CheckpointSpec {
+                family: SpecFamily::GptOss(GptOssSpec {
+                    sliding_window: 128,
+                    mxfp4: self == Preset::GptOss20b2l,
+                }),
+                vocab_size: 201088,
+                hidden_size: 2880,
+                intermediate_size: 2880,
+                num_attention_heads: 64,
+                num_key_value_heads: 8,
+                head_dim: 64,
+                num_local_experts: 32,
+                num_experts_per_tok: 4,
+                rope_theta: 150000.0,
+                max_position_embeddings: 131072,
+                ..base
+            },
+            Preset::GptOssTiny | Preset::GptOssTinyBf16 => CheckpointSpec {
+                family: SpecFamily::GptOss(GptOssSpec {
+                    sliding_window: 4,
+                    mxfp4: self == Preset::GptOssTiny,
+                }),
+                intermediate_size: 64,
+                rope_theta: 150000.0,
+                ..base
+            },
         }
     }
 }
@@ -415,6 +464,7 @@ fn random_tensor(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Tensor
             1.0 / fan_in.sqrt()
         }
         W1 { .. } | W2 { .. } | W3 { .. } => 1.0 / fan_in.sqrt(),
+        GptOss { part, .. } => return gpt_oss_tensor(spec, part, name, shape, seed),
         Deepseek { part, .. } => match part {
             DeepseekPart::QANorm | DeepseekPart::KvANorm => {
                 return TensorSource::new(name, spec.dtype, shape, |out| {
@@ -438,6 +488,69 @@ fn random_tensor(spec: &CheckpointSpec, tensor: SpecTensor, seed: u64) -> Tensor
         rng.fill_normal(out, std);
         Ok(())
     })
+}
+
+/// MXFP4 scale of the presets' random experts: `2^-7` (e8m0 120). Uniform e2m1 codes have a
+/// standard deviation of 2.93, so the weights' is 0.023 ≈ 1/√2880 (gpt-oss's fan-in).
+const MXFP4_PRESET_SCALE: u8 = 120;
+
+/// A GPT-OSS tensor: biases small, sinks `N(0, 1)`, experts random MXFP4 blocks under one
+/// scale or, in bf16, those blocks' exact values (the same bytes: the stream is keyed by the
+/// blocks' name either way), input-major as the bf16 copies store them.
+fn gpt_oss_tensor(
+    spec: &CheckpointSpec,
+    part: GptOssPart,
+    name: String,
+    shape: Vec<usize>,
+    seed: u64,
+) -> TensorSource {
+    use GptOssPart::*;
+    let normal = |name: String, std: f32| {
+        let rng = TensorRng::new(seed, &name);
+        TensorSource::new(name, spec.dtype, shape.clone(), move |out| {
+            rng.fill_normal(out, std);
+            Ok(())
+        })
+    };
+    match part {
+        QBias | KBias | VBias | OBias | RouterBias | GateUpBias | DownBias => normal(name, 0.02),
+        Sinks => normal(name, 1.0),
+        GateUpScales | DownScales => TensorSource::new(name, DType::Mxfp4, shape, |out| {
+            out.fill(f32::from(MXFP4_PRESET_SCALE));
+            Ok(())
+        }),
+        GateUp | Down if name.ends_with("_blocks") => {
+            let rng = TensorRng::new(seed, &name);
+            TensorSource::new(name, DType::Mxfp4, shape, move |out| {
+                rng.fill_bytes(out);
+                Ok(())
+            })
+        }
+        GateUp | Down => {
+            // bf16 [E, in, out]: the blocks [E, out, in / 32, 16] decoded and transposed.
+            let rng = TensorRng::new(seed, &format!("{name}_blocks"));
+            let &[experts, cols, rows] = &shape[..] else {
+                unreachable!("fused expert tensors are 3-D")
+            };
+            TensorSource::new(name, spec.dtype, shape, move |out| {
+                use moeserve_core::mxfp4::{E2M1, e8m0};
+                let mut bytes = vec![0.0; experts * rows * cols / 2];
+                rng.fill_bytes(&mut bytes);
+                let s = e8m0(MXFP4_PRESET_SCALE);
+                for (e, expert) in out.chunks_exact_mut(cols * rows).enumerate() {
+                    let stored = &bytes[e * rows * cols / 2..][..rows * cols / 2];
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            let byte = stored[(r * cols + c) / 2] as u8;
+                            let code = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                            expert[c * rows + r] = E2M1[code as usize] * s;
+                        }
+                    }
+                }
+                Ok(())
+            })
+        }
+    }
 }
 
 /// `tokenizer.json` and `tokenizer_config.json` of a byte-level BPE without merges: the
@@ -509,6 +622,20 @@ mod tests {
             big.num_parameters(),
             2 * (1_409_286_144 + 41_943_040 + 2 * 4096 + 8 * 4096) + 2 * 131_072_000 + 4096
         );
+    }
+
+    #[test]
+    fn gpt_oss_20b_preset_has_its_exact_parameter_count() {
+        // Per layer: attention 2880 × (4096 + 512 + 512) + 4096 × 2880, its biases and 64
+        // sinks, two norms, the router and its bias, 32 experts of 3 × 2880² and their biases.
+        let layer = 2880 * 9216 + 8000 + 64 + 2 * 2880 + 32 * 2881 + 32 * (3 * 2880 * 2880 + 8640);
+        let want = 2 * layer + 2 * 201088 * 2880 + 2880;
+        assert_eq!(want, 2_804_643_712);
+        for preset in [Preset::GptOss20b2l, Preset::GptOss20b2lBf16] {
+            assert_eq!(preset.spec().num_parameters(), want, "{preset}");
+        }
+        // 24 layers are gpt-oss-20b's 20.9 B.
+        assert_eq!((24 * layer + 2 * 201088 * 2880 + 2880) / 100_000_000, 209);
     }
 
     #[test]

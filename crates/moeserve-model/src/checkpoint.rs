@@ -265,6 +265,51 @@ impl Checkpoint {
         self.for_kernels(weight, Some(int8_prefix))
     }
 
+    /// Expert `index`'s rows `first, first + step, …` of the MXFP4 matrix `name` as the
+    /// gpt-oss release stores it: `{name}_blocks` u8 `[E, rows, cols / 32, 16]` (two e2m1
+    /// values per byte, low nibble first) and `{name}_scales` u8 e8m0 `[E, rows, cols / 32]`,
+    /// with `shape = [E, rows, cols]` the dequantised matrix's, rows the output features. Packed
+    /// into the kernels' 4-bit panels (no wider copy is made).
+    pub fn mxfp4_rows(
+        &self,
+        name: &str,
+        shape: [usize; 3],
+        index: usize,
+        (first, step): (usize, usize),
+    ) -> Result<Weight> {
+        use moeserve_backend::cpu::mxfp4::{BLOCK, Mxfp4Panels};
+        let [experts, rows, cols] = shape;
+        let (blocks_name, scales_name) = (format!("{name}_blocks"), format!("{name}_scales"));
+        if !cols.is_multiple_of(BLOCK) {
+            let (_, path) = self.entry(&blocks_name, &[experts, rows, cols / BLOCK, BLOCK / 2])?;
+            return Err(ModelError::config(
+                path,
+                format!("`{blocks_name}`: rows of {cols} are not whole MXFP4 blocks of {BLOCK}"),
+            ));
+        }
+        let groups = cols / BLOCK;
+        let blocks = self.raw(&blocks_name, Dtype::U8, &[experts, rows, groups, BLOCK / 2])?;
+        let scales = self.raw(&scales_name, Dtype::U8, &[experts, rows, groups])?;
+        assert!(index < experts && first < step && rows.is_multiple_of(step));
+        let row_bytes = cols / 2;
+        let (blocks, scales) = (
+            &blocks[index * rows * row_bytes..][..rows * row_bytes],
+            &scales[index * rows * groups..][..rows * groups],
+        );
+        let panels = Mxfp4Panels::from_rows(rows / step, cols, |r| {
+            let stored = first + r * step;
+            (
+                &blocks[stored * row_bytes..][..row_bytes],
+                &scales[stored * groups..][..groups],
+            )
+        })
+        .map_err(|message| {
+            let path = &self.files[self.tensors[&scales_name].file].0;
+            ModelError::config(path, format!("`{name}` expert {index}: {message}"))
+        })?;
+        Ok(Weight::mxfp4(panels))
+    }
+
     /// The float vector `name` (a bias, a norm), widened into f32 from its stored dtype: the
     /// whole of a `[len]` tensor, or row `index` of a `[rows, len]` one.
     pub fn vector_part(&self, name: &str, shape: &[usize], index: usize) -> Result<Vec<f32>> {

@@ -832,13 +832,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("lists 4 layers"), "{msg}");
-        // The MXFP4 release is refused by name until its experts load as 4-bit.
-        let mxfp4 = text.replace(
-            r#""vocab_size":201088"#,
-            r#""vocab_size":201088,"quantization_config":{"quant_method":"mxfp4"}"#,
-        );
-        let msg = parse(&mxfp4).unwrap_err().to_string();
-        assert!(msg.contains("MXFP4") && msg.contains("bf16 copy"), "{msg}");
+        // The MXFP4 release reads as the same model; another quantization method is refused.
+        let quantized = |method: &str| {
+            text.replace(
+                r#""vocab_size":201088"#,
+                &format!(
+                    r#""vocab_size":201088,"quantization_config":{{"quant_method":"{method}"}}"#
+                ),
+            )
+        };
+        assert_eq!(parse(&quantized("mxfp4")).unwrap().experts, c.experts);
+        let msg = parse(&quantized("awq")).unwrap_err().to_string();
+        assert!(msg.contains("\"awq\"") && msg.contains("MXFP4"), "{msg}");
     }
 
     #[test]

@@ -23,8 +23,9 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 /// expert tensors, q/k/v biases and a gated shared expert, flat q/k norms and `clip_qkv`,
 /// YaRN, DeepSeek-V3's sigmoid router on GQA (GLM-4.5), multi-head latent attention with
 /// DeepSeek-V2's and V3's routers, V3 as an FP8 block checkpoint, and GPT-OSS (attention
-/// sinks, alternating sliding and full layers, biased router and clamped, biased experts).
-pub const FAMILY_CASES: [&str; 11] = [
+/// sinks, alternating sliding and full layers, biased router and clamped, biased experts), in
+/// bf16 and with the release's MXFP4 experts.
+pub const FAMILY_CASES: [&str; 12] = [
     "qwen3-moe",
     "qwen3-moe-fused",
     "qwen3-moe-yarn",
@@ -36,6 +37,7 @@ pub const FAMILY_CASES: [&str; 11] = [
     "deepseek-v3",
     "deepseek-v3-fp8",
     "gpt-oss",
+    "gpt-oss-mxfp4",
 ];
 
 /// Every transformers fixture of a sparse model.

@@ -67,3 +67,26 @@ fn deepseek_v3_tiny_loads_as_an_fp8_block_checkpoint_and_runs() {
     let logits = common::prefill(&model, &[1, 5, 9, 42], ForwardOptions::default());
     assert!(logits.iter().all(|x| x.is_finite()) && logits.iter().any(|x| *x != 0.0));
 }
+
+/// The MXFP4 preset and its bf16 twin hold the same expert weights: the MXFP4 experts load as
+/// 4-bit and the two give the same logits bit for bit (the kernels widen MXFP4 to the exact
+/// values the bf16 copy stores, then run the same FMA chain).
+#[test]
+fn gpt_oss_tiny_mxfp4_and_its_bf16_twin_give_the_same_logits() {
+    use moeserve_core::DType;
+    let (_a, mxfp4) = make(Preset::GptOssTiny);
+    let (_b, bf16) = make(Preset::GptOssTinyBf16);
+    let (q, b) = (
+        MoeModel::load(&mxfp4).unwrap(),
+        MoeModel::load(&bf16).unwrap(),
+    );
+    assert_eq!(q.config().architecture, Architecture::GptOss);
+    assert_eq!(q.config().window_layers, [true, false]);
+    assert_eq!(q.moe_layers()[1].experts[5].w2.dtype(), DType::Mxfp4);
+    assert_eq!(b.moe_layers()[1].experts[5].w2.dtype(), DType::BF16);
+    let prompt = [1, 5, 9, 42, 7, 300, 11, 64];
+    let logits = |m: &MoeModel| common::prefill(m, &prompt, ForwardOptions::default());
+    let (lq, lb) = (logits(&q), logits(&b));
+    assert!(lq.iter().all(|x| x.is_finite()) && lq.iter().any(|x| *x != 0.0));
+    assert_eq!(lq, lb);
+}

@@ -1,7 +1,7 @@
 //! Parity with Hugging Face transformers on the committed fixtures (made by
 //! tests/reference/generate.py): per-layer outputs and router logits, final logits, 24 greedy
 //! tokens with their logprobs and top-5 alternatives, for every case and prompt of every family
-//! (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V2/V3, GPT-OSS).
+//! (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V2/V3, GPT-OSS in bf16 and MXFP4).
 
 mod common;
 
@@ -139,6 +139,11 @@ fn each_family_fixture_loads_as_its_family() {
             vec![false, true, true],
         ),
         ("gpt-oss", Architecture::GptOss, vec![true, true, true]),
+        (
+            "gpt-oss-mxfp4",
+            Architecture::GptOss,
+            vec![true, true, true],
+        ),
     ];
     for (case, arch, sparse) in want {
         let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
@@ -200,4 +205,79 @@ fn fp8_matrices_stay_one_byte_per_weight() {
     // The same shapes: an expert's packed matrices are half the bf16 bytes, plus the scales.
     let (e8, e16) = (fp8.expert_bytes(0, 0), bf16.expert_bytes(0, 0));
     assert!(e8 * 100 < e16 * 55, "FP8 expert {e8} bytes vs bf16 {e16}");
+}
+
+/// GPT-OSS as released, MXFP4 experts: they load as 4-bit panels (17/64 of the bf16 copy's
+/// expert bytes, the same weights quantised), their values are transformers' dequantisation
+/// of the blocks bit for bit (every byte value under scales 0..254), and a NaN scale is
+/// refused naming the tensor, the expert and the row.
+#[test]
+fn gpt_oss_mxfp4_experts_stay_4_bit_and_decode_as_transformers_does() {
+    use moeserve_core::DType;
+    use moeserve_model::checkpoint::Checkpoint;
+    use safetensors::SafeTensors;
+    use safetensors::tensor::TensorView;
+
+    let dir = fixtures_dir().join("gpt-oss-mxfp4");
+    let model = MoeModel::load(&dir).unwrap();
+    let bf16 = MoeModel::load(&fixtures_dir().join("gpt-oss")).unwrap();
+    let matrix_bytes = |m: &MoeModel, dtype: DType| {
+        let experts = m.moe_layers().into_iter().flat_map(|l| l.experts.iter());
+        experts
+            .flat_map(|e| [&e.w1, &e.w2, &e.w3])
+            .map(|w| {
+                assert_eq!(w.dtype(), dtype);
+                w.size_in_bytes()
+            })
+            .sum::<usize>()
+    };
+    let (packed, wide) = (
+        matrix_bytes(&model, DType::Mxfp4),
+        matrix_bytes(&bf16, DType::BF16),
+    );
+    assert_eq!(packed * 64, wide * 17, "{packed} vs {wide} bytes");
+
+    let probe = std::fs::read(dir.join("dequant_probe.safetensors")).unwrap();
+    let tensors = SafeTensors::deserialize(&probe).unwrap();
+    let want = tensors.tensor("probe_dequantized").unwrap();
+    assert_eq!(want.shape(), [2, 128, 32]);
+    let want: Vec<f32> = bytemuck::pod_collect_to_vec(want.data());
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("model.safetensors"), &probe).unwrap();
+    let ckpt = Checkpoint::open(tmp.path()).unwrap();
+    for e in 0..2 {
+        let got = ckpt.mxfp4_rows("probe", [2, 32, 128], e, (0, 1)).unwrap();
+        let got = got.to_f32_vec();
+        for (r, c) in (0..32).flat_map(|r| (0..128).map(move |c| (r, c))) {
+            let w = want[(e * 128 + c) * 32 + r];
+            assert_eq!(
+                got[r * 128 + c].to_bits(),
+                w.to_bits(),
+                "expert {e} ({r}, {c})"
+            );
+        }
+    }
+
+    let scales = tensors.tensor("probe_scales").unwrap();
+    let mut bad = scales.data().to_vec();
+    bad[2 * 32 * 4 - 1] = 255; // expert 1, row 31, elements 96..128
+    let views = [
+        ("probe_blocks", tensors.tensor("probe_blocks").unwrap()),
+        (
+            "probe_scales",
+            TensorView::new(scales.dtype(), scales.shape().to_vec(), &bad).unwrap(),
+        ),
+    ];
+    let broken = tempfile::tempdir().unwrap();
+    safetensors::serialize_to_file(views, None, &broken.path().join("model.safetensors")).unwrap();
+    let ckpt = Checkpoint::open(broken.path()).unwrap();
+    assert!(ckpt.mxfp4_rows("probe", [2, 32, 128], 0, (0, 1)).is_ok());
+    let msg = ckpt
+        .mxfp4_rows("probe", [2, 32, 128], 1, (0, 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("`probe` expert 1: row 31, elements 96..128: scale 255 is e8m0's NaN"),
+        "{msg}"
+    );
 }

@@ -15,24 +15,9 @@
 //! MXFP4 model gives the tokens of its dequantised copy. Decode reads 4.25 bits per weight:
 //! 0.27× of bf16.
 
-/// Elements per scale.
-pub const BLOCK: usize = 32;
+pub use moeserve_core::mxfp4::{BLOCK, E2M1, e8m0};
 
 use super::packed::PANEL;
-
-/// e2m1 by code: bit 3 the sign, then a 2-bit exponent (bias 1) and a 1-bit mantissa.
-pub const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
-
-/// The e8m0 scale `2^(e - 127)`: exponent bits alone, and `2^-127` (subnormal in f32) for 0.
-/// 255 is e8m0's NaN, refused by [`Mxfp4Panels::from_rows`].
-pub fn e8m0(e: u8) -> f32 {
-    match e {
-        0 => f32::from_bits(0x0040_0000),
-        e => f32::from_bits(u32::from(e) << 23),
-    }
-}
 
 /// A `[n, k]` MXFP4 matrix in panel layout (see the module note); `k` a multiple of
 /// [`BLOCK`]. Padding rows of the last panel are zero codes under scale 1.

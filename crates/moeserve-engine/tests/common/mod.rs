@@ -11,7 +11,7 @@ use moeserve_engine::offline::LlmEngine;
 use moeserve_engine::request::{GenerateOutput, GenerateRequest};
 
 /// The transformers reference checkpoints under tests/fixtures.
-pub const FIXTURE_CASES: [&str; 15] = [
+pub const FIXTURE_CASES: [&str; 16] = [
     "mixtral-swa",
     "mixtral-tied",
     "mixtral-gqa",
@@ -27,6 +27,7 @@ pub const FIXTURE_CASES: [&str; 15] = [
     "deepseek-v3",
     "deepseek-v3-fp8",
     "gpt-oss",
+    "gpt-oss-mxfp4",
 ];
 
 pub fn repo_root() -> PathBuf {

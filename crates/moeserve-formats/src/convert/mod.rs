@@ -30,7 +30,9 @@ use moeserve_core::DType;
 
 pub use llama::{DenseLlama, unpermute_rope_rows};
 pub use random::TensorRng;
-pub use spec::{CheckpointSpec, DeepseekPart, DeepseekSpec, SpecFamily, SpecTensor};
+pub use spec::{
+    CheckpointSpec, DeepseekPart, DeepseekSpec, GptOssPart, GptOssSpec, SpecFamily, SpecTensor,
+};
 
 use crate::gguf::GgufFile;
 use crate::writer::{
@@ -186,7 +188,7 @@ fn tensor_source(
         VProj { layer } => (blk(layer, "attn_v"), None),
         OProj { layer } => (blk(layer, "attn_output"), None),
         QNorm { .. } | KNorm { .. } => unreachable!("the upcycled Mixtral has no q/k norms"),
-        Deepseek { .. } => unreachable!("the upcycled model is a Mixtral"),
+        Deepseek { .. } | GptOss { .. } => unreachable!("the upcycled model is a Mixtral"),
         W1 { layer, .. } => (blk(layer, "ffn_gate"), None),
         W2 { layer, .. } => (blk(layer, "ffn_down"), None),
         W3 { layer, .. } => (blk(layer, "ffn_up"), None),

@@ -36,6 +36,15 @@ impl TensorRng {
         });
     }
 
+    /// Fills `out` with uniform bytes `0..=255` (as f32): random MXFP4 blocks.
+    pub fn fill_bytes(&self, out: &mut [f32]) {
+        self.fill_with(out, |rng, chunk| {
+            for value in chunk {
+                *value = (rng.next_u32() >> 24) as f32;
+            }
+        });
+    }
+
     /// Multiplies every element by `1 + scale · z`, `z` standard normal-like.
     pub fn jitter_multiplicative(&self, values: &mut [f32], scale: f32) {
         self.fill_with(values, |rng, chunk| {

@@ -1,6 +1,6 @@
 //! The shape of a checkpoint as written by the converter and the presets: its `config.json` and
 //! the list of hub tensor names with their shapes, for the families they write (Mixtral, and
-//! Qwen3-MoE and DeepSeek-V2/V3 for the benchmark presets).
+//! Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS for the benchmark presets).
 //!
 //! Follows transformers' config field names and state-dict names
 //! (`model.layers.N.block_sparse_moe.experts.E.w1.weight` for Mixtral,
@@ -19,6 +19,40 @@ pub enum SpecFamily {
     /// `DeepseekV2ForCausalLM` or `DeepseekV3ForCausalLM`: multi-head latent attention, dense
     /// first layers, shared experts (the spec's `intermediate_size` is a routed expert's).
     Deepseek(DeepseekSpec),
+    /// `GptOssForCausalLM`: biases on q/k/v/o, sinks, alternating sliding and full layers,
+    /// `mlp.router` with a bias, fused biased experts (MXFP4 blocks as released, or bf16
+    /// input-major `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]`).
+    GptOss(GptOssSpec),
+}
+
+/// What a GPT-OSS checkpoint adds to the common shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptOssSpec {
+    pub sliding_window: usize,
+    /// Experts stored as MXFP4 `*_blocks` / `*_scales` (the release) rather than bf16.
+    pub mxfp4: bool,
+}
+
+/// A GPT-OSS layer's tensors beyond the common ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GptOssPart {
+    QBias,
+    KBias,
+    VBias,
+    OBias,
+    Sinks,
+    RouterBias,
+    /// `mlp.experts.gate_up_proj` (bf16 `[E, H, 2I]`) or its `_blocks` (u8
+    /// `[E, 2I, H / 32, 16]`).
+    GateUp,
+    /// `gate_up_proj_scales`, u8 `[E, 2I, H / 32]` (MXFP4 only).
+    GateUpScales,
+    GateUpBias,
+    /// `mlp.experts.down_proj` (bf16 `[E, I, H]`) or its `_blocks` (u8 `[E, H, I / 32, 16]`).
+    Down,
+    /// `down_proj_scales`, u8 `[E, H, I / 32]` (MXFP4 only).
+    DownScales,
+    DownBias,
 }
 
 /// What a DeepSeek checkpoint adds to the common shape.
@@ -62,6 +96,7 @@ impl SpecTensor {
                 part,
                 DeepseekPart::QANorm | DeepseekPart::KvANorm | DeepseekPart::CorrectionBias
             ),
+            GptOss { .. } => false,
         }
     }
 }
@@ -169,6 +204,11 @@ pub enum SpecTensor {
         layer: usize,
         part: DeepseekPart,
     },
+    /// A GPT-OSS tensor of layer `layer`.
+    GptOss {
+        layer: usize,
+        part: GptOssPart,
+    },
 }
 
 impl CheckpointSpec {
@@ -178,9 +218,13 @@ impl CheckpointSpec {
         let layer = |l: usize, rest: &str| format!("model.layers.{l}.{rest}");
         let (block, [w1, w3, w2]) = match self.family {
             SpecFamily::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            SpecFamily::Qwen3Moe | SpecFamily::Deepseek(_) => {
+            SpecFamily::Qwen3Moe | SpecFamily::Deepseek(_) | SpecFamily::GptOss(_) => {
                 ("mlp", ["gate_proj", "up_proj", "down_proj"])
             }
+        };
+        let router = match self.family {
+            SpecFamily::GptOss(_) => "router",
+            _ => "gate",
         };
         let expert =
             |l: usize, e: usize, w: &str| layer(l, &format!("{block}.experts.{e}.{w}.weight"));
@@ -196,7 +240,7 @@ impl CheckpointSpec {
             OProj { layer: l } => layer(l, "self_attn.o_proj.weight"),
             QNorm { layer: l } => layer(l, "self_attn.q_norm.weight"),
             KNorm { layer: l } => layer(l, "self_attn.k_norm.weight"),
-            Router { layer: l } => layer(l, &format!("{block}.gate.weight")),
+            Router { layer: l } => layer(l, &format!("{block}.{router}.weight")),
             W1 {
                 layer: l,
                 expert: e,
@@ -230,7 +274,75 @@ impl CheckpointSpec {
                 };
                 layer(l, rest)
             }
+            GptOss { layer: l, part } => {
+                use GptOssPart::*;
+                let blocks = match self.family {
+                    SpecFamily::GptOss(g) if g.mxfp4 => "_blocks",
+                    _ => "",
+                };
+                let rest = match part {
+                    QBias => "self_attn.q_proj.bias".into(),
+                    KBias => "self_attn.k_proj.bias".into(),
+                    VBias => "self_attn.v_proj.bias".into(),
+                    OBias => "self_attn.o_proj.bias".into(),
+                    Sinks => "self_attn.sinks".into(),
+                    RouterBias => "mlp.router.bias".into(),
+                    GateUp => format!("mlp.experts.gate_up_proj{blocks}"),
+                    GateUpScales => "mlp.experts.gate_up_proj_scales".into(),
+                    GateUpBias => "mlp.experts.gate_up_proj_bias".into(),
+                    Down => format!("mlp.experts.down_proj{blocks}"),
+                    DownScales => "mlp.experts.down_proj_scales".into(),
+                    DownBias => "mlp.experts.down_proj_bias".into(),
+                };
+                layer(l, &rest)
+            }
         }
+    }
+
+    /// The shape of a GPT-OSS tensor.
+    fn gpt_oss_shape(&self, g: &GptOssSpec, part: GptOssPart) -> Vec<usize> {
+        use GptOssPart::*;
+        let (h, i, e) = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_local_experts,
+        );
+        match part {
+            QBias => vec![self.num_attention_heads * self.head_dim],
+            KBias | VBias => vec![self.num_key_value_heads * self.head_dim],
+            OBias => vec![h],
+            Sinks => vec![self.num_attention_heads],
+            RouterBias => vec![e],
+            GateUp if g.mxfp4 => vec![e, 2 * i, h / 32, 16],
+            GateUp => vec![e, h, 2 * i],
+            GateUpScales => vec![e, 2 * i, h / 32],
+            GateUpBias => vec![e, 2 * i],
+            Down if g.mxfp4 => vec![e, h, i / 32, 16],
+            Down => vec![e, i, h],
+            DownScales => vec![e, h, i / 32],
+            DownBias => vec![e, h],
+        }
+    }
+
+    /// The tensors of GPT-OSS layer `layer`.
+    fn gpt_oss_layer(g: &GptOssSpec, layer: usize) -> Vec<SpecTensor> {
+        use GptOssPart::*;
+        use SpecTensor::*;
+        let part = |part| GptOss { layer, part };
+        let mut out = vec![InputNorm { layer }];
+        out.extend([QProj { layer }, part(QBias), KProj { layer }, part(KBias)]);
+        out.extend([VProj { layer }, part(VBias), OProj { layer }, part(OBias)]);
+        out.extend([part(Sinks), PostAttentionNorm { layer }]);
+        out.extend([Router { layer }, part(RouterBias), part(GateUp)]);
+        if g.mxfp4 {
+            out.push(part(GateUpScales));
+        }
+        out.extend([part(GateUpBias), part(Down)]);
+        if g.mxfp4 {
+            out.push(part(DownScales));
+        }
+        out.push(part(DownBias));
+        out
     }
 
     /// The shape of a DeepSeek tensor.
@@ -310,6 +422,10 @@ impl CheckpointSpec {
                 SpecFamily::Deepseek(d) => self.deepseek_shape(d, part),
                 _ => unreachable!("a DeepSeek tensor of another family"),
             },
+            GptOss { part, .. } => match &self.family {
+                SpecFamily::GptOss(g) => self.gpt_oss_shape(g, part),
+                _ => unreachable!("a GPT-OSS tensor of another family"),
+            },
         }
     }
 
@@ -321,6 +437,10 @@ impl CheckpointSpec {
         for layer in 0..self.num_hidden_layers {
             if let SpecFamily::Deepseek(d) = &self.family {
                 out.extend(Self::deepseek_layer(d, layer, self.num_local_experts));
+                continue;
+            }
+            if let SpecFamily::GptOss(g) = &self.family {
+                out.extend(Self::gpt_oss_layer(g, layer));
                 continue;
             }
             out.extend([
@@ -349,10 +469,23 @@ impl CheckpointSpec {
         out
     }
 
+    /// The model's parameters (an MXFP4 block byte holds two; its scales are none).
     pub fn num_parameters(&self) -> u64 {
         self.tensors()
             .into_iter()
-            .map(|t| self.shape(t).iter().product::<usize>() as u64)
+            .map(|t| {
+                let numel = self.shape(t).iter().product::<usize>() as u64;
+                match (t, self.family) {
+                    (SpecTensor::GptOss { part, .. }, SpecFamily::GptOss(g)) if g.mxfp4 => {
+                        match part {
+                            GptOssPart::GateUp | GptOssPart::Down => 2 * numel,
+                            GptOssPart::GateUpScales | GptOssPart::DownScales => 0,
+                            _ => numel,
+                        }
+                    }
+                    _ => numel,
+                }
+            })
             .sum()
     }
 
@@ -407,6 +540,7 @@ impl CheckpointSpec {
                 "router_aux_loss_coef": 0.001,
             }),
             SpecFamily::Deepseek(d) => deepseek_config(self, &d),
+            SpecFamily::GptOss(g) => gpt_oss_config(self, &g),
         };
         let (Value::Object(config_map), Value::Object(family)) = (&mut config, family) else {
             unreachable!("both are JSON objects");
@@ -471,6 +605,48 @@ fn deepseek_config(spec: &CheckpointSpec, d: &DeepseekSpec) -> Value {
             "mscale_all_dim": mscale_all_dim,
             "beta_fast": 32,
             "beta_slow": 1,
+        });
+    }
+    config
+}
+
+/// A GPT-OSS config's own fields, as openai/gpt-oss-20b's config.json writes them (even layers
+/// sliding).
+fn gpt_oss_config(spec: &CheckpointSpec, g: &GptOssSpec) -> Value {
+    let layer_types: Vec<&str> = (0..spec.num_hidden_layers)
+        .map(|l| match l % 2 {
+            0 => "sliding_attention",
+            _ => "full_attention",
+        })
+        .collect();
+    let mut config = json!({
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "num_local_experts": spec.num_local_experts,
+        "experts_per_token": spec.num_experts_per_tok,
+        "layer_types": layer_types,
+        "sliding_window": g.sliding_window,
+        "attention_bias": true,
+        "swiglu_limit": 7.0,
+        "router_aux_loss_coef": 0.9,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": false,
+        },
+    });
+    if g.mxfp4 {
+        config["quantization_config"] = json!({
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
         });
     }
     config

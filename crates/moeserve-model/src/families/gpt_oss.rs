@@ -6,7 +6,9 @@
 //! top-k of the raw logits and softmaxes over the k (the same weights as a softmax over all
 //! experts renormalised over the top k); experts with biases whose gate and up projections are
 //! interleaved in one `gate_up_proj [E, H, 2I]`, through GPT-OSS's clamped SwiGLU
-//! (`swiglu_alpha`, `swiglu_limit`).
+//! (`swiglu_alpha`, `swiglu_limit`). The release's MXFP4 experts (`quantization_config:
+//! {"quant_method": "mxfp4"}`, `*_blocks` / `*_scales`) load as 4-bit
+//! (`Checkpoint::mxfp4_rows`).
 
 use moeserve_backend::cpu::GatedActivation;
 
@@ -28,12 +30,14 @@ pub(super) fn read_config(fields: &ConfigFields<'_>) -> Result<ModelConfig> {
         .get("quantization_config")
         .and_then(|q| q.get("quant_method"))
         .and_then(serde_json::Value::as_str);
-    if quant == Some("mxfp4") {
+    // `moeserve quantize`'s int8 checkpoints are read by the checkpoint, whatever the family.
+    if let Some(method) = quant.filter(|m| !["mxfp4", crate::quantize::QUANT_METHOD].contains(m)) {
         return Err(ModelError::config(
             fields.path,
-            "`quantization_config.quant_method: \"mxfp4\"`: MXFP4 expert checkpoints (the \
-             `*_blocks` / `*_scales` tensors of the gpt-oss release) are not supported yet; \
-             serve a bf16 copy of the model",
+            format!(
+                "`quantization_config.quant_method: {method:?}`: GPT-OSS checkpoints are read in \
+                 bf16/f32 or with MXFP4 experts (\"mxfp4\", as released)"
+            ),
         ));
     }
     let mut c = Common::read(fields, 150_000.0, 1e-5, 131_072)?;

@@ -268,6 +268,26 @@ fn load_experts(ckpt: &Checkpoint, prefix: &str, config: &ModelConfig) -> Result
             down: ckpt.vector_part(&format!("{down_name}_bias"), &[n, h], e)?,
         })))
     };
+    if ckpt.contains(&format!("{gate_up}_blocks")) {
+        // MXFP4 (the gpt-oss release): blocks by output row, gate and up rows alternating.
+        if config.names.fused_experts != FusedExperts::InterleavedInputMajor {
+            return Err(ModelError::config(
+                ckpt.dir(),
+                format!("`{gate_up}_blocks`: MXFP4 experts are read for GPT-OSS only"),
+            ));
+        }
+        return (0..n)
+            .map(|e| {
+                Ok(Expert {
+                    w1: ckpt.mxfp4_rows(&gate_up, [n, 2 * i, h], e, (0, 2))?,
+                    w3: ckpt.mxfp4_rows(&gate_up, [n, 2 * i, h], e, (1, 2))?,
+                    w2: ckpt.mxfp4_rows(&down_name, [n, h, i], e, (0, 1))?,
+                    bias: biases(e)?,
+                    activation,
+                })
+            })
+            .collect();
+    }
     if ckpt.contains(&gate_up) {
         return (0..n)
             .map(|e| {
