@@ -57,6 +57,15 @@ pub(super) fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
             .into_par_iter()
             .map(|i| T::from_f32(v[i].to_f32() * blocks.at(i / blocks.k, i % blocks.k)))
             .collect(),
+        // MXFP4 likewise (GPT-OSS does not reach the device yet: `DeviceModel::build` refuses
+        // its sinks and biased experts).
+        WeightData::Mxfp4(p) => {
+            let [n, k] = p.shape();
+            (0..n * k)
+                .into_par_iter()
+                .map(|i| T::from_f32(p.value(i / k, i % k)))
+                .collect()
+        }
     }
 }
 
