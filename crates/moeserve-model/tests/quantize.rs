@@ -46,6 +46,10 @@ fn quantized_checkpoint_loads_its_gptq_integers() {
     assert_eq!(report.matrices, c.num_hidden_layers * per_layer + 1);
     assert_eq!(report.calibration_tokens, 4 * 24);
     assert!(stored_int8(out.path()).unwrap() && !stored_int8(&src).unwrap());
+    // The quantized releases the server takes as they are: FP8 blocks and MXFP4 experts.
+    for case in ["deepseek-v3-fp8", "gpt-oss-mxfp4"] {
+        assert!(!stored_int8(&fixtures_dir().join(case)).unwrap(), "{case}");
+    }
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
             .unwrap();

@@ -594,14 +594,15 @@ pub fn stored_int8(dir: &Path) -> Result<bool> {
         None => Ok(false),
         Some(q) => match q.get("quant_method").and_then(Value::as_str) {
             Some(QUANT_METHOD) => Ok(true),
-            // FP8 block checkpoints run their FP8 weights (`checkpoint`), int8 only if asked.
-            Some("fp8") => Ok(false),
+            // FP8 block checkpoints run their FP8 weights (`checkpoint`), int8 only if asked;
+            // GPT-OSS's MXFP4 experts stay 4-bit.
+            Some("fp8" | "mxfp4") => Ok(false),
             other => Err(ModelError::config(
                 &path,
                 format!(
                     "quantization_config.quant_method {other:?} is not supported (only \
-                     {QUANT_METHOD:?}, written by `moeserve quantize`, and \"fp8\" block \
-                     checkpoints)"
+                     {QUANT_METHOD:?}, written by `moeserve quantize`, \"fp8\" block \
+                     checkpoints and GPT-OSS's \"mxfp4\")"
                 ),
             )),
         },

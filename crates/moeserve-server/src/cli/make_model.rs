@@ -12,7 +12,8 @@ use moeserve_formats::presets::{MakeModelOptions, Preset, make_model};
 #[derive(Debug, Args)]
 pub struct MakeModelArgs {
     /// A random preset (mixtral-tiny, mixtral-bench-1b, mixtral-8x7b-2l, mixtral-wide,
-    /// qwen3-moe-30b-a3b-2l, qwen3-moe-tiny, deepseek-v2-lite-2l, deepseek-v3-2l, deepseek-v3-tiny).
+    /// qwen3-moe-30b-a3b-2l, qwen3-moe-tiny, deepseek-v2-lite-2l, deepseek-v3-2l, deepseek-v3-tiny,
+    /// gpt-oss-20b-2l, gpt-oss-20b-2l-bf16, gpt-oss-tiny, gpt-oss-tiny-bf16).
     #[arg(
         long,
         conflicts_with = "from_gguf",

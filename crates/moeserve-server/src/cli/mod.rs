@@ -30,8 +30,8 @@ pub struct Cli {
 enum Command {
     /// Generate text for one prompt (offline, no server).
     Generate(generate::GenerateArgs),
-    /// Write a checkpoint: a random preset (Mixtral or Qwen3-MoE), or a dense GGUF upcycled into
-    /// a Mixtral.
+    /// Write a checkpoint: a random preset (Mixtral, Qwen3-MoE, DeepSeek, GPT-OSS), or a dense
+    /// GGUF upcycled into a Mixtral.
     MakeModel(make_model::MakeModelArgs),
     /// Write an int8 checkpoint made with GPTQ, calibrated on text sampled from the model.
     Quantize(quantize::QuantizeArgs),
