@@ -449,4 +449,47 @@ mod tests {
         );
         assert_eq!(got, portable);
     }
+
+    #[test]
+    fn mxfp4_experts_equal_their_dequantized_values_bit_for_bit() {
+        // GPT-OSS's MXFP4 experts through both phases: the same bits as f32 experts holding
+        // the dequantised values, biases and the clamped activation included.
+        use crate::cpu::reference::mxfp4_weight_of;
+        let (hidden, inter) = (64, 96);
+        let mxfp4 = [
+            mxfp4_weight_of(vec![inter, hidden], &pseudo_random(inter * hidden, 21)),
+            mxfp4_weight_of(vec![inter, hidden], &pseudo_random(inter * hidden, 22)),
+            mxfp4_weight_of(vec![hidden, inter], &pseudo_random(hidden * inter, 23)),
+        ];
+        let f32s = mxfp4
+            .each_ref()
+            .map(|w| weight_of(DType::F32, w.shape().to_vec(), &w.to_f32_vec()));
+        let bias = ExpertBias {
+            gate: pseudo_random(inter, 24),
+            up: pseudo_random(inter, 25),
+            down: pseudo_random(hidden, 26),
+        };
+        let rows = [1, 13];
+        let run = |[w1, w3, w2]: &[Weight; 3]| {
+            let experts: Vec<ExpertRows<'_>> = rows
+                .iter()
+                .map(|&rows| ExpertRows {
+                    rows,
+                    w1,
+                    w3,
+                    w2,
+                    bias: Some(&bias),
+                    activation: GatedActivation::ClampedSwiglu {
+                        alpha: 1.702,
+                        limit: 0.8,
+                    },
+                })
+                .collect();
+            let x = pseudo_random(rows.iter().sum::<usize>() * hidden, 27);
+            let mut out = vec![f32::NAN; x.len()];
+            grouped_swiglu(&x, &experts[..], &mut out);
+            out
+        };
+        assert_eq!(run(&mxfp4), run(&f32s));
+    }
 }
