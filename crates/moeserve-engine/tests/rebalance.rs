@@ -17,9 +17,11 @@ use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
 
 const THRESHOLD: f64 = 1.3;
 
-/// mixtral-swa (8 experts, top-2) with expert 0 made the favourite of every token.
-fn skewed_assets() -> Arc<ModelAssets> {
-    let mut assets = ModelAssets::load(&repo_root().join("tests/fixtures/mixtral-swa")).unwrap();
+/// A fixture of 8 experts, top-2 (mixtral-swa; gpt-oss-mxfp4, whose experts move as their
+/// 4-bit panels) with expert 0 made the favourite of every token.
+fn skewed_assets(case: &str) -> Arc<ModelAssets> {
+    let dir = repo_root().join("tests/fixtures").join(case);
+    let mut assets = ModelAssets::load(&dir).unwrap();
     let mut bias = vec![0.0; 8];
     bias[0] = 8.0;
     assets.model.add_router_bias(&bias).unwrap();
@@ -71,7 +73,13 @@ fn run(assets: &Arc<ModelAssets>, config: &EngineConfig) -> (Vec<GenerateOutput>
 
 #[test]
 fn skewed_load_is_rebalanced_under_the_threshold_with_outputs_unchanged() {
-    let assets = skewed_assets();
+    for case in ["mixtral-swa", "gpt-oss-mxfp4"] {
+        rebalanced_under_the_threshold_with_outputs_unchanged(case);
+    }
+}
+
+fn rebalanced_under_the_threshold_with_outputs_unchanged(case: &str) {
+    let assets = skewed_assets(case);
     let (fixed, fixed_engine) = run(&assets, &config(0));
     let before = fixed_engine.core().moe_stats();
     assert!(
@@ -82,7 +90,7 @@ fn skewed_load_is_rebalanced_under_the_threshold_with_outputs_unchanged() {
     let (rebalanced, engine) = run(&assets, &config(8));
     let after = engine.core().moe_stats();
     eprintln!(
-        "imbalance {} → {}; records {:?}",
+        "{case}: imbalance {} → {}; records {:?}",
         before.step_imbalance, after.step_imbalance, after.rebalances
     );
     assert!(after.num_rebalances >= 1, "{after:?}");
