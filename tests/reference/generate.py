@@ -23,7 +23,8 @@ What it makes (the file formats are a contract with the Rust tests):
      and OLMoE (q/k norm over the flat projections, clip_qkv) checkpoints, in set A's layout
      with the dense layers and term ablations in manifest.json. See moe_family_cases.py.
   G. gpt-oss/  a tiny random GPT-OSS (attention sinks, alternating sliding and full layers,
-     YaRN, biased router and experts with the clamped SwiGLU). See gpt_oss_cases.py.
+     YaRN, biased router and experts with the clamped SwiGLU), and gpt-oss-mxfp4/, the same
+     weights with MXFP4 experts as released. See gpt_oss_cases.py.
 
 How to run (from the repository root, CPU only, ~5 minutes):
     python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
