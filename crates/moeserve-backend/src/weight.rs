@@ -67,6 +67,9 @@ pub struct Weight {
     /// An MXFP4 matrix's panels, its only copy (set exactly when the dtype is `Mxfp4`; the
     /// bytes are then empty and `packed` holds the same panels).
     mxfp4: Option<Arc<Mxfp4Panels>>,
+    /// Packed at load from a layout the kernels cannot read ([`Weight::prepacked`]): the
+    /// bytes are empty and the panels are the only copy.
+    prepacked: bool,
 }
 
 impl std::fmt::Debug for Weight {
@@ -128,7 +131,44 @@ impl Weight {
             int8: None,
             block_scales: None,
             mxfp4: Some(panels),
+            prepacked: false,
         }
+    }
+
+    /// A float matrix (f32, f16, bf16) already in the kernels' panels, made at load from a
+    /// layout they cannot read (GPT-OSS's input-major experts), so no row-major copy is kept.
+    /// For processes whose kernels pack weights and that run them as stored (no
+    /// `--quantization`): elements read back through the panels.
+    pub fn prepacked(dtype: DType, packed: PackedWeight) -> Result<Self> {
+        let shape = match &packed {
+            PackedWeight::F32(w) if dtype == DType::F32 => vec![w.n, w.k],
+            PackedWeight::F16(w) if dtype == DType::F16 => vec![w.n, w.k],
+            PackedWeight::BF16(w) if dtype == DType::BF16 => vec![w.n, w.k],
+            _ => {
+                return Err(BackendError::ShapeMismatch {
+                    op: "Weight::prepacked: float panels of the weight's dtype",
+                    expected: vec![],
+                    got: vec![],
+                });
+            }
+        };
+        Ok(Weight {
+            dtype,
+            shape,
+            bytes: WeightBytes::owned(&[]),
+            packed: Arc::new(OnceLock::from(packed)),
+            quantizable: false,
+            int8: None,
+            block_scales: None,
+            mxfp4: None,
+            prepacked: true,
+        })
+    }
+
+    /// Whether the panels are this weight's only copy ([`Weight::prepacked`]): no row-major
+    /// [`Weight::data`].
+    pub fn is_prepacked(&self) -> bool {
+        self.prepacked
     }
 
     fn new_unchecked(dtype: DType, shape: Vec<usize>, bytes: WeightBytes) -> Result<Self> {
@@ -157,6 +197,7 @@ impl Weight {
             int8: None,
             block_scales: None,
             mxfp4: None,
+            prepacked: false,
         })
     }
 
@@ -185,6 +226,7 @@ impl Weight {
     pub fn size_in_bytes(&self) -> usize {
         match &self.mxfp4 {
             Some(p) => p.size_in_bytes(),
+            None if self.prepacked => self.packed().size_in_bytes(),
             None => self.bytes.as_slice().len(),
         }
     }
@@ -193,8 +235,14 @@ impl Weight {
         self.bytes.as_slice()
     }
 
-    /// The elements, typed; alignment was established in [`Weight::new`].
+    /// The elements, typed; alignment was established in [`Weight::new`]. Not for a
+    /// [`Weight::prepacked`] one (read it with [`Weight::to_f32_vec`] or the kernels).
     pub fn data(&self) -> WeightData<'_> {
+        assert!(
+            !self.prepacked,
+            "Weight::data of a prepacked {:?} weight: its panels are its only copy",
+            self.shape
+        );
         let b = self.bytes.as_slice();
         match self.dtype {
             DType::F32 => WeightData::F32(bytemuck::cast_slice(b)),
@@ -219,6 +267,12 @@ impl Weight {
         if let Some(p) = &self.mxfp4 {
             return Weight::mxfp4((**p).clone());
         }
+        if self.prepacked {
+            return Weight {
+                packed: Arc::new(OnceLock::from(self.packed().clone())),
+                ..self.clone()
+            };
+        }
         Weight {
             bytes: WeightBytes::owned(self.as_bytes()),
             packed: Arc::default(),
@@ -236,6 +290,13 @@ impl Weight {
     /// quantizing the stored values; the stored values stay for runs without `--quantization`.
     /// The clone gets its own packed form (a tied embedding keeps its rows as stored).
     pub fn with_int8(&self, rows: Int8Rows) -> Result<Self> {
+        if self.prepacked {
+            return Err(BackendError::ShapeMismatch {
+                op: "Weight::with_int8 of a prepacked weight (made only when running as stored)",
+                expected: self.shape.clone(),
+                got: vec![],
+            });
+        }
         let (n, k) = match self.shape[..] {
             [n, k] => (n, k),
             _ => (0, 0),
@@ -289,6 +350,10 @@ impl Weight {
 
     /// Element `i` of the flattened tensor as f32 (slow; for small tensors and tests).
     pub fn get_f32(&self, i: usize) -> f32 {
+        if self.prepacked {
+            let k = self.shape[1];
+            return self.packed().float_value(i / k, i % k);
+        }
         match self.data() {
             WeightData::F32(v) => v[i],
             WeightData::F16(v) => v[i].to_f32(),
@@ -300,6 +365,9 @@ impl Weight {
 
     /// The whole tensor widened to f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {
+        if self.prepacked {
+            return (0..self.numel()).map(|i| self.get_f32(i)).collect();
+        }
         let mut out = vec![0.0; self.numel()];
         crate::cpu::convert::widen_into(self.data(), &mut out);
         out

@@ -220,8 +220,9 @@ impl Checkpoint {
     /// Expert `index`'s matrix of an input-major fused tensor `name` (`[E, k, n·step]`, each
     /// expert's `[k, n·step]` in `x · W` order, as GPT-OSS stores `gate_up_proj`): its columns
     /// `first, first + step, …` transposed into the kernels' `[n, k]` rows, in the stored
-    /// dtype. A copy (the kernels read output rows); its int8 form, where `moeserve quantize`
-    /// stored one, is `{int8_prefix}.qweight`.
+    /// dtype. When the kernels pack and run the stored values, packed straight into their
+    /// panels (the only copy, [`Weight::prepacked`]); else a transposed copy. Its int8 form,
+    /// where `moeserve quantize` stored one, is `{int8_prefix}.qweight`.
     pub fn weight_columns(
         &self,
         name: &str,
@@ -254,6 +255,32 @@ impl Checkpoint {
         let size = dtype.size_in_bytes();
         let bytes = &self.files[entry.file].1[entry.start..entry.end];
         let expert = &bytes[index * k * cols * size..][..k * cols * size];
+        // Kernels that pack and run the stored values: packed straight from the mapped
+        // columns, the panels the only copy (a transposed copy would be a second one).
+        if !self.as_stored
+            && weight_quantization() == WeightQuantization::None
+            && moeserve_backend::cpu::isa().packs_weights()
+        {
+            use moeserve_backend::cpu::packed::{PackedPanels, PackedWeight};
+            let packed = match dtype {
+                DType::F32 => PackedWeight::F32(PackedPanels::pack_columns(
+                    &typed::<f32>(expert),
+                    k,
+                    (first, step),
+                )),
+                DType::F16 => PackedWeight::F16(PackedPanels::pack_columns(
+                    &typed::<half::f16>(expert),
+                    k,
+                    (first, step),
+                )),
+                _ => PackedWeight::BF16(PackedPanels::pack_columns(
+                    &typed::<half::bf16>(expert),
+                    k,
+                    (first, step),
+                )),
+            };
+            return Ok(Weight::prepacked(dtype, packed)?);
+        }
         let mut rows = vec![0u8; n * k * size];
         for (r, row) in rows.chunks_exact_mut(k * size).enumerate() {
             let col = first + r * step;
@@ -426,6 +453,14 @@ impl Checkpoint {
             end: entry.end,
         };
         Ok(Weight::fp8(part_shape.to_vec(), bytes, scales)?)
+    }
+}
+
+/// `bytes` as `T`s: a view when they are aligned for `T`, else a copy.
+fn typed<T: bytemuck::Pod>(bytes: &[u8]) -> std::borrow::Cow<'_, [T]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(values) => std::borrow::Cow::Borrowed(values),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
     }
 }
 

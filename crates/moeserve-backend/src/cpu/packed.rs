@@ -20,6 +20,7 @@ use crate::WeightData;
 pub const PANEL: usize = 32;
 
 /// A weight in panel layout; elements keep their stored type.
+#[derive(Clone)]
 pub enum PackedWeight {
     F32(PackedPanels<f32>),
     F16(PackedPanels<f16>),
@@ -49,6 +50,7 @@ pub enum PackedWeight {
 /// The scales and offsets of an int8 weight's groups, each in panel layout
 /// `[num_panels, k.div_ceil(GROUP), PANEL]` (padding rows 0): a group's 32 scales are one
 /// contiguous pair of vectors, and so are its offsets.
+#[derive(Clone)]
 pub struct Int8Groups {
     pub scales: Vec<f32>,
     pub offsets: Vec<f32>,
@@ -73,6 +75,7 @@ pub struct PanelGroups<'a> {
 }
 
 /// `num_panels × k × PANEL` elements.
+#[derive(Clone)]
 pub struct PackedPanels<T> {
     pub n: usize,
     pub k: usize,
@@ -91,6 +94,33 @@ impl<T: Copy + Default> PackedPanels<T> {
                 let row = &src[(q * PANEL + r) * k..(q * PANEL + r + 1) * k];
                 for (p, v) in row.iter().enumerate() {
                     panel[p * PANEL + r] = *v;
+                }
+            }
+        }
+        PackedPanels { n, k, data }
+    }
+
+    /// Packs the `[n, k]` matrix whose row `r` is column `first + r · step` of the input-major
+    /// `src: [k, n · step]` (GPT-OSS's `gate_up_proj` / `down_proj`), with no row-major copy.
+    pub fn pack_columns(src: &[T], k: usize, (first, step): (usize, usize)) -> Self {
+        let cols = src.len() / k;
+        assert!(src.len() == k * cols && first < step && cols.is_multiple_of(step));
+        let n = cols / step;
+        let num_panels = n.div_ceil(PANEL);
+        let len = num_panels * k * PANEL;
+        let mut data: Vec<T> = Vec::with_capacity(len);
+        advise_huge_pages(data.as_mut_ptr() as *mut u8, len * std::mem::size_of::<T>());
+        data.resize(len, T::default());
+        for (q, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
+            let rows = PANEL.min(n - q * PANEL);
+            for (p, (position, stored)) in panel
+                .chunks_exact_mut(PANEL)
+                .zip(src.chunks_exact(cols))
+                .enumerate()
+            {
+                debug_assert!(p < k);
+                for (c, v) in position[..rows].iter_mut().enumerate() {
+                    *v = stored[first + (q * PANEL + c) * step];
                 }
             }
         }
@@ -158,6 +188,20 @@ impl PackedWeight {
         }
     }
 
+    /// Element `(r, p)` of a float weight's panels (f32, f16, bf16), as f32.
+    pub fn float_value(&self, r: usize, p: usize) -> f32 {
+        let at = |n: usize, k: usize| {
+            debug_assert!(r < n && p < k);
+            ((r / PANEL) * k + p) * PANEL + r % PANEL
+        };
+        match self {
+            PackedWeight::F32(w) => w.data[at(w.n, w.k)],
+            PackedWeight::F16(w) => w.data[at(w.n, w.k)].to_f32(),
+            PackedWeight::BF16(w) => w.data[at(w.n, w.k)].to_f32(),
+            _ => unreachable!("only float panels are read back element by element"),
+        }
+    }
+
     /// Bytes the kernels read for one pass over the weight (scales included).
     pub fn size_in_bytes(&self) -> usize {
         match self {
@@ -220,5 +264,20 @@ mod tests {
         // Row 32 is the first row of panel 1; rows 33.. are padding.
         assert_eq!(packed.panel(1)[0], src[32 * k]);
         assert_eq!(packed.panel(1)[1], 0.0);
+    }
+
+    #[test]
+    fn columns_of_an_input_major_matrix_pack_as_its_transposed_rows() {
+        // src [k, n·step]: rows r of the packed matrix are columns first + r·step.
+        let (k, n, step) = (5, 35, 2);
+        let src: Vec<f32> = (0..k * n * step).map(|i| i as f32).collect();
+        for first in 0..step {
+            let rows: Vec<f32> = (0..n)
+                .flat_map(|r| (0..k).map(move |p| (p * n * step + first + r * step) as f32))
+                .collect();
+            let want = PackedPanels::pack(&rows, n, k);
+            let got = PackedPanels::pack_columns(&src, k, (first, step));
+            assert_eq!((got.n, got.k, &got.data), (want.n, want.k, &want.data));
+        }
     }
 }

@@ -47,6 +47,9 @@ pub(super) trait WeightSource<T> {
 
 /// A host weight's values as `T` (exact when the dtypes agree; converted once otherwise).
 pub(super) fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
+    if w.is_prepacked() {
+        return w.to_f32_vec().par_iter().map(|x| T::from_f32(*x)).collect();
+    }
     match w.data() {
         WeightData::F32(v) => v.par_iter().map(|x| T::from_f32(*x)).collect(),
         WeightData::F16(v) => v.par_iter().map(|x| T::from_f32(x.to_f32())).collect(),
