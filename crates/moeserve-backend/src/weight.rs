@@ -145,10 +145,8 @@ impl Weight {
             PackedWeight::F16(w) if dtype == DType::F16 => vec![w.n, w.k],
             PackedWeight::BF16(w) if dtype == DType::BF16 => vec![w.n, w.k],
             _ => {
-                return Err(BackendError::ShapeMismatch {
-                    op: "Weight::prepacked: float panels of the weight's dtype",
-                    expected: vec![],
-                    got: vec![],
+                return Err(BackendError::Prepacked {
+                    message: format!("a {dtype} weight needs float panels of that dtype"),
                 });
             }
         };
@@ -291,10 +289,12 @@ impl Weight {
     /// The clone gets its own packed form (a tied embedding keeps its rows as stored).
     pub fn with_int8(&self, rows: Int8Rows) -> Result<Self> {
         if self.prepacked {
-            return Err(BackendError::ShapeMismatch {
-                op: "Weight::with_int8 of a prepacked weight (made only when running as stored)",
-                expected: self.shape.clone(),
-                got: vec![],
+            return Err(BackendError::Prepacked {
+                message: format!(
+                    "{:?} has no rows to take int8 ones beside (prepacked only when running as \
+                     stored)",
+                    self.shape
+                ),
             });
         }
         let (n, k) = match self.shape[..] {
