@@ -1,6 +1,6 @@
-//! Random Mixtral, Qwen3-MoE and DeepSeek checkpoints for tests and benchmarks, written in Hugging Face
-//! format with hub tensor names and a byte-level tokenizer, so they load and take text like a
-//! real model.
+//! Random Mixtral, Qwen3-MoE, DeepSeek and GPT-OSS checkpoints for tests and benchmarks,
+//! written in Hugging Face format with hub tensor names and a byte-level tokenizer, so they load
+//! and take text like a real model.
 //!
 //! Weights are deterministic: every tensor comes from its own ChaCha8 stream keyed by
 //! `(seed, tensor name)` (see `convert::TensorRng`), so the same seed gives the same bytes on
