@@ -25,8 +25,10 @@ use serde_json::{Value, json};
 const NUM_CLIENTS: usize = 220;
 const WARM_UP: Duration = Duration::from_secs(12);
 const DEFAULT_SOAK_SECONDS: u64 = 40;
-/// Resident memory may grow this much over the last round (some 7,000 requests on the CI
-/// machine: a leak of 1 KiB per request exceeds it).
+/// Resident memory may grow this much over one of the two measured rounds (some 6,000–7,000
+/// requests each on the CI machine: a leak of 1.3 KiB per request exceeds it in both). The
+/// allocator's high-water mark can step up once, by 9–13 MiB, in either round (seen on the CI
+/// machine, the other round then growing under 1 MiB), so a leak is growth in both rounds.
 const MAX_RSS_GROWTH_BYTES: u64 = 8 << 20;
 
 /// A small deterministic generator (xorshift64*), one per client.
@@ -248,9 +250,12 @@ async fn hundreds_of_streaming_clients_with_random_disconnects_leave_nothing_beh
     assert!(measured.dropped_mid_stream.load(Ordering::Relaxed) > 0);
     assert!(measured.dropped_early.load(Ordering::Relaxed) > 0);
     assert!(measured.dropped_tokenizing.load(Ordering::Relaxed) > 0);
+    let growth = |from: u64, to: u64| to.saturating_sub(from);
+    let least = growth(after_warm_up, after_first).min(growth(after_first, after_soak));
     assert!(
-        after_soak <= after_first + MAX_RSS_GROWTH_BYTES,
-        "resident memory grew from {:.1} MiB to {:.1} MiB over the last round",
+        least <= MAX_RSS_GROWTH_BYTES,
+        "resident memory grew in both measured rounds: {:.1} → {:.1} → {:.1} MiB",
+        mib(after_warm_up),
         mib(after_first),
         mib(after_soak)
     );
