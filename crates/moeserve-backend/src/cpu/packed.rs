@@ -84,11 +84,7 @@ pub struct PackedPanels<T> {
 
 impl<T: Copy + Default> PackedPanels<T> {
     pub(super) fn pack(src: &[T], n: usize, k: usize) -> Self {
-        let num_panels = n.div_ceil(PANEL);
-        let len = num_panels * k * PANEL;
-        let mut data: Vec<T> = Vec::with_capacity(len);
-        advise_huge_pages(data.as_mut_ptr() as *mut u8, len * std::mem::size_of::<T>());
-        data.resize(len, T::default());
+        let mut data = zeroed_panels::<T>(n, k);
         for (q, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
             for r in 0..PANEL.min(n - q * PANEL) {
                 let row = &src[(q * PANEL + r) * k..(q * PANEL + r + 1) * k];
@@ -106,11 +102,7 @@ impl<T: Copy + Default> PackedPanels<T> {
         let cols = src.len() / k;
         assert!(src.len() == k * cols && first < step && cols.is_multiple_of(step));
         let n = cols / step;
-        let num_panels = n.div_ceil(PANEL);
-        let len = num_panels * k * PANEL;
-        let mut data: Vec<T> = Vec::with_capacity(len);
-        advise_huge_pages(data.as_mut_ptr() as *mut u8, len * std::mem::size_of::<T>());
-        data.resize(len, T::default());
+        let mut data = zeroed_panels::<T>(n, k);
         for (q, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
             let rows = PANEL.min(n - q * PANEL);
             for (p, (position, stored)) in panel
@@ -137,6 +129,15 @@ impl<T> PackedPanels<T> {
     pub fn panel(&self, q: usize) -> &[T] {
         &self.data[q * self.k * PANEL..(q + 1) * self.k * PANEL]
     }
+}
+
+/// The zeroed `num_panels × k × PANEL` elements of an `[n, k]` weight, on huge pages.
+fn zeroed_panels<T: Copy + Default>(n: usize, k: usize) -> Vec<T> {
+    let len = n.div_ceil(PANEL) * k * PANEL;
+    let mut data: Vec<T> = Vec::with_capacity(len);
+    advise_huge_pages(data.as_mut_ptr() as *mut u8, len * std::mem::size_of::<T>());
+    data.resize(len, T::default());
+    data
 }
 
 /// Asks for 2 MiB pages behind a weight buffer before it is first touched: decode streams every
