@@ -682,6 +682,16 @@ mod tests {
     use crate::cpu::reference::{self, pseudo_random, weight_of};
     use moeserve_core::DType;
 
+    /// Every element of `got` within 1e-5 (relative, plus an absolute 1e-5) of `want`.
+    fn assert_close(got: &[f32], want: &[f32], what: &str) {
+        for (a, b) in got.iter().zip(want) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{what}: {a} vs {b}"
+            );
+        }
+    }
+
     #[test]
     fn matches_scalar_reference_for_every_dtype_and_odd_sizes() {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
@@ -837,12 +847,7 @@ mod tests {
             let deq: Vec<f32> = (0..n * k).map(|i| rows.dequantized(i, k)).collect();
             let mut want = vec![0.0; m * n];
             reference::matmul_wt(&x, m, &deq, n, &mut want);
-            for (a, b) in got.iter().zip(&want) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "{m}x{n}x{k}: {a} vs {b}"
-                );
-            }
+            assert_close(&got, &want, &format!("{m}x{n}x{k}"));
             for i in 0..m {
                 assert_eq!(
                     &got[i * n..(i + 1) * n],
@@ -913,13 +918,7 @@ mod tests {
             if isa().packs_weights() {
                 assert_eq!(got, run(&deq, &x, m), "{m}x{n}x{k}");
             } else {
-                let want = run(&deq, &x, m);
-                for (a, b) in got.iter().zip(&want) {
-                    assert!(
-                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                        "{m}x{n}x{k}: {a} vs {b}"
-                    );
-                }
+                assert_close(&got, &run(&deq, &x, m), &format!("{m}x{n}x{k}"));
             }
             for i in 0..m {
                 assert_eq!(
