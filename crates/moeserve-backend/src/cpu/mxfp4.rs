@@ -163,6 +163,19 @@ fn widen_portable(codes: &[u8], scales: &[u8], dst: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 const POSITIONS_PER_LINE: usize = 64 / (PANEL / 2);
 
+/// At the first position `p` of each line of codes (at `pos`), prefetches the line the
+/// microkernels' distance ahead (the codes stream as a bf16 panel does).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(pos: *const u8, p: usize) {
+    use std::arch::x86_64::{_MM_HINT_T2, _mm_prefetch};
+    if p.is_multiple_of(POSITIONS_PER_LINE) {
+        let ahead = pos.wrapping_add(super::avx512::PREFETCH_BYTES);
+        // SAFETY: a prefetch of any address is harmless (it never faults).
+        unsafe { _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8) };
+    }
+}
+
 /// 16 lanes: the lookup is one `vpermps` of the whole table (it reads an index's low 4 bits, so
 /// the low nibble needs no mask), the scale's bits the exponent shifted into place.
 ///
@@ -190,10 +203,7 @@ unsafe fn widen_avx512(codes: &[u8], scales: &[u8], dst: &mut [f32]) {
             let out = dst.as_mut_ptr().add(b * BLOCK * PANEL);
             for p in 0..BLOCK {
                 let pos = block.as_ptr().add(p * PANEL / 2);
-                if p % POSITIONS_PER_LINE == 0 {
-                    let ahead = pos.wrapping_add(super::avx512::PREFETCH_BYTES);
-                    _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8);
-                }
+                prefetch_ahead(pos, p);
                 let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(pos as *const __m128i));
                 let lo = _mm512_permutexvar_ps(idx, table);
                 let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(idx), table);
@@ -240,10 +250,7 @@ unsafe fn widen_avx2(codes: &[u8], scales: &[u8], dst: &mut [f32]) {
             let out = dst.as_mut_ptr().add(b * BLOCK * PANEL);
             for p in 0..BLOCK {
                 let pos = block.as_ptr().add(p * PANEL / 2);
-                if p % POSITIONS_PER_LINE == 0 {
-                    let ahead = pos.wrapping_add(super::avx512::PREFETCH_BYTES);
-                    _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8);
-                }
+                prefetch_ahead(pos, p);
                 // Bytes 0..8 hold rows 0..8 (low) and 16..24 (high); bytes 8..16 rows 8..16
                 // and 24..32.
                 let (a, c) = (bytes8(pos), bytes8(pos.add(8)));
