@@ -109,6 +109,18 @@ def deepseek_server(tmp_path_factory):
     running.stop()
 
 
+HARMONY_FIXTURE = ROOT / "tests" / "fixtures" / "gpt-oss-harmony"
+
+
+@pytest.fixture(scope="module")
+def harmony_server():
+    """The GPT-OSS fixture whose weights answer in the harmony format: reasoning on the
+    analysis channel, then the answer on the final channel (tests/reference/gpt_oss_harmony.py)."""
+    running = RunningServer(HARMONY_FIXTURE)
+    yield running
+    running.stop()
+
+
 def make_client(server, api_key=API_KEY):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=api_key, max_retries=0,
                          timeout=60)
@@ -210,3 +222,31 @@ def test_a_deepseek_v2_lite_model_answers_and_shows_its_shared_experts_apart(dee
     # the shared experts, counted apart.
     assert sum(layer["cumulative_load"]) == layer["pairs"] > 0
     assert layer["pairs"] == 6 * layer["shared_expert_tokens"]
+
+
+def test_a_gpt_oss_reply_comes_back_split_into_reasoning_and_content(harmony_server):
+    manifest = json.loads((HARMONY_FIXTURE / "manifest.json").read_text())
+    cases = json.loads((HARMONY_FIXTURE / "chat_cases.json").read_text())
+    client = make_client(harmony_server)
+    for case in cases:
+        common = dict(model="gpt-oss-harmony", messages=case["messages"], temperature=0)
+        plain = client.chat.completions.create(**common)
+        choice = plain.choices[0]
+        assert choice.message.content == manifest["answer"]
+        assert choice.message.reasoning_content == manifest["reasoning"]
+        # The model stopped on <|return|>, after exactly the tokens transformers gave.
+        assert choice.finish_reason == "stop"
+        assert plain.usage.completion_tokens == len(case["greedy_ids"])
+        assert plain.usage.prompt_tokens == len(case["ids"])
+
+        chunks = list(client.chat.completions.create(stream=True, **common))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = [getattr(d, "reasoning_content", None) or "" for d in deltas]
+        content = [d.content or "" for d in deltas]
+        assert "".join(reasoning) == manifest["reasoning"]
+        assert "".join(content) == manifest["answer"]
+        # The reasoning streams first, then the answer; no chunk mixes them.
+        last_reasoning = max(i for i, r in enumerate(reasoning) if r)
+        first_content = min(i for i, c in enumerate(content) if c)
+        assert last_reasoning < first_content
+        assert not any(r and c for r, c in zip(reasoning, content))

@@ -24,7 +24,10 @@ What it makes (the file formats are a contract with the Rust tests):
      with the dense layers and term ablations in manifest.json. See moe_family_cases.py.
   G. gpt-oss/  a tiny random GPT-OSS (attention sinks, alternating sliding and full layers,
      YaRN, biased router and experts with the clamped SwiGLU), and gpt-oss-mxfp4/, the same
-     weights with MXFP4 experts as released. See gpt_oss_cases.py.
+     weights with MXFP4 experts as released. See gpt_oss_cases.py. And gpt-oss-harmony/, a
+     GPT-OSS whose weights are set to answer in the harmony format (reasoning, then the final
+     answer), with a tokenizer holding GPT-OSS's special tokens, moeserve's harmony template
+     and chat_cases.json rendered by transformers. See gpt_oss_harmony.py.
 
 How to run (from the repository root, CPU only, ~5 minutes):
     python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
@@ -104,6 +107,9 @@ def main(argv: list[str]) -> int:
 
             for case in gpt_oss_cases.CASES:
                 gpt_oss_cases.generate_case(case, FIXTURES_DIR, provenance)
+            import gpt_oss_harmony  # noqa: PLC0415
+
+            gpt_oss_harmony.generate(FIXTURES_DIR, provenance)
         print(f"[{section}] done in {time.time() - started:.1f}s")
     return 0
 

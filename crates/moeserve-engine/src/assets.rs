@@ -3,9 +3,11 @@
 use std::path::Path;
 
 use moeserve_backend::device::Device;
+use moeserve_model::config::Architecture;
 use moeserve_model::models::MoeModel;
 use moeserve_text::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use moeserve_text::generation_config::GenerationConfig;
+use moeserve_text::harmony::HarmonyTokens;
 use moeserve_text::tokenizer::Tokenizer;
 
 use crate::request::Prompt;
@@ -19,6 +21,9 @@ pub struct ModelAssets {
     pub tokenizer: Option<Tokenizer>,
     pub chat_template: Option<ChatTemplate>,
     pub generation_config: GenerationConfig,
+    /// GPT-OSS with a tokenizer holding the harmony tokens: chat replies are split into
+    /// reasoning and content by their channels.
+    pub harmony: Option<HarmonyTokens>,
 }
 
 impl ModelAssets {
@@ -39,8 +44,13 @@ impl ModelAssets {
         } else {
             None
         };
+        let harmony = match model.config().architecture {
+            Architecture::GptOss => tokenizer.as_ref().and_then(HarmonyTokens::from_tokenizer),
+            _ => None,
+        };
         Ok(ModelAssets {
             model,
+            harmony,
             tokenizer,
             chat_template: ChatTemplate::from_dir(dir)?,
             generation_config: GenerationConfig::from_dir(dir)?,

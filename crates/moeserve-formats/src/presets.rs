@@ -1,6 +1,7 @@
 //! Random Mixtral, Qwen3-MoE, DeepSeek and GPT-OSS checkpoints for tests and benchmarks,
 //! written in Hugging Face format with hub tensor names and a byte-level tokenizer, so they load
-//! and take text like a real model.
+//! and take text like a real model. GPT-OSS presets carry the harmony format's special tokens
+//! and moeserve's harmony chat template; the others ChatML.
 //!
 //! Weights are deterministic: every tensor comes from its own ChaCha8 stream keyed by
 //! `(seed, tensor name)` (see `convert::TensorRng`), so the same seed gives the same bytes on
@@ -361,11 +362,62 @@ impl std::fmt::Display for MadeModel {
 
 const BOS_ID: u32 = 1;
 const EOS_ID: u32 = 2;
-const SPECIAL_TOKENS: [&str; 5] = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"];
 /// ChatML, as SmolLM2's template without its default system prompt.
 const CHAT_TEMPLATE: &str = "{% for message in messages %}\
      {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}\
      {% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// A preset's special tokens (at ids 0.., before the 256 bytes) and chat template.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChatFormat {
+    pub special_tokens: &'static [&'static str],
+    pub template: &'static str,
+    /// Indices into `special_tokens`.
+    pub bos: usize,
+    pub eos: usize,
+    pub unk: Option<usize>,
+    /// Every id generation stops at (`generation_config.json`'s `eos_token_id`).
+    pub stop: &'static [u32],
+}
+
+impl ChatFormat {
+    pub const CHATML: ChatFormat = ChatFormat {
+        special_tokens: &["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        template: CHAT_TEMPLATE,
+        bos: BOS_ID as usize,
+        eos: EOS_ID as usize,
+        unk: Some(0),
+        stop: &[EOS_ID],
+    };
+    /// GPT-OSS's special tokens (o200k_harmony's names); `<|return|>` at [`EOS_ID`], and a
+    /// reply also stops at `<|call|>` and `<|endoftext|>`, as the release's generation config
+    /// says.
+    pub const HARMONY: ChatFormat = ChatFormat {
+        special_tokens: &[
+            "<|startoftext|>",
+            "<|endoftext|>",
+            "<|return|>",
+            "<|constrain|>",
+            "<|channel|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|call|>",
+        ],
+        template: moeserve_text::HARMONY_TEMPLATE,
+        bos: 0,
+        eos: EOS_ID as usize,
+        unk: None,
+        stop: &[EOS_ID, 8, 1],
+    };
+
+    fn of(spec: &CheckpointSpec) -> ChatFormat {
+        match spec.family {
+            SpecFamily::GptOss(_) => ChatFormat::HARMONY,
+            _ => ChatFormat::CHATML,
+        }
+    }
+}
 
 /// Writes a random checkpoint of `options.preset` to `options.out`.
 pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
@@ -379,11 +431,17 @@ pub fn make_model(options: &MakeModelOptions) -> Result<MadeModel> {
     let writer = CheckpointWriter::create(staged.path())?;
     let written = writer.write_tensors(sources, ShardLayout::MaxShardBytes(MAX_SHARD_BYTES))?;
     writer.write_config(&spec.config_json())?;
-    writer.write_json("generation_config.json", &spec.generation_config_json())?;
-    let (tokenizer, tokenizer_config) = byte_level_tokenizer(spec.max_position_embeddings);
+    let format = ChatFormat::of(&spec);
+    let mut generation_config = spec.generation_config_json();
+    generation_config["eos_token_id"] = match format.stop {
+        [one] => (*one).into(),
+        many => many.into(),
+    };
+    writer.write_json("generation_config.json", &generation_config)?;
+    let (tokenizer, tokenizer_config) = byte_level_tokenizer(spec.max_position_embeddings, &format);
     writer.write_json("tokenizer.json", &tokenizer)?;
     writer.write_json("tokenizer_config.json", &tokenizer_config)?;
-    writer.write_text("chat_template.jinja", CHAT_TEMPLATE)?;
+    writer.write_text("chat_template.jinja", format.template)?;
     let files = written.files.iter().map(|f| staged.final_path(f)).collect();
     staged.commit()?;
     Ok(MadeModel {
@@ -554,15 +612,17 @@ fn gpt_oss_tensor(
 }
 
 /// `tokenizer.json` and `tokenizer_config.json` of a byte-level BPE without merges: the
-/// special tokens at ids 0..5, then the 256 bytes (GPT-2 byte-level symbols) at ids 5..261.
-pub fn byte_level_tokenizer(model_max_length: usize) -> (Value, Value) {
+/// format's special tokens at ids 0..n, then the 256 bytes (GPT-2 byte-level symbols).
+pub fn byte_level_tokenizer(model_max_length: usize, format: &ChatFormat) -> (Value, Value) {
+    let specials = format.special_tokens;
     let byte_symbols: Vec<String> = byte_to_unicode().iter().map(char::to_string).collect();
-    let tokens: Vec<&str> = SPECIAL_TOKENS
-        .into_iter()
+    let tokens: Vec<&str> = specials
+        .iter()
+        .copied()
         .chain(byte_symbols.iter().map(String::as_str))
         .collect();
     let added_tokens: Vec<AddedToken> = (0u32..)
-        .zip(SPECIAL_TOKENS)
+        .zip(specials)
         .map(|(id, content)| AddedToken {
             id,
             content: content.to_string(),
@@ -578,12 +638,12 @@ pub fn byte_level_tokenizer(model_max_length: usize) -> (Value, Value) {
     };
     let config = TokenizerConfig {
         added_tokens: &added_tokens,
-        bos_token: Some(SPECIAL_TOKENS[BOS_ID as usize].to_string()),
-        eos_token: Some(SPECIAL_TOKENS[EOS_ID as usize].to_string()),
-        unk_token: Some(SPECIAL_TOKENS[0].to_string()),
+        bos_token: Some(specials[format.bos].to_string()),
+        eos_token: Some(specials[format.eos].to_string()),
+        unk_token: format.unk.map(|i| specials[i].to_string()),
         pad_token: None,
         add_bos_token: false,
-        chat_template: Some(CHAT_TEMPLATE.to_string()),
+        chat_template: Some(format.template.to_string()),
         model_max_length,
     };
     (spec.to_json(), config.to_json())
@@ -753,6 +813,33 @@ mod tests {
             rendered,
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn gpt_oss_presets_carry_the_harmony_tokens_template_and_stops() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let options = MakeModelOptions {
+            preset: Preset::GptOssTiny,
+            out: dir.path().join("gpt-oss"),
+            seed: 0,
+        };
+        let made = make_model(&options).expect("make gpt-oss-tiny");
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(made.out.join("tokenizer.json")).expect("loads");
+        for (id, token) in (0u32..).zip(ChatFormat::HARMONY.special_tokens) {
+            assert_eq!(tokenizer.token_to_id(token), Some(id), "{token}");
+        }
+        let template = std::fs::read_to_string(made.out.join("chat_template.jinja")).unwrap();
+        assert_eq!(template, moeserve_text::HARMONY_TEMPLATE);
+        let read = |name: &str| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(made.out.join(name)).unwrap()).unwrap()
+        };
+        // <|return|>, <|call|>, <|endoftext|>.
+        assert_eq!(
+            read("generation_config.json")["eos_token_id"],
+            serde_json::json!([2, 8, 1])
+        );
+        assert_eq!(read("tokenizer_config.json")["eos_token"], "<|return|>");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `POST /v1/chat/completions`: messages rendered with the model's chat template, answered as a
 //! `chat.completion` or streamed as `chat.completion.chunk`s (the first carries `delta.role`).
 //! Without `max_tokens` / `max_completion_tokens` the answer may fill the rest of the context,
-//! as in vLLM.
+//! as in vLLM. GPT-OSS's replies are split by their harmony channels: the analysis goes to
+//! `reasoning_content`, the rest to `content` (vLLM's fields for reasoning models).
 
 use axum::Json;
 use axum::extract::State;
@@ -12,6 +13,7 @@ use moeserve_engine::output::TokenUpdate;
 use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
 use moeserve_engine::sampler::SampleOutput;
 use moeserve_text::chat_template::ChatMessage;
+use moeserve_text::harmony::{ChannelText, HarmonyParser};
 use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
@@ -184,6 +186,8 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     pub role: &'static str,
     pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// `chat.completion.chunk`.
@@ -212,6 +216,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// A chat request read and checked as far as it can be without the model.
@@ -264,6 +270,10 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .unwrap_or(tokenized.room.max(1));
     let params = fields.to_params(max_tokens, num_logprobs)?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
+    let harmony = target
+        .assets()
+        .harmony
+        .zip(target.assets().tokenizer.clone());
     let generation = target
         .submit(GenerateRequest {
             prompt: Prompt::TokenIds(tokenized.ids),
@@ -276,6 +286,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         let chunks = ChatChunks {
             meta,
             strings,
+            harmony: harmony.map(|(tokens, tokenizer)| HarmonyParser::new(tokens, tokenizer)),
             want_logprobs,
             include_usage: request.stream_options.is_some_and(|o| o.include_usage),
         };
@@ -298,6 +309,14 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         }
         lp
     });
+    let (content, reasoning_content) = match harmony {
+        Some((tokens, tokenizer)) => {
+            let split = HarmonyParser::parse(tokens, tokenizer, &output.token_ids)
+                .map_err(|e| ApiError::Internal(format!("cannot decode the reply: {e}")))?;
+            (split.content, non_empty(split.reasoning))
+        }
+        None => (output.text.clone(), None),
+    };
     Ok(Json(ChatCompletion {
         id: meta.id,
         object: "chat.completion",
@@ -307,7 +326,8 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
             index: 0,
             message: AssistantMessage {
                 role: "assistant",
-                content: output.text.clone(),
+                content,
+                reasoning_content,
             },
             logprobs,
             finish_reason: output.finish_reason,
@@ -317,10 +337,16 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     .into_response())
 }
 
+fn non_empty(text: String) -> Option<String> {
+    (!text.is_empty()).then_some(text)
+}
+
 /// Streamed `chat.completion.chunk`s.
 struct ChatChunks {
     meta: ResponseMeta,
     strings: TokenStrings,
+    /// Splits a GPT-OSS reply by channel as it streams.
+    harmony: Option<HarmonyParser>,
     want_logprobs: bool,
     include_usage: bool,
 }
@@ -343,6 +369,7 @@ impl ChunkMaker for ChatChunks {
         let delta = Delta {
             role: Some("assistant"),
             content: Some(String::new()),
+            reasoning_content: None,
         };
         let choice = ChunkChoice {
             index: 0,
@@ -354,7 +381,23 @@ impl ChunkMaker for ChatChunks {
     }
 
     fn token(&mut self, sample: &SampleOutput, update: &TokenUpdate) -> Option<Event> {
-        if update.text.is_empty() && !self.want_logprobs && update.finished.is_none() {
+        let text = match self.harmony.as_mut() {
+            Some(parser) => {
+                // A token the tokenizer cannot decode would have failed the request already.
+                let mut split = parser.push(sample.token_id).unwrap_or_default();
+                if update.finished.is_some() {
+                    let rest = parser.finish().unwrap_or_default();
+                    split.reasoning.push_str(&rest.reasoning);
+                    split.content.push_str(&rest.content);
+                }
+                split
+            }
+            None => ChannelText {
+                reasoning: String::new(),
+                content: update.text.clone(),
+            },
+        };
+        if text.is_empty() && !self.want_logprobs && update.finished.is_none() {
             return None;
         }
         let logprobs = self.want_logprobs.then(|| {
@@ -369,7 +412,8 @@ impl ChunkMaker for ChatChunks {
         });
         let delta = Delta {
             role: None,
-            content: (!update.text.is_empty()).then(|| update.text.clone()),
+            content: non_empty(text.content),
+            reasoning_content: non_empty(text.reasoning),
         };
         let choice = ChunkChoice {
             index: 0,
