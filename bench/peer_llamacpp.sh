@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# moeserve against llama.cpp on the same machine, same weights (bf16), same run: batch-1
-# prefill and decode of mixtral-bench-1b, the two engines alternated ROUNDS times, medians.
-# llama.cpp runs through llama-cpp-python on a GGUF that bench/peers/export_gguf.py writes from
-# the same checkpoint; a greedy continuation from both checks that they run the same model.
+# moeserve against llama.cpp on the same machine, same weights, same run: batch-1 prefill and
+# decode of a preset (PRESET, default mixtral-bench-1b), the two engines alternated ROUNDS times,
+# medians. llama.cpp runs through llama-cpp-python on a GGUF of the same checkpoint; a greedy
+# continuation from both checks that they run the same model. Mixtral: the GGUF is written by
+# bench/peers/export_gguf.py (bf16, or Q8_0 with QUANT=int8). GPT-OSS presets (gpt-oss-20b-2l,
+# MXFP4 experts as released): by llama.cpp's own convert_hf_to_gguf.py
+# (bench/peers/convert_gpt_oss.py; experts stay MXFP4, the rest bf16), from the llama.cpp that
+# llama-cpp-python 0.3.36 vendors (LLAMA_CPP_SRC, default: its sdist unpacked under
+# target/peers) and a python with torch and transformers (CONVERT_PYTHON, default
+# .venv-ref/bin/python, tests/reference's venv).
 #   bench/peer_llamacpp.sh [PROMPT_LEN] [OUTPUT_LEN] [ROUNDS]
 # Environment: PEER_PYTHON — a python with llama_cpp, gguf and numpy (default: a venv made under
 # target/peer-venv with llama-cpp-python==0.3.36, which compiles llama.cpp: needs cmake and a
@@ -24,16 +30,37 @@ case ${QUANT:-bf16} in
     int8) gguf_type=q8_0; ours=(--quantization int8) ;;
     *) echo "QUANT must be bf16 or int8" >&2; exit 2 ;;
 esac
-gguf=target/peers/mixtral-bench-1b-$gguf_type.gguf
-if [[ ! -f $gguf ]]; then
-    mkdir -p target/peers
-    "$py" bench/peers/export_gguf.py "$model" "$gguf.tmp" $([[ $gguf_type = q8_0 ]] && echo q8_0)
-    mv "$gguf.tmp" "$gguf"
+mkdir -p target/peers
+if [[ $preset = gpt-oss-* ]]; then
+    [[ $gguf_type = bf16 ]] || { echo "GPT-OSS presets run as stored (no QUANT)" >&2; exit 2; }
+    gguf_type=as-stored
+    weights="MXFP4 experts as released, the rest bf16"
+    gguf=target/peers/$preset.gguf
+    src=${LLAMA_CPP_SRC:-target/peers/llama-cpp-python-0.3.36/vendor/llama.cpp}
+    if [[ ! -f $gguf && ! -f $src/convert_hf_to_gguf.py ]]; then
+        "$py" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" \
+            -d target/peers
+        tar -xzf target/peers/llama_cpp_python-0.3.36.tar.gz -C target/peers
+        mv target/peers/llama_cpp_python-0.3.36 target/peers/llama-cpp-python-0.3.36
+    fi
+    if [[ ! -f $gguf ]]; then
+        "${CONVERT_PYTHON:-.venv-ref/bin/python}" bench/peers/convert_gpt_oss.py "$src" "$model" \
+            "$gguf.tmp"
+        mv "$gguf.tmp" "$gguf"
+    fi
+else
+    weights=$([[ $gguf_type = bf16 ]] && echo bf16 || echo "moeserve int8 / llama.cpp Q8_0")
+    gguf=target/peers/$preset-$gguf_type.gguf
+    if [[ ! -f $gguf ]]; then
+        "$py" bench/peers/export_gguf.py "$model" "$gguf.tmp" $([[ $gguf_type = q8_0 ]] && echo q8_0)
+        mv "$gguf.tmp" "$gguf"
+    fi
 fi
-python3 - "$prompt_len" > "$work/prompt.json" <<'PY'
+vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$model/config.json")
+python3 - "$prompt_len" "$vocab" > "$work/prompt.json" <<'PY'
 import json, random, sys
 rng = random.Random(0)
-print(json.dumps([rng.randrange(5, 49152) for _ in range(int(sys.argv[1]))]))
+print(json.dumps([rng.randrange(5, int(sys.argv[2])) for _ in range(int(sys.argv[1]))]))
 PY
 for r in $(seq "$rounds"); do
     "$py" bench/peers/llama_cpp_bench.py "$gguf" "$work/prompt.json" "$output_len" "$threads" 1 \
@@ -46,16 +73,15 @@ python3 -c "import json,sys; print(json.dumps({'prompt_ids': json.load(open(sys.
     "$work/prompt.json" > "$work/prompt.jsonl"
 "$bin" generate --model "$model" --prompts-file "$work/prompt.jsonl" --json --threads "$threads" "${ours[@]}" \
     > "$work/greedy.jsonl" 2> /dev/null
-python3 - "$work" "$rounds" "$prompt_len" "$output_len" "$threads" "$gguf_type" <<'PY'
+python3 - "$work" "$rounds" "$prompt_len" "$output_len" "$threads" "$preset" "$weights" <<'PY'
 import json, statistics, sys
-work, rounds, plen, olen, threads, peer_type = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+work, rounds, plen, olen, threads, preset, weights = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 load = lambda name: [json.load(open(f"{work}/{name}-{r}.json")) for r in range(1, rounds + 1)]
 llama, ours = load("llama"), load("moeserve")
 med = lambda runs, key: statistics.median(run[key] for run in runs)
 ours_ids = json.loads(open(f"{work}/greedy.jsonl").readline())["token_ids"]
 same = next((i for i, (a, b) in enumerate(zip(ours_ids, llama[0]["token_ids"])) if a != b), 16)
-weights = "bf16" if peer_type == "bf16" else "moeserve int8 / llama.cpp Q8_0"
-print(f"mixtral-bench-1b {weights}, batch 1, prompt {plen}, output {olen}, {threads} threads, "
+print(f"{preset} {weights}, batch 1, prompt {plen}, output {olen}, {threads} threads, "
       f"medians of {rounds} alternating rounds")
 print(f"{'':10} {'prefill tok/s':>14} {'decode tok/s':>13}")
 for name, runs in [("llama.cpp", llama), ("moeserve", ours)]:
