@@ -1,5 +1,6 @@
-// Element-wise kernels the decoder's family options need: a linear layer's bias, OLMoE's
-// `clip_qkv` clamp, and the shared expert's output added to the routed experts' (scaled by
+// Element-wise kernels the decoder's family options need: a linear layer's bias, an expert's
+// bias over its segment of the permuted rows (GPT-OSS), OLMoE's `clip_qkv` clamp, and the
+// shared expert's output added to the routed experts' (scaled by
 // `sigmoid(shared_expert_gate(x))` where the family has that gate, as Qwen2-MoE does).
 // Every value is computed in f32 and rounded to T once.
 
@@ -10,6 +11,25 @@ __device__ void add_bias(T* x, const T* bias, int rows, int width) {
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (i64)gridDim.x * blockDim.x) {
         x[idx] = from_f32<T>(to_f32(x[idx]) + to_f32(bias[idx % width]));
+    }
+}
+
+// x[r, i] += bias[e, i] for the rows r of expert e's segment, offsets[e] <= r < offsets[e + 1]
+// (x: [offsets[num_segments], width], the permuted rows of moe_permute.cu; bias f32
+// [num_segments, width]). A row's segment is found by binary search over the offsets.
+template <typename T>
+__device__ void add_segment_bias(T* x, const float* bias, const int* offsets, int num_segments,
+                                 int width) {
+    const i64 n = (i64)offsets[num_segments] * width;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (i64)gridDim.x * blockDim.x) {
+        const int r = (int)(idx / width);
+        int lo = 0, hi = num_segments;  // offsets[lo] <= r < offsets[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (offsets[mid] <= r) lo = mid; else hi = mid;
+        }
+        x[idx] = from_f32<T>(to_f32(x[idx]) + bias[(i64)lo * width + idx % width]);
     }
 }
 
@@ -37,6 +57,11 @@ __device__ void add_gated(T* delta, const T* src, const T* gate_logit, int rows,
 #define DEFINE_ELEMENTWISE(SUFFIX, T)                                                          \
     extern "C" __global__ void add_bias_##SUFFIX(T* x, const T* bias, int rows, int width) {   \
         add_bias<T>(x, bias, rows, width);                                                     \
+    }                                                                                          \
+    extern "C" __global__ void add_segment_bias_##SUFFIX(T* x, const float* bias,              \
+                                                         const int* offsets, int num_segments, \
+                                                         int width) {                          \
+        add_segment_bias<T>(x, bias, offsets, num_segments, width);                            \
     }                                                                                          \
     extern "C" __global__ void clamp_##SUFFIX(T* x, i64 n, float limit) {                      \
         clamp_values<T>(x, n, limit);                                                          \

@@ -2,6 +2,7 @@
 // alike: the step's keys and values are written to the cache first (kv_cache.cu), so a query at
 // position p attends to its own sequence's slots first..=p, found through the block table.
 // `first` is 0, or p + 1 - sliding_window with a window (HF admits keys j with p - j < window).
+// GPT-OSS's sinks (one logit per head, or null) join the softmax's denominator and add no value.
 //
 // One block per (token, head); keys are visited in tiles of TILE with an online softmax
 // (running max and sum, the FlashAttention recurrence), so any context length fits in shared
@@ -32,7 +33,8 @@ struct PagedAttentionParams {
 template <typename T>
 __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
                                 const int* block_tables, const int* token_seq,
-                                const int* positions, PagedAttentionParams p) {
+                                const int* positions, const float* sinks,
+                                PagedAttentionParams p) {
     extern __shared__ float smem[];
     float* q_s = smem;
     float* scores = smem + p.head_dim;
@@ -80,6 +82,13 @@ __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v
         running_max = new_max;
         __syncthreads();  // the next tile overwrites `scores`
     }
+    if (sinks) {
+        const float sink = sinks[h];
+        const float new_max = fmaxf(running_max, sink);
+        const float correction = expf(running_max - new_max);
+        running_sum = running_sum * correction + expf(sink - new_max);
+        for (int r = 0; r < MAX_DIMS_PER_THREAD; ++r) acc[r] *= correction;
+    }
     T* oh = out + ((i64)t * p.num_heads + h) * d;
     const float inv_sum = 1.0f / running_sum;
     for (int r = 0; r < MAX_DIMS_PER_THREAD; ++r) {
@@ -91,7 +100,9 @@ __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v
 #define DEFINE_PAGED_ATTENTION(SUFFIX, T)                                                      \
     extern "C" __global__ void paged_attention_##SUFFIX(                                       \
         T* out, const T* q, const T* k_cache, const T* v_cache, const int* block_tables,       \
-        const int* token_seq, const int* positions, PagedAttentionParams p) {                  \
-        paged_attention<T>(out, q, k_cache, v_cache, block_tables, token_seq, positions, p);   \
+        const int* token_seq, const int* positions, const float* sinks,                        \
+        PagedAttentionParams p) {                                                              \
+        paged_attention<T>(out, q, k_cache, v_cache, block_tables, token_seq, positions, sinks, \
+                           p);                                                                 \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_PAGED_ATTENTION)

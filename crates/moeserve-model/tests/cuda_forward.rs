@@ -1,6 +1,6 @@
 //! The forward of every family on a CUDA GPU (`models::CudaMoeModel`, the decoder of
 //! `models/ops.rs` on the CUDA backend's operations) against the transformers fixtures of
-//! `reference.rs` (Mixtral's four, Qwen3-MoE per-expert and fused, Qwen2-MoE, OLMoE): per-layer
+//! `reference.rs` (Mixtral's four and the other families', GPT-OSS's included): per-layer
 //! outputs, greedy tokens and logprobs in f32; the same fixtures run in bf16 (teacher-forced
 //! logprobs within bf16 tolerance); batched steps (sequences joining while others decode, over
 //! one paged cache) against each sequence run alone; a capacity factor against the CPU forward
@@ -54,6 +54,12 @@ fn gpu_available() -> bool {
 /// A Mixtral, a family with dense layers and q/k norms (Qwen3-MoE), and one with a gated shared
 /// expert and q/k/v biases (Qwen2-MoE): the runs that are not fixture parity.
 const MIXED_CASES: [&str; 3] = ["mixtral-gqa", "qwen3-moe", "qwen2-moe"];
+
+/// The fixtures of the families CUDA runs: all but DeepSeek's multi-head latent attention
+/// (CPU-only so far, refused by name on the device).
+fn cuda_cases() -> impl Iterator<Item = &'static str> {
+    all_cases().filter(|case| !case.starts_with("deepseek"))
+}
 
 fn load(case: &str) -> MoeModel {
     MoeModel::load(&fixtures_dir().join(case)).unwrap_or_else(|e| panic!("{case}: {e}"))
@@ -153,7 +159,7 @@ fn layer_outputs_match_transformers_in_f32() {
     if !gpu_available() {
         return;
     }
-    for case in all_cases() {
+    for case in cuda_cases() {
         let dir = fixtures_dir().join(case);
         let model = load(case);
         let expected = read_expected(&dir);
@@ -174,7 +180,7 @@ fn greedy_tokens_and_logprobs_match_transformers_in_f32() {
     if !gpu_available() {
         return;
     }
-    for case in all_cases() {
+    for case in cuda_cases() {
         let model = load(case);
         let reference = read_reference(&fixtures_dir().join(case));
         let mut worst = 0.0f32;
@@ -205,7 +211,7 @@ fn bf16_follows_transformers_within_bf16_tolerance() {
     if !gpu_available() {
         return;
     }
-    for case in all_cases() {
+    for case in cuda_cases() {
         let model = load(case);
         let reference = read_reference(&fixtures_dir().join(case));
         let (mut sum, mut agree, mut count) = (0.0f64, 0usize, 0usize);

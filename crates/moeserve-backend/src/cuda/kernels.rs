@@ -80,10 +80,10 @@ impl KernelFile {
             KernelFile::PagedAttention => &["paged_attention"],
             KernelFile::MoeRouter => &["route_top_k"],
             KernelFile::MoePermute => &["moe_permute", "moe_unpermute"],
-            KernelFile::SwiGlu => &["silu_mul"],
+            KernelFile::SwiGlu => &["silu_mul", "clamped_swiglu"],
             KernelFile::Sampling => &["argmax_logprob"],
             KernelFile::Init => &["fill_uniform"],
-            KernelFile::Elementwise => &["add_bias", "clamp", "add_gated"],
+            KernelFile::Elementwise => &["add_bias", "add_segment_bias", "clamp", "add_gated"],
         }
     }
 

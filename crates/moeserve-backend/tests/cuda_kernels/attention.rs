@@ -1,5 +1,6 @@
 //! Paged attention over block tables, prefill and decode tokens in one step, against a scalar
-//! reference written as the CPU attention (`moeserve-model` `layers/attention.rs`) computes it.
+//! reference written as the CPU attention (`moeserve-model` `layers/attention.rs`) computes it,
+//! GPT-OSS's sink logits included.
 
 use moeserve_backend::cpu;
 use moeserve_backend::cuda::CudaElement;
@@ -16,6 +17,8 @@ struct Case {
     tables: Vec<Vec<i32>>,
     /// Per step token: (sequence, position).
     tokens: Vec<(usize, usize)>,
+    /// A sink logit per head (GPT-OSS), in the softmax's denominator.
+    sinks: Option<Vec<f32>>,
 }
 
 fn case(head_dim: usize, sliding_window: Option<usize>) -> Case {
@@ -60,6 +63,7 @@ fn case(head_dim: usize, sliding_window: Option<usize>) -> Case {
         num_blocks,
         tables,
         tokens,
+        sinks: None,
     }
 }
 
@@ -87,6 +91,10 @@ fn reference(c: &Case, q: &[f32], k_cache: &[f32], v_cache: &[f32]) -> Vec<f32> 
                     qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale
                 })
                 .collect();
+            // The sink joins the softmax as one more score whose value is never read.
+            if let Some(sinks) = &c.sinks {
+                scores.push(sinks[h]);
+            }
             cpu::softmax_in_place(&mut scores);
             let oh = &mut out[(t * s.num_heads + h) * d..][..d];
             for (p, slot) in scores.iter().zip(&slots) {
@@ -115,6 +123,7 @@ fn run<T: CudaElement>(c: &Case) {
         gpu.upload(&token_seq).unwrap(),
         gpu.upload(&positions).unwrap(),
     );
+    let sinks_d = c.sinks.as_ref().map(|s| gpu.upload(s).unwrap());
     let mut out = gpu.zeros::<T>(n * s.num_heads * s.head_dim).unwrap();
     ops::paged_attention(
         gpu,
@@ -126,14 +135,17 @@ fn run<T: CudaElement>(c: &Case) {
             block_tables: table_d.as_view(),
             token_seq: seq_d.as_view(),
             positions: pos_d.as_view(),
+            sinks: sinks_d.as_ref().map(|s| s.as_view()),
             shape: s,
         },
     )
     .unwrap();
     let want = reference(c, &q_f32, &k_f32, &v_f32);
     let op = format!(
-        "paged_attention d={} window={:?}",
-        s.head_dim, s.sliding_window
+        "paged_attention d={} window={:?} sinks={}",
+        s.head_dim,
+        s.sliding_window,
+        c.sinks.is_some()
     );
     assert_close(
         &op,
@@ -159,4 +171,19 @@ fn paged_attention_with_a_sliding_window_and_odd_head_dim<T: CudaElement>() {
 for_each_dtype!(
     paged_attention_with_a_sliding_window_and_odd_head_dim,
     paged_attention_with_a_sliding_window_and_odd_head_dim
+);
+
+fn paged_attention_with_sinks_and_a_window<T: CudaElement>() {
+    // GPT-OSS's head_dim; sinks from well below to well above the scores (the largest one takes
+    // most of the softmax), under a window of 128 as the release's sliding layers.
+    let mut c = case(64, Some(128));
+    let mut sinks = random(c.shape.num_heads, 23, 3.0);
+    sinks[0] = 12.0;
+    sinks[1] = -12.0;
+    c.sinks = Some(sinks);
+    run::<T>(&c);
+}
+for_each_dtype!(
+    paged_attention_with_sinks_and_a_window,
+    paged_attention_with_sinks_and_a_window
 );

@@ -132,6 +132,84 @@ fn silu_mul_matches_swiglu<T: CudaElement>() {
 }
 for_each_dtype!(silu_mul_matches_swiglu, silu_mul_matches_swiglu);
 
+fn clamped_swiglu_matches_the_cpu<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    // Values of ±6 against GPT-OSS's limit 7 and a smaller one, so both clamps bite.
+    let (rows, inter) = (5, 333);
+    let (gate_up, gu) = rounded::<T>(&random(rows * 2 * inter, 6, 6.0));
+    let gate_up_d = upload(gpu, &gate_up);
+    for act in [
+        cpu::GatedActivation::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 7.0,
+        },
+        cpu::GatedActivation::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 1.5,
+        },
+    ] {
+        let mut out = gpu.zeros::<T>(rows * inter).unwrap();
+        ops::gated_activation(gpu, gate_up_d.as_view(), out.as_view_mut(), inter, act).unwrap();
+        let mut want = Vec::new();
+        for row in gu.chunks_exact(2 * inter) {
+            let mut gate = row[..inter].to_vec();
+            act.apply(&mut gate, &row[inter..]);
+            want.extend(gate);
+        }
+        assert_close(
+            &format!("{act:?}"),
+            T::DTYPE,
+            &download_f32(gpu, &out),
+            &want,
+            tolerance(T::DTYPE),
+        );
+    }
+}
+for_each_dtype!(
+    clamped_swiglu_matches_the_cpu,
+    clamped_swiglu_matches_the_cpu
+);
+
+fn segment_bias_adds_each_experts_bias_to_its_rows<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    // Four segments of 3, 0, 5 and 1 rows (an empty one included), in a buffer of 12 rows.
+    let (width, offsets) = (70, [0i32, 3, 3, 8, 9]);
+    let rows = 12;
+    let (x, x_f32) = rounded::<T>(&random(rows * width, 7, 1.0));
+    let bias = random(4 * width, 8, 1.0);
+    let mut x_d = upload(gpu, &x);
+    let (bias_d, offsets_d) = (gpu.upload(&bias).unwrap(), gpu.upload(&offsets).unwrap());
+    ops::add_segment_bias(
+        gpu,
+        x_d.as_view_mut(),
+        bias_d.as_view(),
+        offsets_d.as_view(),
+        width,
+    )
+    .unwrap();
+    let mut want = x_f32.clone();
+    for (e, segment) in offsets.windows(2).enumerate() {
+        for r in segment[0] as usize..segment[1] as usize {
+            for c in 0..width {
+                want[r * width + c] += bias[e * width + c];
+            }
+        }
+    }
+    // Rows past the last segment are left alone.
+    assert_eq!(&want[9 * width..], &x_f32[9 * width..]);
+    assert_close(
+        "add_segment_bias",
+        T::DTYPE,
+        &download_f32(gpu, &x_d),
+        &want,
+        tolerance(T::DTYPE),
+    );
+}
+for_each_dtype!(
+    segment_bias_adds_each_experts_bias_to_its_rows,
+    segment_bias_adds_each_experts_bias_to_its_rows
+);
+
 fn rope_matches_hf_rotate_half<T: CudaElement>() {
     let Some(gpu) = gpu() else { return };
     let (heads, kv_heads, d) = (8, 2, 128);

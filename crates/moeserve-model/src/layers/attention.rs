@@ -114,6 +114,12 @@ impl Attention {
     }
 
     /// The weight of `role`, if this layer has it (biases and q/k norms are options).
+    /// Each head's sink logit, if the family has them (GPT-OSS); the CUDA model uploads them.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn sinks(&self) -> Option<&[f32]> {
+        self.sinks.as_deref()
+    }
+
     pub(crate) fn weight(&self, role: LayerWeight) -> Option<&Weight> {
         let [qb, kb, vb] = match &self.qkv_bias {
             Some([q, k, v]) => [Some(q), Some(k), Some(v)],

@@ -154,6 +154,8 @@ struct DeviceAttention<T> {
     biases: [Option<CudaSlice<T>>; 4],
     q_norm: Option<CudaSlice<T>>,
     k_norm: Option<CudaSlice<T>>,
+    /// `[num_heads]` sink logits (GPT-OSS).
+    sinks: Option<CudaSlice<f32>>,
 }
 
 /// A SwiGLU MLP: `[w1; w3]` stacked (`[2 · intermediate, hidden]`, one GEMM) and `w2`.
@@ -176,6 +178,8 @@ struct DeviceMoe<T> {
     w13: Vec<CudaSlice<T>>,
     /// Per expert `[hidden, intermediate]`.
     w2: Vec<CudaSlice<T>>,
+    /// The experts' biases (GPT-OSS): `[E, 2 · intermediate]` (gate, up) and `[E, hidden]`.
+    expert_bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Always computed, outside the capacity; `gate: [1, hidden]` scales it by a sigmoid.
     shared: Option<(DeviceMlp<T>, Option<CudaSlice<T>>)>,
 }
@@ -264,27 +268,27 @@ impl<T: CudaElement> DeviceModel<T> {
                 ),
             });
         }
-        if c.attention.sinks
-            || c.experts != crate::config::ExpertConfig::SWIGLU
-            || c.router_bias
-            || c.window_layers.iter().any(|w| !w)
-        {
-            return Err(ModelError::InvalidInput {
-                message: format!(
-                    "{}: attention sinks, per-layer windows and biased, clamped experts run on \
-                     the CPU backend only so far (--device cpu)",
-                    c.architecture
-                ),
-            });
-        }
         let slots = layout.num_slots() * layout.key_dim;
         let corrections: Vec<_> = (0..c.num_hidden_layers)
             .map(|l| source.correction_bias(l))
             .collect();
+        let sinks: Vec<_> = (0..c.num_hidden_layers).map(|l| source.sinks(l)).collect();
+        let expert_biases: Vec<_> = (0..c.num_hidden_layers)
+            .map(|l| source.expert_biases(l))
+            .collect();
+        if c.experts.bias && expert_biases.iter().flatten().next().is_none() {
+            return Err(ModelError::InvalidInput {
+                message: format!(
+                    "{}: the config says the experts have biases, and the weights have none",
+                    c.architecture
+                ),
+            });
+        }
         let mut get = |t: Tensor| source.tensor(&gpu, t).map_err(backend);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         let mut kv = Vec::with_capacity(c.num_hidden_layers);
-        for (l, correction_bias) in corrections.into_iter().enumerate() {
+        let per_layer = corrections.into_iter().zip(sinks).zip(expert_biases);
+        for (l, ((correction_bias, sinks), expert_bias)) in per_layer.enumerate() {
             let a = &c.attention;
             let mut attn = |role| get(Tensor::Attention(l, role));
             let bias = |on: bool, role, attn: &mut dyn FnMut(_) -> Result<_>| {
@@ -304,6 +308,7 @@ impl<T: CudaElement> DeviceModel<T> {
                 ],
                 q_norm: bias(has_norm, LayerWeight::QNorm, &mut attn)?,
                 k_norm: bias(has_norm, LayerWeight::KNorm, &mut attn)?,
+                sinks: sinks.map(|s| gpu.upload(&s)).transpose().map_err(backend)?,
             };
             let mlp = if c.sparse_layers[l] {
                 let experts = 0..c.num_local_experts;
@@ -330,6 +335,13 @@ impl<T: CudaElement> DeviceModel<T> {
                     w2: experts
                         .map(|e| get(Tensor::W2(l, e)))
                         .collect::<Result<_>>()?,
+                    expert_bias: match expert_bias {
+                        Some((gate_up, down)) => Some((
+                            gpu.upload(&gate_up).map_err(backend)?,
+                            gpu.upload(&down).map_err(backend)?,
+                        )),
+                        None => None,
+                    },
                     shared,
                 }))
             } else {
@@ -397,6 +409,19 @@ impl<T: CudaElement> DeviceModel<T> {
         )?;
         let mut trace = opts.trace;
         let mut record = opts.moe.record;
+        let biased_experts = self.weights.layers.iter().any(|l| match &l.mlp {
+            DeviceFeedForward::Sparse(moe) => moe.expert_bias.is_some(),
+            DeviceFeedForward::Dense(_) => false,
+        });
+        if opts.moe.experts.is_some() && biased_experts {
+            return Err(ModelError::InvalidInput {
+                message: format!(
+                    "{}: experts with biases (GPT-OSS) run on one GPU on CUDA so far; expert \
+                     parallelism for them is on the CPU backend (--device cpu)",
+                    c.architecture
+                ),
+            });
+        }
         let expert_parallel = match opts.moe.experts {
             Some(ep) => {
                 match &mut self.experts {

@@ -48,6 +48,8 @@ pub struct PagedAttentionArgs<'a, T> {
     pub token_seq: CudaView<'a, i32>,
     /// `[num_tokens]`
     pub positions: CudaView<'a, i32>,
+    /// GPT-OSS's sink logit per head (`[num_heads]`): it joins the softmax's denominator.
+    pub sinks: Option<CudaView<'a, f32>>,
     pub shape: AttentionShape,
 }
 
@@ -85,6 +87,9 @@ pub fn paged_attention<T: CudaElement>(
         n * s.num_heads * s.head_dim,
     )?;
     check_len("paged_attention", "token_seq", a.token_seq.len(), n)?;
+    if let Some(sinks) = &a.sinks {
+        check_len("paged_attention", "sinks", sinks.len(), s.num_heads)?;
+    }
     check(
         "paged_attention",
         a.block_tables
@@ -116,7 +121,13 @@ pub fn paged_attention<T: CudaElement>(
         .arg(&a.k_cache)
         .arg(&a.v_cache)
         .arg(&a.block_tables);
-    l.arg(&a.token_seq).arg(&a.positions).arg(&params);
+    let null = 0u64;
+    l.arg(&a.token_seq).arg(&a.positions);
+    match &a.sinks {
+        Some(sinks) => l.arg(sinks),
+        None => l.arg(&null),
+    };
+    l.arg(&params);
     // SAFETY: lengths checked; block tables and positions come from the KV manager.
     unsafe { l.launch(cfg) }?;
     Ok(())

@@ -44,6 +44,33 @@ pub fn add_bias<T: CudaElement>(
     Ok(())
 }
 
+/// `x[r] += bias[e]` for the rows of segment e (`offsets[e] <= r < offsets[e + 1]`): an expert's
+/// bias over its rows of the permuted activations. `x: [rows, width]` with at least
+/// `offsets[num_segments]` rows; `bias: [num_segments, width]` in f32; `offsets` as
+/// `moe_segment_offsets` leaves them (`[num_segments + 1]`, on the device).
+pub fn add_segment_bias<T: CudaElement>(
+    b: &CudaBackend,
+    mut x: CudaViewMut<'_, T>,
+    bias: CudaView<'_, f32>,
+    offsets: CudaView<'_, i32>,
+    width: usize,
+) -> Result<(), CudaError> {
+    let segments = offsets.len().saturating_sub(1);
+    check("add_segment_bias", segments > 0 && width > 0, || {
+        format!("{} offsets, width {width}", offsets.len())
+    })?;
+    check_len("add_segment_bias", "bias", bias.len(), segments * width)?;
+    rows_of("add_segment_bias", x.len(), width)?;
+    let f = typed(b, KernelFile::Elementwise, "add_segment_bias", T::SUFFIX)?;
+    let (n, w, launch) = (segments as i32, width as i32, strided(x.len()));
+    let mut l = b.stream().launch_builder(&f);
+    l.arg(&mut x).arg(&bias).arg(&offsets).arg(&n).arg(&w);
+    // SAFETY: the kernel visits the offsets' rows only, and the caller's offsets end within x
+    // (the permuted rows the offsets were made for).
+    unsafe { l.launch(launch) }?;
+    Ok(())
+}
+
 /// `x = clamp(x, -limit, limit)`.
 pub fn clamp<T: CudaElement>(
     b: &CudaBackend,

@@ -12,13 +12,13 @@ mod rows;
 mod sampling;
 
 pub use attention::{AttentionShape, PagedAttentionArgs, paged_attention};
-pub use elementwise::{add_bias, add_gated, clamp, rms_norm_rows};
+pub use elementwise::{add_bias, add_gated, add_segment_bias, clamp, rms_norm_rows};
 pub use moe::{
     DeviceRouting, RouteArgs, moe_permute, moe_segment_offsets, moe_unpermute, route_top_k,
 };
 pub use rows::{
     EmbeddingArgs, GatherRowsArgs, RmsNormArgs, RopeArgs, WriteKvArgs, embedding, fill_uniform,
-    gather_rows, rms_norm_residual, rope, silu_mul, write_kv,
+    gated_activation, gather_rows, rms_norm_residual, rope, silu_mul, write_kv,
 };
 pub use sampling::argmax_logprob;
 

@@ -4,6 +4,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{ROW_THREADS, check, check_len, per_row, typed};
+use crate::cpu::GatedActivation;
 use crate::cuda::kernels::KernelFile;
 use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaView, CudaViewMut};
 
@@ -123,29 +124,47 @@ pub fn rms_norm_residual<T: CudaElement>(
 pub fn silu_mul<T: CudaElement>(
     b: &CudaBackend,
     gate_up: CudaView<'_, T>,
-    mut out: CudaViewMut<'_, T>,
+    out: CudaViewMut<'_, T>,
     inter: usize,
 ) -> Result<(), CudaError> {
-    check(
-        "silu_mul",
-        inter > 0 && out.len().is_multiple_of(inter),
-        || {
-            format!(
-                "out length {} is not a multiple of inter {inter}",
-                out.len()
-            )
-        },
-    )?;
+    gated_activation(b, gate_up, out, inter, GatedActivation::Silu)
+}
+
+/// `out[r, i] = act(gate_up[r, i], gate_up[r, inter + i])`: SwiGLU, or GPT-OSS's clamped one.
+pub fn gated_activation<T: CudaElement>(
+    b: &CudaBackend,
+    gate_up: CudaView<'_, T>,
+    mut out: CudaViewMut<'_, T>,
+    inter: usize,
+    act: GatedActivation,
+) -> Result<(), CudaError> {
+    let name = match act {
+        GatedActivation::Silu => "silu_mul",
+        GatedActivation::ClampedSwiglu { .. } => "clamped_swiglu",
+    };
+    check(name, inter > 0 && out.len().is_multiple_of(inter), || {
+        format!(
+            "out length {} is not a multiple of inter {inter}",
+            out.len()
+        )
+    })?;
     let rows = out.len() / inter;
-    check_len("silu_mul", "gate_up", gate_up.len(), 2 * rows * inter)?;
+    check_len(name, "gate_up", gate_up.len(), 2 * rows * inter)?;
     if rows == 0 {
         return Ok(());
     }
-    let f = typed(b, KernelFile::SwiGlu, "silu_mul", T::SUFFIX)?;
+    let f = typed(b, KernelFile::SwiGlu, name, T::SUFFIX)?;
     let (r, i) = (rows as i32, inter as i32);
     let blocks = (rows * inter).div_ceil(ROW_THREADS as usize).min(1 << 20);
     let mut l = b.stream().launch_builder(&f);
     l.arg(&gate_up).arg(&mut out).arg(&r).arg(&i);
+    let (alpha, limit) = match act {
+        GatedActivation::Silu => (0.0, 0.0),
+        GatedActivation::ClampedSwiglu { alpha, limit } => (alpha, limit),
+    };
+    if let GatedActivation::ClampedSwiglu { .. } = act {
+        l.arg(&alpha).arg(&limit);
+    }
     // SAFETY: lengths checked; the kernel strides over the grid.
     unsafe {
         l.launch(LaunchConfig {

@@ -383,13 +383,18 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
                 block_tables: self.inputs.tables.as_view(),
                 token_seq: self.inputs.token_seq.as_view(),
                 positions: self.inputs.positions.as_view(),
+                sinks: self.m.weights.layers[layer]
+                    .attention
+                    .sinks
+                    .as_ref()
+                    .map(|s| s.as_view()),
                 shape: AttentionShape {
                     num_heads: c.num_attention_heads,
                     num_kv_heads: c.num_key_value_heads,
                     head_dim: c.head_dim,
                     block_size: self.m.block_size,
                     max_blocks_per_seq: self.x.max_blocks,
-                    sliding_window: c.sliding_window,
+                    sliding_window: c.layer_window(layer),
                 },
             },
         )
@@ -636,7 +641,17 @@ impl<T: CudaElement> CudaStep<'_, T> {
                         k: h,
                     },
                 )?;
-                ops::silu_mul(gpu, b.gate_up.as_view(), b.act.as_view_mut(), inter)?;
+                if let Some((gate_up_bias, _)) = &block.expert_bias {
+                    let (bias, offsets) = (gate_up_bias.as_view(), b.offsets.as_view());
+                    ops::add_segment_bias(gpu, b.gate_up.as_view_mut(), bias, offsets, 2 * inter)?;
+                }
+                ops::gated_activation(
+                    gpu,
+                    b.gate_up.as_view(),
+                    b.act.as_view_mut(),
+                    inter,
+                    c.experts.activation,
+                )?;
                 grouped_expert_matmul(
                     gpu,
                     GroupedGemm {
@@ -648,6 +663,10 @@ impl<T: CudaElement> CudaStep<'_, T> {
                         k: inter,
                     },
                 )?;
+                if let Some((_, down_bias)) = &block.expert_bias {
+                    let (bias, offsets) = (down_bias.as_view(), b.offsets.as_view());
+                    ops::add_segment_bias(gpu, b.expert_out.as_view_mut(), bias, offsets, h)?;
+                }
                 Vec::new()
             }
         };

@@ -43,6 +43,11 @@ pub(super) trait WeightSource<T> {
     fn router_bias(&self, layer: usize) -> Option<Vec<f32>>;
     /// `layer`'s `e_score_correction_bias`, if its router has one (sigmoid scoring).
     fn correction_bias(&self, layer: usize) -> Option<Vec<f32>>;
+    /// `layer`'s sink logit per head, if its attention has them (GPT-OSS).
+    fn sinks(&self, layer: usize) -> Option<Vec<f32>>;
+    /// The experts' biases of `layer`, if they have them (GPT-OSS): `[E, 2 · intermediate]`
+    /// (gate then up, as `[w1; w3]` stacks them) and `[E, hidden]` (down).
+    fn expert_biases(&self, layer: usize) -> Option<(Vec<f32>, Vec<f32>)>;
 }
 
 /// A host weight's values as `T` (exact when the dtypes agree; converted once otherwise).
@@ -60,8 +65,8 @@ pub(super) fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
             .into_par_iter()
             .map(|i| T::from_f32(v[i].to_f32() * blocks.at(i / blocks.k, i % blocks.k)))
             .collect(),
-        // MXFP4 likewise (GPT-OSS does not reach the device yet: `DeviceModel::build` refuses
-        // its sinks and biased experts).
+        // MXFP4 likewise: dequantised once at upload (no MXFP4 GEMM on the device yet: 3.8×
+        // the device memory of the MXFP4 bytes in bf16).
         WeightData::Mxfp4(p) => {
             let [n, k] = p.shape();
             (0..n * k)
@@ -130,6 +135,23 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
     fn correction_bias(&self, layer: usize) -> Option<Vec<f32>> {
         self.0.layers[layer].moe()?.correction_bias.clone()
     }
+
+    fn sinks(&self, layer: usize) -> Option<Vec<f32>> {
+        let attention = self.0.layers[layer].self_attn.grouped()?;
+        attention.sinks().map(<[f32]>::to_vec)
+    }
+
+    fn expert_biases(&self, layer: usize) -> Option<(Vec<f32>, Vec<f32>)> {
+        let experts = &self.0.layers[layer].moe()?.experts;
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for expert in experts {
+            let bias = expert.bias.as_ref()?;
+            gate_up.extend_from_slice(&bias.gate);
+            gate_up.extend_from_slice(&bias.up);
+            down.extend_from_slice(&bias.down);
+        }
+        Some((gate_up, down))
+    }
 }
 
 /// Seeded uniform weights made on the device: `U(-a, a)` with `a = sqrt(3 / fan_in)` keeps
@@ -196,6 +218,14 @@ impl<T: CudaElement> WeightSource<T> for RandomWeights {
     }
 
     fn correction_bias(&self, _layer: usize) -> Option<Vec<f32>> {
+        None
+    }
+
+    fn sinks(&self, _layer: usize) -> Option<Vec<f32>> {
+        None
+    }
+
+    fn expert_biases(&self, _layer: usize) -> Option<(Vec<f32>, Vec<f32>)> {
         None
     }
 }
