@@ -200,13 +200,17 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
     let yes_no = |present: bool| if present { "yes" } else { "no" };
     log(format_args!(
         "loaded weights: {:.2} GB in {:.1} s (kernels: {}, quantization: {}); tokenizer: {}, \
-         chat template: {}",
+         chat template: {}{}",
         assets.model.weight_bytes() as f64 / 1e9,
         start.elapsed().as_secs_f64(),
         crate::cli::device::kernels_name(&config.engine.device),
         assets.model.quantization_summary(),
         yes_no(assets.tokenizer.is_some()),
         yes_no(assets.chat_template.is_some()),
+        match assets.harmony {
+            Some(_) => " (replies split by harmony channel: analysis → reasoning_content)",
+            None => "",
+        },
     ));
     let engine =
         Engine::start(Arc::new(assets), &config.engine).context("cannot start the engine")?;

@@ -134,9 +134,8 @@ impl HarmonyParser {
         let mut out = ChannelText::default();
         let state = std::mem::replace(&mut self.state, State::Done);
         self.state = match state {
-            State::Header(mut ids) if token == t.message => {
+            State::Header(ids) if token == t.message => {
                 let header = self.tokenizer.decode(&ids, SpecialTokens::Keep)?;
-                ids.clear();
                 let field = match channel_of(&header) {
                     Some("analysis") => Field::Reasoning,
                     _ => Field::Content,
@@ -169,10 +168,13 @@ impl HarmonyParser {
             State::Body { field, mut decoder } => {
                 if token == t.end || token == t.start || ends_reply {
                     out.push(field, decoder.flush()?);
-                    match token {
-                        _ if token == t.start => State::Header(Vec::new()),
-                        _ if token == t.end => State::Between,
-                        _ => State::Done,
+                    if token == t.start {
+                        // A new message without the previous one's <|end|>.
+                        State::Header(Vec::new())
+                    } else if token == t.end {
+                        State::Between
+                    } else {
+                        State::Done
                     }
                 } else {
                     out.push(field, decoder.push(token)?);
