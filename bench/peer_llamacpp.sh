@@ -38,8 +38,8 @@ if [[ $preset = gpt-oss-* ]]; then
     gguf=target/peers/$preset.gguf
     src=${LLAMA_CPP_SRC:-target/peers/llama-cpp-python-0.3.36/vendor/llama.cpp}
     if [[ ! -f $gguf && ! -f $src/convert_hf_to_gguf.py ]]; then
-        "$py" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==0.3.36" \
-            -d target/peers
+        "$py" -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+            "llama-cpp-python==0.3.36" -d target/peers
         tar -xzf target/peers/llama_cpp_python-0.3.36.tar.gz -C target/peers
         mv target/peers/llama_cpp_python-0.3.36 target/peers/llama-cpp-python-0.3.36
     fi
