@@ -1,5 +1,6 @@
 //! Chat messages from clients rendered with real chat templates (ChatML as in `mixtral-tiny`,
-//! SmolLM2's as in the demo model, Mixtral-Instruct's with `raise_exception`). The input is
+//! SmolLM2's as in the demo model, Mixtral-Instruct's with `raise_exception`, moeserve's GPT-OSS
+//! harmony template with and without a reasoning effort). The input is
 //! split on NUL bytes into role, content, role, content, ...: a template may refuse the
 //! messages with an error, but never panic; ChatML output holds every content verbatim.
 
@@ -9,7 +10,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use moeserve_text::chat_template::{
-    ChatMessage, ChatTemplate, RenderOptions, SpecialTokenStrings,
+    ChatMessage, ChatTemplate, ReasoningEffort, RenderOptions, SpecialTokenStrings,
 };
 
 fn template(source: &str, bos: &str, eos: &str) -> ChatTemplate {
@@ -28,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
         .chunks(2)
         .map(|pair| ChatMessage::new(pair[0], pair.get(1).copied().unwrap_or("")))
         .collect();
-    static TEMPLATES: OnceLock<[ChatTemplate; 3]> = OnceLock::new();
+    static TEMPLATES: OnceLock<[ChatTemplate; 4]> = OnceLock::new();
     let templates = TEMPLATES.get_or_init(|| {
         [
             template(include_str!("../templates/chatml.jinja"), "<s>", "</s>"),
@@ -38,11 +39,14 @@ fuzz_target!(|data: &[u8]| {
                 "<|im_end|>",
             ),
             template(include_str!("../templates/mixtral.jinja"), "<s>", "</s>"),
+            template(moeserve_text::HARMONY_TEMPLATE, "<|startoftext|>", "<|return|>"),
         ]
     });
-    for add_generation_prompt in [true, false] {
+    let efforts = [None, Some(ReasoningEffort::High)];
+    for (add_generation_prompt, reasoning_effort) in [true, false].into_iter().zip(efforts) {
         let options = RenderOptions {
             add_generation_prompt,
+            reasoning_effort,
         };
         for (i, t) in templates.iter().enumerate() {
             let rendered = t.render(&messages, &options);

@@ -230,6 +230,8 @@ def test_a_gpt_oss_reply_comes_back_split_into_reasoning_and_content(harmony_ser
     client = make_client(harmony_server)
     for case in cases:
         common = dict(model="gpt-oss-harmony", messages=case["messages"], temperature=0)
+        if "reasoning_effort" in case:
+            common["reasoning_effort"] = case["reasoning_effort"]
         plain = client.chat.completions.create(**common)
         choice = plain.choices[0]
         assert choice.message.content == manifest["answer"]

@@ -3,7 +3,8 @@
 Owns tests/fixtures/gpt-oss-harmony/ (part of section `gpt-oss`): a tiny GptOssForCausalLM, a
 byte-level BPE tokenizer holding GPT-OSS's special tokens, moeserve's harmony chat template
 (crates/moeserve-text/templates/gpt_oss_harmony.jinja), and
-- chat_cases.json: conversations rendered by transformers' `apply_chat_template` on this very
+- chat_cases.json: conversations (one with `reasoning_effort: "high"`) rendered by
+  transformers' `apply_chat_template` on this very
   directory (the date of the system message as rendered that day), their token ids, and the
   ids transformers' greedy decoding gives after each, up to `<|return|>`;
 - manifest.json: the scripted reply, its channels' texts, the weights' design and margins.
@@ -59,15 +60,20 @@ SCRIPT = (
     f"<|start|>assistant<|channel|>final<|message|>{ANSWER}{RETURN}"
 )
 
+# (messages, the template's extra variables, as apply_chat_template takes them).
 CONVERSATIONS = (
-    [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "hi there"}],
-    [
-        {"role": "developer", "content": "Be kind."},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": ANSWER},
-        {"role": "user", "content": "What is 2+2?"},
-    ],
+    ([{"role": "user", "content": "hi"}], {}),
+    ([{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "hi there"}], {}),
+    (
+        [
+            {"role": "developer", "content": "Be kind."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": ANSWER},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
+        {},
+    ),
+    ([{"role": "user", "content": "hi"}], {"reasoning_effort": "high"}),
 )
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
@@ -89,7 +95,7 @@ def corpus() -> list[str]:
         "for every message.# Instructions\n\n"
     )
     words = [REASONING, ANSWER, "assistant", "analysis", "final", "user", "developer", "system"]
-    return [system] * 4 + words * 50 + [c["content"] for conv in CONVERSATIONS for c in conv] * 4
+    return [system] * 4 + words * 50 + [c["content"] for conv, _ in CONVERSATIONS for c in conv] * 4
 
 
 def make_tokenizer() -> Tokenizer:
@@ -273,9 +279,10 @@ def generate(fixtures: Path, provenance: dict) -> dict:
     hf_tokenizer = AutoTokenizer.from_pretrained(out)
     specials = {"bos_token": "<|startoftext|>", "eos_token": RETURN, "pad_token": ENDOFTEXT}
     cases, margins = [], []
-    for messages in CONVERSATIONS:
-        rendered = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if rendered != render_chat(template, messages, specials):
+    for messages, variables in CONVERSATIONS:
+        rendered = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                    **variables)
+        if rendered != render_chat(template, messages, specials | variables):
             raise RuntimeError("apply_chat_template and jinja2 render the harmony template differently")
         ids = encode(rendered)
         if first_reasoning in ids:
@@ -287,8 +294,8 @@ def generate(fixtures: Path, provenance: dict) -> dict:
         if result.greedy_ids != script[1:]:
             raise RuntimeError(f"greedy decoding left the script: {tokenizer.decode(result.greedy_ids)!r}")
         margins.append(result.min_margin)
-        cases.append({"messages": messages, "add_generation_prompt": True, "rendered": rendered, "ids": ids,
-                      "greedy_ids": result.greedy_ids})
+        cases.append({"messages": messages, "add_generation_prompt": True, **variables, "rendered": rendered,
+                      "ids": ids, "greedy_ids": result.greedy_ids})
     write_json(out / "chat_cases.json", cases)
     reloaded = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     check = greedy_generate(reloaded, cases[0]["ids"], GreedyParams(max_new_tokens=len(script) + 4,

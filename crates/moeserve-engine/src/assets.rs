@@ -5,12 +5,12 @@ use std::path::Path;
 use moeserve_backend::device::Device;
 use moeserve_model::config::Architecture;
 use moeserve_model::models::MoeModel;
-use moeserve_text::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
+use moeserve_text::chat_template::{ChatTemplate, RenderOptions};
 use moeserve_text::generation_config::GenerationConfig;
 use moeserve_text::harmony::HarmonyTokens;
 use moeserve_text::tokenizer::Tokenizer;
 
-use crate::request::Prompt;
+use crate::request::{ChatPrompt, Prompt};
 use crate::scheduler::AdmissionError;
 use crate::{EngineError, Result};
 
@@ -89,8 +89,8 @@ impl ModelAssets {
                 measured(tokenizer, text)?;
                 tokenizer.encode_with_special_tokens(text)?
             }
-            Prompt::Chat(messages) => {
-                let text = self.render_chat(messages)?;
+            Prompt::Chat(chat) => {
+                let text = self.render_chat(chat)?;
                 let tokenizer = self.tokenizer("messages")?;
                 measured(tokenizer, &text)?;
                 tokenizer.encode(&text)?
@@ -125,7 +125,7 @@ impl ModelAssets {
     }
 
     /// Renders chat messages with the model's template, ending with the assistant's turn.
-    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()
@@ -133,16 +133,17 @@ impl ModelAssets {
                 field: "messages",
                 message: "the model has no chat template".to_string(),
             })?;
-        if messages.is_empty() {
+        if chat.messages.is_empty() {
             return Err(EngineError::InvalidRequest {
                 field: "messages",
                 message: "no messages given".to_string(),
             });
         }
         Ok(template.render(
-            messages,
+            &chat.messages,
             &RenderOptions {
                 add_generation_prompt: true,
+                reasoning_effort: chat.reasoning_effort,
             },
         )?)
     }

@@ -1,7 +1,7 @@
 //! What a caller asks the engine for, and what it gets back.
 
 use moeserve_core::SamplingParams;
-use moeserve_text::chat_template::ChatMessage;
+use moeserve_text::chat_template::{ChatMessage, ReasoningEffort};
 use serde::Serialize;
 
 use crate::moe::MoeRequestCounts;
@@ -12,7 +12,25 @@ pub enum Prompt {
     Text(String),
     TokenIds(Vec<u32>),
     /// Rendered with the model's chat template (assistant turn opened).
-    Chat(Vec<ChatMessage>),
+    Chat(ChatPrompt),
+}
+
+impl Prompt {
+    /// Chat messages with the template's defaults.
+    pub fn chat(messages: Vec<ChatMessage>) -> Prompt {
+        Prompt::Chat(ChatPrompt {
+            messages,
+            reasoning_effort: None,
+        })
+    }
+}
+
+/// Chat messages, and what the chat template takes besides them.
+#[derive(Clone, Debug)]
+pub struct ChatPrompt {
+    pub messages: Vec<ChatMessage>,
+    /// The template's `reasoning_effort` (GPT-OSS's "Reasoning: …" line).
+    pub reasoning_effort: Option<ReasoningEffort>,
 }
 
 /// One generation request.

@@ -197,7 +197,7 @@ fn demo_model_batch_equals_alone() {
         .iter()
         .enumerate()
         .map(|(r, q)| GenerateRequest {
-            prompt: Prompt::Chat(vec![ChatMessage::new("user", *q)]),
+            prompt: Prompt::chat(vec![ChatMessage::new("user", *q)]),
             params: params(r),
         })
         .collect();

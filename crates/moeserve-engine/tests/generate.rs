@@ -122,7 +122,7 @@ fn demo_model_matches_dense_smollm2() {
     let mut worst = 0.0f32;
     for want in reference.prompts {
         let request = GenerateRequest {
-            prompt: Prompt::Chat(want.messages.clone()),
+            prompt: Prompt::chat(want.messages.clone()),
             params: SamplingParams::greedy(want.greedy_ids.len()),
         };
         let out = generate_one(assets.clone(), request).unwrap();

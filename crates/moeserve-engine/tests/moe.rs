@@ -295,7 +295,7 @@ fn demo_model_outputs_are_equal_under_expert_parallelism() {
     ]
     .iter()
     .map(|q| GenerateRequest {
-        prompt: Prompt::Chat(vec![ChatMessage::new("user", *q)]),
+        prompt: Prompt::chat(vec![ChatMessage::new("user", *q)]),
         params: SamplingParams::greedy(8),
     })
     .collect();

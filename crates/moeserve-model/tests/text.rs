@@ -69,6 +69,7 @@ fn chat_cases_render_and_encode_like_transformers() {
     for case in &cases {
         let opts = RenderOptions {
             add_generation_prompt: case.add_generation_prompt,
+            ..Default::default()
         };
         let rendered = template.render(&case.messages, &opts).unwrap();
         assert_eq!(rendered, case.rendered, "messages {:?}", case.messages);

@@ -4,7 +4,8 @@
 //! `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`, and is rendered with
 //! `trim_blocks` + `lstrip_blocks`, Python string methods (minijinja-contrib's pycompat), the
 //! globals `raise_exception` and `strftime_now`, a Python-style `tojson`, and the variables
-//! `messages`, `add_generation_prompt`, `tools`/`documents` (none) and the special-token strings.
+//! `messages`, `add_generation_prompt`, `tools`/`documents` (none), the special-token strings,
+//! and `reasoning_effort` when the request sets it (as vLLM passes it to GPT-OSS's template).
 
 use std::path::Path;
 
@@ -40,6 +41,38 @@ impl ChatMessage {
 pub struct RenderOptions {
     /// End the prompt with the header of an assistant turn, so the model answers.
     pub add_generation_prompt: bool,
+    /// The template's `reasoning_effort`; left undefined when `None` (the template's default).
+    pub reasoning_effort: Option<ReasoningEffort>,
+}
+
+/// OpenAI's `reasoning_effort` (what GPT-OSS's system message states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReasoningEffort {
+    Low,
+    Medium,
+    High,
+}
+
+impl ReasoningEffort {
+    pub const NAMES: &'static str = "low, medium, high";
+
+    pub fn from_name(name: &str) -> Option<ReasoningEffort> {
+        match name {
+            "low" => Some(ReasoningEffort::Low),
+            "medium" => Some(ReasoningEffort::Medium),
+            "high" => Some(ReasoningEffort::High),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReasoningEffort::Low => "low",
+            ReasoningEffort::Medium => "medium",
+            ReasoningEffort::High => "high",
+        }
+    }
 }
 
 /// Special-token strings the template may print (from `tokenizer_config.json`).
@@ -182,6 +215,9 @@ impl ChatTemplate {
             ("tools", Value::from(())),
             ("documents", Value::from(())),
         ];
+        if let Some(effort) = opts.reasoning_effort {
+            ctx.push(("reasoning_effort", Value::from(effort.name())));
+        }
         ctx.extend(
             self.special_tokens
                 .entries()
@@ -492,6 +528,7 @@ mod tests {
 
     const GENERATE: RenderOptions = RenderOptions {
         add_generation_prompt: true,
+        reasoning_effort: None,
     };
 
     #[test]

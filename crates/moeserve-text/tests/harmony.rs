@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use moeserve_text::HARMONY_TEMPLATE;
-use moeserve_text::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
+use moeserve_text::chat_template::{ChatMessage, ChatTemplate, ReasoningEffort, RenderOptions};
 use moeserve_text::harmony::{ChannelText, HarmonyParser, HarmonyTokens};
 use moeserve_text::tokenizer::Tokenizer;
 use serde::Deserialize;
@@ -18,6 +18,8 @@ struct ChatCase {
     rendered: String,
     ids: Vec<u32>,
     greedy_ids: Vec<u32>,
+    #[serde(default)]
+    reasoning_effort: Option<ReasoningEffort>,
 }
 
 #[derive(Deserialize)]
@@ -67,10 +69,16 @@ fn the_harmony_template_renders_as_transformers_did() {
         .expect("a template");
     let (tokenizer, _) = tokenizer();
     let cases: Vec<ChatCase> = read("chat_cases.json");
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), 4);
+    assert!(
+        cases
+            .iter()
+            .any(|c| c.reasoning_effort == Some(ReasoningEffort::High))
+    );
     for case in &cases {
         let opts = RenderOptions {
             add_generation_prompt: case.add_generation_prompt,
+            reasoning_effort: case.reasoning_effort,
         };
         let rendered = template.render(&case.messages, &opts).unwrap();
         assert_eq!(
@@ -88,6 +96,7 @@ fn the_template_refuses_what_it_cannot_render_by_saying_what() {
     let template = ChatTemplate::from_dir(fixture()).unwrap().unwrap();
     let opts = RenderOptions {
         add_generation_prompt: true,
+        ..Default::default()
     };
     let refused = [
         (vec![("user", "q"), ("tool", "42")], "tool call"),

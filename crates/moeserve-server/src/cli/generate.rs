@@ -197,7 +197,7 @@ fn default_params(args: &GenerateArgs) -> SamplingParams {
 
 fn text_prompt(text: String, chat: bool) -> Prompt {
     match chat {
-        true => Prompt::Chat(vec![ChatMessage::new("user", text)]),
+        true => Prompt::chat(vec![ChatMessage::new("user", text)]),
         false => Prompt::Text(text),
     }
 }

@@ -10,9 +10,9 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use moeserve_core::MAX_LOGPROBS;
 use moeserve_engine::output::TokenUpdate;
-use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::request::{ChatPrompt, FinishReason, GenerateOutput, GenerateRequest, Prompt};
 use moeserve_engine::sampler::SampleOutput;
-use moeserve_text::chat_template::ChatMessage;
+use moeserve_text::chat_template::{ChatMessage, ReasoningEffort};
 use moeserve_text::harmony::{ChannelText, HarmonyParser};
 use serde::{Deserialize, Serialize};
 
@@ -109,6 +109,9 @@ pub struct ChatRequest {
     pub top_logprobs: Option<usize>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// `low`, `medium` or `high`: passed to the chat template (GPT-OSS's states it in its
+    /// system message).
+    pub reasoning_effort: Option<String>,
 }
 
 impl ChatRequest {
@@ -130,6 +133,21 @@ impl ChatRequest {
                 Ok(ChatMessage::new(m.role.clone(), content))
             })
             .collect()
+    }
+
+    fn reasoning_effort(&self) -> Result<Option<ReasoningEffort>, ApiError> {
+        let Some(name) = self.reasoning_effort.as_deref() else {
+            return Ok(None);
+        };
+        ReasoningEffort::from_name(name).map(Some).ok_or_else(|| {
+            ApiError::invalid(
+                "reasoning_effort",
+                format!(
+                    "invalid `reasoning_effort`: {name:?} (one of {})",
+                    ReasoningEffort::NAMES
+                ),
+            )
+        })
     }
 
     /// How many alternatives per token, if logprobs were asked for.
@@ -224,7 +242,7 @@ pub struct Delta {
 pub struct ParsedChat {
     pub request: ChatRequest,
     pub fields: SamplingFields,
-    pub messages: Vec<ChatMessage>,
+    pub chat: ChatPrompt,
     pub num_logprobs: Option<usize>,
 }
 
@@ -233,7 +251,10 @@ pub struct ParsedChat {
 pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     let request: ChatRequest = parse_json(body)?;
     let fields: SamplingFields = parse_json(body)?;
-    let messages = request.chat_messages()?;
+    let chat = ChatPrompt {
+        messages: request.chat_messages()?,
+        reasoning_effort: request.reasoning_effort()?,
+    };
     let num_logprobs = request.num_logprobs()?;
     // The sampling fields are checked before any work; the output limit may depend on the
     // prompt's length, so the parameters are made again once it is known.
@@ -248,7 +269,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     Ok(ParsedChat {
         request,
         fields,
-        messages,
+        chat,
         num_logprobs,
     })
 }
@@ -257,12 +278,12 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     let ParsedChat {
         request,
         fields,
-        messages,
+        chat,
         num_logprobs,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
-    let tokenized = target.tokenize(Prompt::Chat(messages)).await?;
+    let tokenized = target.tokenize(Prompt::Chat(chat)).await?;
     // With no limit the answer may fill the context; a full prompt is refused by the engine.
     let max_tokens = request
         .max_completion_tokens
@@ -505,6 +526,18 @@ mod tests {
             {"role": "assistant", "content": null, "tool_calls": []},
             {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}"#;
         assert_eq!(request(accepted).chat_messages().unwrap().len(), 5);
+    }
+
+    #[test]
+    fn reasoning_effort_is_one_of_three_names() {
+        assert_eq!(request("{}").reasoning_effort().unwrap(), None);
+        let r = request(r#"{"reasoning_effort": "high"}"#);
+        assert_eq!(r.reasoning_effort().unwrap(), Some(ReasoningEffort::High));
+        let err = request(r#"{"reasoning_effort": "max"}"#)
+            .reasoning_effort()
+            .unwrap_err();
+        assert_eq!(err.body().param.as_deref(), Some("reasoning_effort"));
+        assert!(err.body().message.contains("low, medium, high"));
     }
 
     #[test]
