@@ -75,6 +75,17 @@ impl Executor {
                         ),
                     });
                 }
+                // Refused here, at start-up, rather than at the first step.
+                if moe.uses_expert_parallelism() && model.config().experts.bias {
+                    return Err(EngineError::InvalidRequest {
+                        field: "expert_parallel_size",
+                        message: format!(
+                            "{}: experts with biases (GPT-OSS) run on one GPU on CUDA so far; \
+                             expert parallelism for them runs on the CPU (--device cpu)",
+                            model.config().architecture
+                        ),
+                    });
+                }
                 let gpu = CudaMoeModel::new(model, layout, info.ordinal)?;
                 Ok(Executor::Cuda(Box::new(gpu)))
             }
