@@ -33,7 +33,6 @@ esac
 mkdir -p target/peers
 if [[ $preset = gpt-oss-* ]]; then
     [[ $gguf_type = bf16 ]] || { echo "GPT-OSS presets run as stored (no QUANT)" >&2; exit 2; }
-    gguf_type=as-stored
     weights="MXFP4 experts as released, the rest bf16"
     gguf=target/peers/$preset.gguf
     src=${LLAMA_CPP_SRC:-target/peers/llama-cpp-python-0.3.36/vendor/llama.cpp}
