@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
+from mixtral_cases import styled_config_json
 from ref_common import REPO_ROOT, GreedyParams, greedy_generate, render_chat, write_json
 
 NAME = "gpt-oss-harmony"
@@ -270,9 +271,7 @@ def generate(fixtures: Path, provenance: dict) -> dict:
     config = make_config()
     model = GptOssForCausalLM(config).to(torch.float32).eval()
     model.load_state_dict({k: v.float() for k, v in stored.items()}, strict=True)
-    config_dict = config.to_dict()
-    write_json(out / "config.json", {k: config_dict[k] for k in sorted(config_dict) if k != "transformers_version"}
-               | {"transformers_version": provenance["versions"]["transformers"]})
+    write_json(out / "config.json", styled_config_json(config, "parameters"))
     write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [2, 8, 1], "pad_token_id": 1})
     save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
 

@@ -262,22 +262,19 @@ impl Checkpoint {
             && moeserve_backend::cpu::isa().packs_weights()
         {
             use moeserve_backend::cpu::packed::{PackedPanels, PackedWeight};
+            fn columns<T: bytemuck::Pod + Default>(
+                e: &[u8],
+                k: usize,
+                c: (usize, usize),
+            ) -> PackedPanels<T> {
+                PackedPanels::pack_columns(&typed::<T>(e), k, c)
+            }
+            let at = (first, step);
             let packed = match dtype {
-                DType::F32 => PackedWeight::F32(PackedPanels::pack_columns(
-                    &typed::<f32>(expert),
-                    k,
-                    (first, step),
-                )),
-                DType::F16 => PackedWeight::F16(PackedPanels::pack_columns(
-                    &typed::<half::f16>(expert),
-                    k,
-                    (first, step),
-                )),
-                _ => PackedWeight::BF16(PackedPanels::pack_columns(
-                    &typed::<half::bf16>(expert),
-                    k,
-                    (first, step),
-                )),
+                DType::F32 => PackedWeight::F32(columns(expert, k, at)),
+                DType::F16 => PackedWeight::F16(columns(expert, k, at)),
+                // The match above admits f32, f16 and bf16 only.
+                _ => PackedWeight::BF16(columns(expert, k, at)),
             };
             return Ok(Weight::prepacked(dtype, packed)?);
         }

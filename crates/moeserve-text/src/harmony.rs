@@ -67,7 +67,8 @@ impl ChannelText {
         }
     }
 
-    fn append(&mut self, other: ChannelText) {
+    /// Adds `other`'s text after this one's, field by field.
+    pub fn append(&mut self, other: ChannelText) {
         self.reasoning.push_str(&other.reasoning);
         self.content.push_str(&other.content);
     }

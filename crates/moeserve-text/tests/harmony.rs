@@ -134,9 +134,7 @@ fn transformers_replies_split_into_the_scripted_reasoning_and_answer() {
         let mut parser = HarmonyParser::new(tokens, tokenizer.clone());
         let mut streamed = ChannelText::default();
         for &id in &case.greedy_ids {
-            let piece = parser.push(id).unwrap();
-            streamed.reasoning.push_str(&piece.reasoning);
-            streamed.content.push_str(&piece.content);
+            streamed.append(parser.push(id).unwrap());
         }
         let rest = parser.finish().unwrap();
         assert!(

@@ -409,11 +409,8 @@ impl<T: CudaElement> DeviceModel<T> {
         )?;
         let mut trace = opts.trace;
         let mut record = opts.moe.record;
-        let biased_experts = self.weights.layers.iter().any(|l| match &l.mlp {
-            DeviceFeedForward::Sparse(moe) => moe.expert_bias.is_some(),
-            DeviceFeedForward::Dense(_) => false,
-        });
-        if opts.moe.experts.is_some() && biased_experts {
+        // The engine refuses this at start-up; the model guards its own callers too.
+        if opts.moe.experts.is_some() && c.experts.bias {
             return Err(ModelError::InvalidInput {
                 message: format!(
                     "{}: experts with biases (GPT-OSS) run on one GPU on CUDA so far; expert \

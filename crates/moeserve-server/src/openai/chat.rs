@@ -407,9 +407,7 @@ impl ChunkMaker for ChatChunks {
                 // A token the tokenizer cannot decode would have failed the request already.
                 let mut split = parser.push(sample.token_id).unwrap_or_default();
                 if update.finished.is_some() {
-                    let rest = parser.finish().unwrap_or_default();
-                    split.reasoning.push_str(&rest.reasoning);
-                    split.content.push_str(&rest.content);
+                    split.append(parser.finish().unwrap_or_default());
                 }
                 split
             }
