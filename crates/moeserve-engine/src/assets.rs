@@ -1,10 +1,12 @@
 //! Everything loaded from a model directory: weights, tokenizer, chat template, eos ids.
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use moeserve_backend::device::Device;
 use moeserve_model::config::Architecture;
 use moeserve_model::models::MoeModel;
+use moeserve_structured::{Grammar, GrammarCompiler, StructuredError, StructuredOutput};
 use moeserve_text::chat_template::{ChatTemplate, RenderOptions};
 use moeserve_text::generation_config::GenerationConfig;
 use moeserve_text::harmony::HarmonyTokens;
@@ -24,6 +26,8 @@ pub struct ModelAssets {
     /// GPT-OSS with a tokenizer holding the harmony tokens: chat replies are split into
     /// reasoning and content by their channels.
     pub harmony: Option<HarmonyTokens>,
+    /// Built at the first constrained request (reading the vocabulary takes a moment).
+    grammar_compiler: OnceLock<std::result::Result<Arc<GrammarCompiler>, StructuredError>>,
 }
 
 impl ModelAssets {
@@ -54,7 +58,43 @@ impl ModelAssets {
             tokenizer,
             chat_template: ChatTemplate::from_dir(dir)?,
             generation_config: GenerationConfig::from_dir(dir)?,
+            grammar_compiler: OnceLock::new(),
         })
+    }
+
+    /// The compiler of output constraints over this model's vocabulary.
+    pub fn grammar_compiler(&self, field: &'static str) -> Result<Arc<GrammarCompiler>> {
+        let built = self.grammar_compiler.get_or_init(|| {
+            let tokenizer = self.tokenizer.as_ref().ok_or(StructuredError::Tokenizer {
+                message: "the model has no tokenizer.json".to_string(),
+            })?;
+            GrammarCompiler::new(
+                tokenizer,
+                self.model.config().vocab_size,
+                &self.generation_config.eos_token_ids,
+            )
+            .map(Arc::new)
+        });
+        built.clone().map_err(|e| EngineError::InvalidRequest {
+            field,
+            message: e.to_string(),
+        })
+    }
+
+    /// A fresh grammar state for one request's `output` constraint; `field` names the request
+    /// field it came from in errors. Compiling a large schema takes milliseconds: callers on an
+    /// async runtime run this on a blocking thread.
+    pub fn compile_grammar(
+        &self,
+        output: &StructuredOutput,
+        field: &'static str,
+    ) -> Result<Grammar> {
+        self.grammar_compiler(field)?
+            .compile(output)
+            .map_err(|e| EngineError::InvalidRequest {
+                field,
+                message: e.to_string(),
+            })
     }
 
     fn tokenizer(&self, field: &'static str) -> Result<&Tokenizer> {

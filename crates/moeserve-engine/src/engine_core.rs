@@ -14,6 +14,7 @@ use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
 use moeserve_model::models::{CudaMoeModel, ForwardOptions, ForwardWorkspace, MoeModel};
 use moeserve_model::moe::MoeStepRecord;
+use moeserve_structured::Grammar;
 
 use crate::assets::ModelAssets;
 use crate::kv_cache::{KvCacheConfig, KvCacheManager};
@@ -118,6 +119,17 @@ struct RequestState {
     clock: RequestClock,
     /// Pairs the capacity limit changed, when a capacity factor is set.
     moe: Option<MoeRequestCounts>,
+    /// The output constraint, advanced by every sampled token.
+    grammar: Option<Grammar>,
+}
+
+/// A constrained sequence's grammar, taken out of its state for the step's mask.
+struct StepGrammar {
+    /// Its logits row (its index among the step's scheduled sequences).
+    row: usize,
+    id: RequestId,
+    grammar: Grammar,
+    mask: std::result::Result<(), String>,
 }
 
 /// When a request reached each phase.
@@ -285,6 +297,7 @@ impl EngineCore {
                     first_token: None,
                 },
                 moe: self.moe.counts_requests().then(MoeRequestCounts::default),
+                grammar: request.grammar,
             },
         );
         Ok(id)
@@ -320,14 +333,19 @@ impl EngineCore {
         let mut record = std::mem::take(&mut self.record);
         record.clear();
         let mut logits = std::mem::take(&mut self.logits);
-        let forwarded = self.forward(&plan, &mut record, &mut logits);
+        let mut grammars = self.take_grammars(&plan);
+        let forwarded = self.forward_while_masking(&plan, &mut record, &mut logits, &mut grammars);
         if forwarded.is_ok() {
             self.account_moe(&plan, &record);
         }
         self.record = record;
-        forwarded?;
+        if let Err(e) = forwarded {
+            self.return_grammars(grammars);
+            return Err(e);
+        }
         self.scheduler.update_from_output(&plan);
         let mut events = Vec::new();
+        self.apply_masks(grammars, &mut logits, &mut events);
         for (id, sampled) in self.sample_all(&plan, &logits) {
             self.take_sample(id, sampled, &mut events);
         }
@@ -354,6 +372,114 @@ impl EngineCore {
         }
         self.moe
             .finish_step(self.stats.num_steps, record, &self.assets);
+    }
+
+    /// The grammars of the step's constrained sequences that sample a token.
+    fn take_grammars(&mut self, plan: &SchedulerOutput) -> Vec<StepGrammar> {
+        let mut grammars = Vec::new();
+        for (row, s) in plan.scheduled.iter().enumerate() {
+            if !s.samples {
+                continue;
+            }
+            let state = self
+                .states
+                .get_mut(&s.id)
+                .expect("scheduled request has state");
+            if let Some(grammar) = state.grammar.take() {
+                grammars.push(StepGrammar {
+                    row,
+                    id: s.id,
+                    grammar,
+                    mask: Ok(()),
+                });
+            }
+        }
+        grammars
+    }
+
+    fn return_grammars(&mut self, grammars: Vec<StepGrammar>) {
+        for g in grammars {
+            if let Some(state) = self.states.get_mut(&g.id) {
+                state.grammar = Some(g.grammar);
+            }
+        }
+    }
+
+    /// The forward pass, with the constrained sequences' token masks computed on another
+    /// thread meanwhile, so they cost the step nothing while they take less than the forward
+    /// (llguidance's masks take tens to hundreds of microseconds per sequence).
+    fn forward_while_masking(
+        &mut self,
+        plan: &SchedulerOutput,
+        record: &mut MoeStepRecord,
+        logits: &mut Vec<f32>,
+        grammars: &mut [StepGrammar],
+    ) -> Result<()> {
+        if grammars.is_empty() {
+            return self.forward(plan, record, logits);
+        }
+        let (forwarded, mask_seconds, wait_seconds) = std::thread::scope(|scope| {
+            let masking = scope.spawn(|| {
+                let started = Instant::now();
+                for g in grammars.iter_mut() {
+                    g.mask = g.grammar.compute_mask().map_err(|e| e.to_string());
+                }
+                started.elapsed().as_secs_f64()
+            });
+            let forwarded = self.forward(plan, record, logits);
+            let forward_done = Instant::now();
+            let mask_seconds = masking.join();
+            (
+                forwarded,
+                mask_seconds,
+                forward_done.elapsed().as_secs_f64(),
+            )
+        });
+        let mask_seconds = match mask_seconds {
+            Ok(seconds) => seconds,
+            // A panic inside llguidance fails the constrained sequences, not the engine.
+            Err(_) => {
+                for g in grammars.iter_mut() {
+                    g.mask = Err("computing the token mask panicked".to_string());
+                }
+                0.0
+            }
+        };
+        self.stats.structured_masks += grammars.len() as u64;
+        self.stats.structured_mask_seconds += mask_seconds;
+        self.stats.structured_wait_seconds += wait_seconds;
+        forwarded
+    }
+
+    /// Sets what each constrained sequence's grammar forbids to -inf in its logits row, before
+    /// any sampling parameter applies (so logprobs are those of the constrained distribution,
+    /// as vLLM reports them); a sequence whose mask failed fails alone.
+    fn apply_masks(
+        &mut self,
+        grammars: Vec<StepGrammar>,
+        logits: &mut [f32],
+        events: &mut Vec<RequestEvent>,
+    ) {
+        let vocab = self.assets.model.config().vocab_size;
+        for mut g in grammars {
+            let row = &mut logits[g.row * vocab..(g.row + 1) * vocab];
+            let masked = g
+                .mask
+                .and_then(|()| g.grammar.apply_mask(row).map_err(|e| e.to_string()));
+            match masked {
+                Ok(()) => {
+                    let state = self
+                        .states
+                        .get_mut(&g.id)
+                        .expect("masked request has state");
+                    state.grammar = Some(g.grammar);
+                }
+                Err(error) => {
+                    self.abort(g.id);
+                    events.push(RequestEvent::Failed { id: g.id, error });
+                }
+            }
+        }
     }
 
     /// One forward pass over every scheduled token of the step; its logits go to `logits`.
@@ -409,12 +535,12 @@ impl EngineCore {
     ) -> Vec<(RequestId, std::result::Result<SampleOutput, String>)> {
         use rayon::prelude::*;
         let vocab = self.assets.model.config().vocab_size;
-        // Logits rows are the scheduled sequences in plan order.
+        // Logits rows are the scheduled sequences in plan order (less those failed already).
         let rows: HashMap<RequestId, usize> = plan
             .scheduled
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.samples)
+            .filter(|(_, s)| s.samples && self.states.contains_key(&s.id))
             .map(|(row, s)| (s.id, row))
             .collect();
         let mut jobs: Vec<(usize, RequestId, &mut RequestState)> = self
@@ -452,9 +578,17 @@ impl EngineCore {
             .get_mut(&id)
             .expect("scheduled request has state");
         let sampled = sampled.and_then(|sample| {
+            // The grammar advances first: a token it refuses fails the request.
+            let grammar_done = match state.grammar.as_mut() {
+                Some(grammar) => {
+                    grammar.accept(sample.token_id).map_err(|e| e.to_string())?;
+                    grammar.is_finished()
+                }
+                None => false,
+            };
             let update = state
                 .output
-                .push(sample.clone())
+                .push_ending(sample.clone(), grammar_done)
                 .map_err(|e| e.to_string())?;
             Ok((sample, update))
         });

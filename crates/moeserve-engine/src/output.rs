@@ -86,6 +86,12 @@ impl SequenceOutput {
 
     /// Records a sampled token and checks every stop condition.
     pub fn push(&mut self, sample: SampleOutput) -> Result<TokenUpdate> {
+        self.push_ending(sample, false)
+    }
+
+    /// [`SequenceOutput::push`] for a token after which the sequence must end (its grammar is
+    /// complete): its text is kept, and the sequence stops.
+    pub fn push_ending(&mut self, sample: SampleOutput, ends: bool) -> Result<TokenUpdate> {
         let token = sample.token_id;
         self.token_ids.push(token);
         self.logprobs.push(sample.logprob);
@@ -98,7 +104,7 @@ impl SequenceOutput {
                 true => String::new(),
                 false => decoder.push(token)?.unwrap_or_default(),
             };
-            if stop_token || self.token_ids.len() >= self.max_tokens {
+            if stop_token || ends || self.token_ids.len() >= self.max_tokens {
                 new_text.push_str(&decoder.flush()?.unwrap_or_default());
             }
             let stopped = self.stop.push(&new_text);
@@ -107,7 +113,7 @@ impl SequenceOutput {
                 update.finished = Some(FinishReason::Stop);
             }
         }
-        if stop_token {
+        if stop_token || ends {
             update.finished = Some(FinishReason::Stop);
         }
         if update.finished.is_none() && self.token_ids.len() >= self.max_tokens {

@@ -1,6 +1,7 @@
 //! What a caller asks the engine for, and what it gets back.
 
 use moeserve_core::SamplingParams;
+use moeserve_structured::Grammar;
 use moeserve_text::chat_template::{ChatMessage, ReasoningEffort};
 use serde::Serialize;
 
@@ -38,6 +39,9 @@ pub struct ChatPrompt {
 pub struct GenerateRequest {
     pub prompt: Prompt,
     pub params: SamplingParams,
+    /// A compiled output constraint (JSON schema, regex, grammar): each step's logits are masked
+    /// to what it allows, and the request ends when it is complete.
+    pub grammar: Option<Grammar>,
 }
 
 /// Why a sequence stopped, named as in OpenAI's `finish_reason`.

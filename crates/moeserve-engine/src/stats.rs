@@ -23,4 +23,9 @@ pub struct EngineStats {
     pub num_batched_tokens: u64,
     pub generation_tokens: u64,
     pub last_step_seconds: f64,
+    /// Token masks computed for constrained sequences (structured outputs), and their time.
+    pub structured_masks: u64,
+    pub structured_mask_seconds: f64,
+    /// Time steps waited for masks after the forward had finished (0 while masks keep up).
+    pub structured_wait_seconds: f64,
 }

@@ -84,6 +84,7 @@ fn concurrent_requests_equal_their_solo_runs_on_every_fixture() {
             .map(|(r, p)| GenerateRequest {
                 prompt: Prompt::TokenIds(p),
                 params: params(r),
+                grammar: None,
             })
             .collect();
         let alone: Vec<GenerateOutput> = requests
@@ -125,6 +126,7 @@ fn prefix_caching_computes_only_the_new_tokens() {
     let first = GenerateRequest {
         prompt: Prompt::TokenIds(prefix.clone()),
         params: SamplingParams::greedy(4),
+        grammar: None,
     };
     let first_out = engine
         .generate(vec![first], |_, _| {})
@@ -138,6 +140,7 @@ fn prefix_caching_computes_only_the_new_tokens() {
     let second = GenerateRequest {
         prompt: Prompt::TokenIds(second_prompt.clone()),
         params: SamplingParams::greedy(4),
+        grammar: None,
     };
     let second_out = engine
         .generate(vec![second.clone()], |_, _| {})
@@ -166,6 +169,7 @@ fn chunked_prefill_of_a_long_prompt_equals_one_chunk() {
     let request = GenerateRequest {
         prompt: Prompt::TokenIds(prompt),
         params: SamplingParams::greedy(8),
+        grammar: None,
     };
     let config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -199,6 +203,7 @@ fn demo_model_batch_equals_alone() {
         .map(|(r, q)| GenerateRequest {
             prompt: Prompt::chat(vec![ChatMessage::new("user", *q)]),
             params: params(r),
+            grammar: None,
         })
         .collect();
     let alone: Vec<Vec<u32>> = requests

@@ -47,6 +47,7 @@ fn greedy_generation_matches_transformers_on_fixtures() {
             let request = GenerateRequest {
                 prompt: Prompt::TokenIds(want.prompt_ids.clone()),
                 params,
+                grammar: None,
             };
             let out = generate_one(assets.clone(), request).unwrap();
             assert_eq!(out.token_ids, want.greedy_ids, "{case}");
@@ -75,6 +76,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
             GenerateRequest {
                 prompt: Prompt::TokenIds(vec![5, 6, 7]),
                 params,
+                grammar: None,
             },
         )
         .unwrap()
@@ -92,6 +94,7 @@ fn over_long_request_is_refused_with_limit_and_length() {
     let request = GenerateRequest {
         prompt: Prompt::TokenIds(vec![5; max - 4]),
         params: SamplingParams::greedy(10),
+        grammar: None,
     };
     let msg = generate_one(assets.clone(), request)
         .unwrap_err()
@@ -103,6 +106,7 @@ fn over_long_request_is_refused_with_limit_and_length() {
     let request = GenerateRequest {
         prompt: Prompt::TokenIds(vec![100_000]),
         params: SamplingParams::greedy(1),
+        grammar: None,
     };
     let msg = generate_one(assets.clone(), request)
         .unwrap_err()
@@ -124,6 +128,7 @@ fn demo_model_matches_dense_smollm2() {
         let request = GenerateRequest {
             prompt: Prompt::chat(want.messages.clone()),
             params: SamplingParams::greedy(want.greedy_ids.len()),
+            grammar: None,
         };
         let out = generate_one(assets.clone(), request).unwrap();
         assert_eq!(

@@ -24,6 +24,7 @@ fn request(i: u32, max_tokens: usize) -> GenerateRequest {
             ignore_eos: true,
             ..SamplingParams::greedy(max_tokens)
         },
+        grammar: None,
     }
 }
 
@@ -94,12 +95,14 @@ async fn refused_request_errors_at_submit_and_others_keep_running() {
     let too_long = GenerateRequest {
         prompt: Prompt::TokenIds(vec![5; 10]),
         params: SamplingParams::greedy(1_000_000),
+        grammar: None,
     };
     let err = engine.submit(too_long).await.err().expect("refused");
     assert!(err.to_string().contains("maximum context length"), "{err}");
     let bad_token = GenerateRequest {
         prompt: Prompt::TokenIds(vec![999_999]),
         params: SamplingParams::greedy(2),
+        grammar: None,
     };
     assert!(engine.submit(bad_token).await.is_err());
     let mut ok = engine.submit(request(3, 3)).await.unwrap();

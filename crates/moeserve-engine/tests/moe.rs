@@ -33,6 +33,7 @@ fn requests(n: u32, vocab: u32) -> Vec<GenerateRequest> {
                 ignore_eos: true,
                 ..SamplingParams::greedy(6 + (i as usize * 3) % 7)
             },
+            grammar: None,
         })
         .collect()
 }
@@ -297,6 +298,7 @@ fn demo_model_outputs_are_equal_under_expert_parallelism() {
     .map(|q| GenerateRequest {
         prompt: Prompt::chat(vec![ChatMessage::new("user", *q)]),
         params: SamplingParams::greedy(8),
+        grammar: None,
     })
     .collect();
     let (want, _) = run_together(&assets, &reqs, with_moe(MoeConfig::default()));

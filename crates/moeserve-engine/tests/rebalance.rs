@@ -36,6 +36,7 @@ fn requests() -> Vec<GenerateRequest> {
                 ignore_eos: true,
                 ..SamplingParams::greedy(40)
             },
+            grammar: None,
         })
         .collect()
 }

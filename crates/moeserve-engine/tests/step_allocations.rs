@@ -33,8 +33,12 @@ fn an_engine_step_allocates_a_few_times_per_request_not_per_layer() {
             ..SamplingParams::default()
         };
         let prompt = Prompt::TokenIds(vec![3 + r, 5, 7, 9]);
-        core.add_request(GenerateRequest { prompt, params })
-            .unwrap();
+        core.add_request(GenerateRequest {
+            prompt,
+            params,
+            grammar: None,
+        })
+        .unwrap();
     }
     // Prefill and a few decodes warm the forward's workspace.
     for _ in 0..5 {

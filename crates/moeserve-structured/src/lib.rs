@@ -294,6 +294,17 @@ pub struct Grammar {
     vocab_size: usize,
 }
 
+impl Clone for Grammar {
+    /// An independent copy at the same position (e.g. for `n` sequences of one request).
+    fn clone(&self) -> Grammar {
+        Grammar {
+            matcher: self.matcher.deep_clone(),
+            mask: self.mask.clone(),
+            vocab_size: self.vocab_size,
+        }
+    }
+}
+
 impl std::fmt::Debug for Grammar {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Grammar")

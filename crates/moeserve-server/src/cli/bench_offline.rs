@@ -113,6 +113,7 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
         prefilling.insert(core.add_request(GenerateRequest {
             prompt: Prompt::TokenIds(ids),
             params,
+            grammar: None,
         })?);
     }
 

@@ -212,7 +212,11 @@ fn requests(args: &GenerateArgs) -> anyhow::Result<Vec<GenerateRequest>> {
         (None, Some(ids)) => Prompt::TokenIds(ids.clone()),
         (None, None) => anyhow::bail!("give --prompt, --prompt-ids or --prompts-file"),
     };
-    Ok(vec![GenerateRequest { prompt, params }])
+    Ok(vec![GenerateRequest {
+        prompt,
+        params,
+        grammar: None,
+    }])
 }
 
 pub(super) fn read_prompts_file(
@@ -246,7 +250,11 @@ pub(super) fn read_prompts_file(
             logprobs: line.logprobs.or(d.logprobs),
             ..d.clone()
         };
-        requests.push(GenerateRequest { prompt, params });
+        requests.push(GenerateRequest {
+            prompt,
+            params,
+            grammar: None,
+        });
     }
     anyhow::ensure!(!requests.is_empty(), "{} holds no requests", path.display());
     Ok(requests)

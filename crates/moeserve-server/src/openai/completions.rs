@@ -151,6 +151,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .submit(GenerateRequest {
             prompt: Prompt::TokenIds(tokenized.ids),
             params,
+            grammar: None,
         })
         .await?;
     let meta = ResponseMeta::new("cmpl", state.served_model_name());
