@@ -19,14 +19,16 @@ fi
 
 OPENAI_VERSION="3.57.0"
 PYTEST_VERSION="9.2.0"
+JSONSCHEMA_VERSION="4.26.0"
 VENV=target/e2e-venv
-if ! "$VENV/bin/python" -c "import openai, pytest, sys; \
-sys.exit(openai.__version__ != '$OPENAI_VERSION' or pytest.__version__ != '$PYTEST_VERSION')" \
+if ! "$VENV/bin/python" -c "import openai, pytest, sys; from importlib.metadata import version; \
+sys.exit(openai.__version__ != '$OPENAI_VERSION' or pytest.__version__ != '$PYTEST_VERSION' \
+or version('jsonschema') != '$JSONSCHEMA_VERSION')" \
     2> /dev/null; then
-    echo "== preparing $VENV (openai==$OPENAI_VERSION, pytest==$PYTEST_VERSION)"
+    echo "== preparing $VENV (openai==$OPENAI_VERSION, pytest==$PYTEST_VERSION, jsonschema==$JSONSCHEMA_VERSION)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION"
+        "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION" "jsonschema==$JSONSCHEMA_VERSION"
 fi
 echo "== openai client tests"
 status=0

@@ -8,12 +8,15 @@ Environment: MOESERVE_BIN (default target/release/moeserve).
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -121,6 +124,19 @@ def harmony_server():
     running.stop()
 
 
+DEMO_MODEL = Path(os.environ.get("MOESERVE_DEMO_MODEL", ROOT / "models" / "smolmoe-8x135m"))
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    """The demo model (SmolLM2-135M-Instruct upcycled; made by models/smolmoe-8x135m.sh, which
+    scripts/test.sh runs first)."""
+    assert (DEMO_MODEL / "config.json").exists(), f"{DEMO_MODEL} is missing: run models/smolmoe-8x135m.sh"
+    running = RunningServer(DEMO_MODEL)
+    yield running
+    running.stop()
+
+
 def make_client(server, api_key=API_KEY):
     return openai.OpenAI(base_url=server.base + "/v1", api_key=api_key, max_retries=0,
                          timeout=60)
@@ -224,6 +240,11 @@ def test_a_deepseek_v2_lite_model_answers_and_shows_its_shared_experts_apart(dee
     assert layer["pairs"] == 6 * layer["shared_expert_tokens"]
 
 
+def _prompt_tokens(client, text):
+    reply = client.completions.create(model="gpt-oss-harmony", prompt=text, max_tokens=1)
+    return reply.usage.prompt_tokens
+
+
 def test_a_gpt_oss_reply_comes_back_split_into_reasoning_and_content(harmony_server):
     manifest = json.loads((HARMONY_FIXTURE / "manifest.json").read_text())
     cases = json.loads((HARMONY_FIXTURE / "chat_cases.json").read_text())
@@ -239,7 +260,12 @@ def test_a_gpt_oss_reply_comes_back_split_into_reasoning_and_content(harmony_ser
         # The model stopped on <|return|>, after exactly the tokens transformers gave.
         assert choice.finish_reason == "stop"
         assert plain.usage.completion_tokens == len(case["greedy_ids"])
-        assert plain.usage.prompt_tokens == len(case["ids"])
+        # The template states today's date (UTC), which may tokenize unlike the fixture's.
+        fixture_date = re.search(r"Current date: (\d{4}-\d{2}-\d{2})", case["rendered"])[1]
+        today = time.strftime("%Y-%m-%d", time.gmtime())
+        shift = (_prompt_tokens(client, f"Current date: {today}\n\n")
+                 - _prompt_tokens(client, f"Current date: {fixture_date}\n\n"))
+        assert plain.usage.prompt_tokens == len(case["ids"]) + shift
 
         chunks = list(client.chat.completions.create(stream=True, **common))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -252,3 +278,120 @@ def test_a_gpt_oss_reply_comes_back_split_into_reasoning_and_content(harmony_ser
         first_content = min(i for i, c in enumerate(content) if c)
         assert last_reasoning < first_content
         assert not any(r and c for r, c in zip(reasoning, content))
+
+
+# Nested, with bounds on every list and string so that a greedy model that repeats itself still
+# ends inside max_tokens: the schema decides where the output stops.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                    "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "kind": {"enum": ["house", "flat", "boat"]},
+            },
+            "required": ["city", "kind"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "hobbies", "address"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {"type": "json_schema",
+                      "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+SUBJECTS = ["a sailor", "a baker", "a pilot", "a nurse", "a farmer", "a painter", "a chemist",
+            "a poet", "a judge", "a miner", "a tailor", "a diver", "a chef", "a monk", "a clown",
+            "a drummer", "a smith", "a guard", "a priest", "a hunter"]
+
+
+def _person_reply(client, model, subject, stream):
+    messages = [{"role": "user", "content": f"Describe {subject} as a JSON person record."}]
+    common = dict(model=model, messages=messages, max_tokens=200, temperature=0,
+                  response_format=JSON_SCHEMA_FORMAT)
+    if not stream:
+        reply = client.chat.completions.create(**common)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+
+def test_json_schema_replies_validate_for_twenty_prompts_streamed_and_not(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    jobs = [(subject, stream) for subject in SUBJECTS for stream in (False, True)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        replies = list(pool.map(lambda job: _person_reply(client, model, *job), jobs))
+    for (subject, stream), (text, finish) in zip(jobs, replies):
+        assert finish == "stop", (subject, stream, text)
+        jsonschema.validate(json.loads(text), PERSON_SCHEMA)
+    # Greedy and constrained the same way, a stream says what the plain reply says.
+    for i in range(0, len(jobs), 2):
+        assert replies[i][0] == replies[i + 1][0], jobs[i]
+
+
+def test_completions_take_vllm_constraints(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    date = client.completions.create(model=model, prompt="The date today is", max_tokens=30,
+                                     temperature=0,
+                                     extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
+    text = date.choices[0].text
+    assert len(text) == 10 and text[4] == text[7] == "-", text
+    assert date.choices[0].finish_reason == "stop"
+    choice = client.completions.create(
+        model=model, prompt="Is water wet? Answer:", max_tokens=10, temperature=0.8, seed=3,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert choice.choices[0].text in {"yes", "no", "maybe"}
+    listed = client.completions.create(
+        model=model, prompt="Three colours:", max_tokens=60, temperature=0,
+        extra_body={"guided_grammar": 'root ::= "[" item "," item "," item "]"\nitem ::= [a-z]{1,8}'})
+    text = listed.choices[0].text
+    assert text.startswith("[") and text.endswith("]"), text
+    items = text[1:-1].split(",")
+    assert len(items) == 3 and all(i.isalpha() and i.islower() for i in items), text
+
+
+def test_json_object_and_invalid_schemas(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give me a JSON object."}],
+        max_tokens=120, temperature=0.7, seed=1, response_format={"type": "json_object"})
+    content = reply.choices[0].message.content
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict), content
+    else:
+        assert content.lstrip().startswith("{"), content
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}})
+    assert bad.value.param == "response_format.json_schema.schema"
+    assert "nope" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="x",
+                                  extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    assert bad.value.param == "guided_choice"
+
+
+def test_random_weights_answer_valid_json_because_of_the_constraint(harmony_server):
+    """The GPT-OSS fixture's weights never make JSON on their own: the constraint does."""
+    client = make_client(harmony_server)
+    messages = [{"role": "user", "content": "hello"}]
+    free = client.chat.completions.create(model="gpt-oss-harmony", messages=messages,
+                                          temperature=1.0, seed=5, max_tokens=40)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content or "")
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model="gpt-oss-harmony", messages=messages, temperature=1.0, seed=seed,
+            max_tokens=300, response_format=JSON_SCHEMA_FORMAT)
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON_SCHEMA)

@@ -60,6 +60,10 @@ pub const MOE_REBALANCE_GAIN_RATIO: &str = "moeserve:moe_rebalance_gain_ratio";
 pub const MOE_EXPERT_WINDOWED_PAIRS: &str = "moeserve:moe_expert_windowed_pairs";
 pub const MOE_EXPERT_TOKENS_TOTAL: &str = "moeserve:moe_expert_tokens_total";
 
+pub const STRUCTURED_OUTPUT_MASKS_TOTAL: &str = "moeserve:structured_output_masks_total";
+pub const STRUCTURED_OUTPUT_MASK_SECONDS: &str = "moeserve:structured_output_mask_seconds";
+pub const STRUCTURED_OUTPUT_WAIT_SECONDS: &str = "moeserve:structured_output_wait_seconds";
+
 /// vLLM's deprecated name of the KV usage gauge, still read by many dashboards.
 pub const VLLM_GPU_CACHE_USAGE_PERC: &str = "vllm:gpu_cache_usage_perc";
 
@@ -212,6 +216,29 @@ pub const ALL: &[MetricDef] = &[
     ),
 ];
 
+/// The structured-output series, refreshed from [`crate::stats::EngineStats`]: how many token
+/// masks were computed, the time they took (on a thread beside the forward) and the part of it
+/// steps waited for after their forward had finished. No `vllm:` copies (vLLM has none).
+pub const STRUCTURED: &[MetricDef] = &[
+    def(
+        STRUCTURED_OUTPUT_MASKS_TOTAL,
+        Counter,
+        "Token masks computed for constrained sequences (one per sequence per step).",
+    ),
+    def(
+        STRUCTURED_OUTPUT_MASK_SECONDS,
+        Gauge,
+        "Seconds spent computing token masks since start-up, beside the forward (a running \
+         total; a gauge because the metrics facade's counters are integers).",
+    ),
+    def(
+        STRUCTURED_OUTPUT_WAIT_SECONDS,
+        Gauge,
+        "Seconds steps waited for token masks after their forward had finished, since \
+         start-up (a running total).",
+    ),
+];
+
 /// The MoE series, refreshed from [`crate::moe::MoeStats`]. vLLM has no counterpart, so they
 /// have no `vllm:` copies. The last two (per layer × expert) are exported only with
 /// `--expert-metrics full`.
@@ -342,7 +369,7 @@ pub fn vllm_name(name: &str) -> String {
 
 /// Registers the help text of every series with the installed `metrics` recorder.
 pub fn describe_metrics() {
-    for def in ALL {
+    for def in ALL.iter().chain(STRUCTURED) {
         describe(def.name.to_string(), def);
     }
 }
@@ -401,7 +428,12 @@ mod tests {
 
     #[test]
     fn every_name_is_prefixed_unique_and_valid() {
-        let mut names: Vec<&str> = ALL.iter().chain(MOE).map(|d| d.name).collect();
+        let mut names: Vec<&str> = ALL
+            .iter()
+            .chain(MOE)
+            .chain(STRUCTURED)
+            .map(|d| d.name)
+            .collect();
         assert!(
             names
                 .iter()
@@ -409,8 +441,8 @@ mod tests {
         );
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), ALL.len() + MOE.len());
-        for d in MOE {
+        assert_eq!(names.len(), ALL.len() + MOE.len() + STRUCTURED.len());
+        for d in MOE.iter().chain(STRUCTURED) {
             assert_ne!(d.kind, MetricKind::Histogram);
             assert_eq!(
                 d.kind == MetricKind::Counter,

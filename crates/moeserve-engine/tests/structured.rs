@@ -118,7 +118,11 @@ fn random_weights_yield_schema_valid_json_that_ends_with_the_grammar() {
             .unwrap_or_else(|e| panic!("seed {seed}: {e}: {:?}", out.text));
         check_person(&value);
         if seed % 2 == 1 {
-            assert!(!spaced_outside_strings(&out.text), "compact: {:?}", out.text);
+            assert!(
+                !spaced_outside_strings(&out.text),
+                "compact: {:?}",
+                out.text
+            );
         }
         // The logprobs are those of the masked distribution: every chosen token was possible.
         assert!(out.logprobs.iter().all(|l| l.is_finite()));

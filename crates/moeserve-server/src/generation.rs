@@ -17,11 +17,13 @@ use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::engine_core::RequestEvent;
 use moeserve_engine::handle::{Engine, RequestStream};
 use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
+use moeserve_structured::Grammar;
 use tokio::sync::watch;
 
 use crate::drain::InFlight;
 use crate::error::ApiError;
 use crate::metrics::ErrorCause;
+use crate::openai::structured::StructuredRequest;
 use crate::state::{AppState, WaitingSlot};
 
 /// A prompt turned into token ids, with the room it leaves for the output.
@@ -86,6 +88,27 @@ impl Target {
             room: max_model_len.saturating_sub(ids.len()),
             ids,
         })
+    }
+
+    /// Compiles the request's output constraint on the blocking pool (a large schema takes
+    /// milliseconds); an invalid one is a 400 naming its field.
+    pub async fn compile_grammar(
+        &self,
+        structured: Option<StructuredRequest>,
+    ) -> Result<Option<Grammar>, ApiError> {
+        let Some(structured) = structured else {
+            return Ok(None);
+        };
+        let permit = self.state.text_work_permit().await;
+        let assets = self.assets().clone();
+        let grammar = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            assets.compile_grammar(&structured.output, structured.field)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("compiling the output constraint failed: {e}")))?
+        .inspect_err(|_| self.state.metrics().observe_rejected())?;
+        Ok(Some(grammar))
     }
 
     /// Queues the request; 429 when too many wait already, 400 when the engine refuses it.

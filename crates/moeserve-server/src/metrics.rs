@@ -119,6 +119,9 @@ pub struct ServerMetrics {
     decode_time: Series<Histogram>,
     request_prompt_tokens: Series<Histogram>,
     request_generation_tokens: Series<Histogram>,
+    structured_masks: Counter,
+    structured_mask_seconds: Gauge,
+    structured_wait_seconds: Gauge,
     /// Latencies of the last minutes, for the dashboard's percentiles.
     recent_latencies: LatencyWindow,
 }
@@ -258,6 +261,18 @@ impl ServerMetrics {
             decode_time: histogram(names::REQUEST_DECODE_TIME_SECONDS),
             request_prompt_tokens: histogram(names::REQUEST_PROMPT_TOKENS),
             request_generation_tokens: histogram(names::REQUEST_GENERATION_TOKENS),
+            structured_masks: metrics::counter!(
+                names::STRUCTURED_OUTPUT_MASKS_TOTAL,
+                names::LABEL_MODEL_NAME => model.clone()
+            ),
+            structured_mask_seconds: metrics::gauge!(
+                names::STRUCTURED_OUTPUT_MASK_SECONDS,
+                names::LABEL_MODEL_NAME => model.clone()
+            ),
+            structured_wait_seconds: metrics::gauge!(
+                names::STRUCTURED_OUTPUT_WAIT_SECONDS,
+                names::LABEL_MODEL_NAME => model.clone()
+            ),
             recent_latencies: LatencyWindow::default(),
         }
     }
@@ -271,6 +286,11 @@ impl ServerMetrics {
         self.prefix_hits.absolute(stats.prefix_cache_hits);
         self.preemptions.absolute(stats.num_preemptions);
         self.generation_tokens.absolute(stats.generation_tokens);
+        self.structured_masks.absolute(stats.structured_masks);
+        self.structured_mask_seconds
+            .set(stats.structured_mask_seconds);
+        self.structured_wait_seconds
+            .set(stats.structured_wait_seconds);
     }
 
     /// Copies the engine's MoE snapshot (per layer, device and, with `--expert-metrics full`,

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
+use super::structured::{StructuredFields, StructuredRequest};
 use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
 use crate::generation::Target;
@@ -244,6 +245,7 @@ pub struct ParsedChat {
     pub fields: SamplingFields,
     pub chat: ChatPrompt,
     pub num_logprobs: Option<usize>,
+    pub structured: Option<StructuredRequest>,
 }
 
 /// Reads and checks a chat request body: every field a client sends is checked here (the
@@ -251,6 +253,7 @@ pub struct ParsedChat {
 pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     let request: ChatRequest = parse_json(body)?;
     let fields: SamplingFields = parse_json(body)?;
+    let structured = parse_json::<StructuredFields>(body)?.to_request()?;
     let chat = ChatPrompt {
         messages: request.chat_messages()?,
         reasoning_effort: request.reasoning_effort()?,
@@ -271,6 +274,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
         fields,
         chat,
         num_logprobs,
+        structured,
     })
 }
 
@@ -280,10 +284,12 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         fields,
         chat,
         num_logprobs,
+        structured,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
     let tokenized = target.tokenize(Prompt::Chat(chat)).await?;
+    let grammar = target.compile_grammar(structured).await?;
     // With no limit the answer may fill the context; a full prompt is refused by the engine.
     let max_tokens = request
         .max_completion_tokens
@@ -291,15 +297,18 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .unwrap_or(tokenized.room.max(1));
     let params = fields.to_params(max_tokens, num_logprobs)?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
+    // A constrained reply is the constraint's text from its first token, without harmony's
+    // channel headers: it is all content.
     let harmony = target
         .assets()
         .harmony
-        .zip(target.assets().tokenizer.clone());
+        .zip(target.assets().tokenizer.clone())
+        .filter(|_| grammar.is_none());
     let generation = target
         .submit(GenerateRequest {
             prompt: Prompt::TokenIds(tokenized.ids),
             params,
-            grammar: None,
+            grammar,
         })
         .await?;
     let meta = ResponseMeta::new("chatcmpl", state.served_model_name());

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::logprobs::{CompletionLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
+use super::structured::{StructuredFields, StructuredRequest};
 use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
 use crate::generation::Target;
@@ -105,6 +106,7 @@ pub struct ParsedCompletion {
     pub request: CompletionRequest,
     pub prompt: Prompt,
     pub params: SamplingParams,
+    pub structured: Option<StructuredRequest>,
 }
 
 /// Reads and checks a completions request body: every field a client sends is checked here
@@ -112,6 +114,7 @@ pub struct ParsedCompletion {
 pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
     let mut request: CompletionRequest = parse_json(body)?;
     let fields: SamplingFields = parse_json(body)?;
+    let structured = parse_json::<StructuredFields>(body)?.to_request()?;
     if request.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
@@ -134,6 +137,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
         request,
         prompt,
         params,
+        structured,
     })
 }
 
@@ -142,16 +146,18 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         request,
         prompt,
         params,
+        structured,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
     let tokenized = target.tokenize(prompt).await?;
+    let grammar = target.compile_grammar(structured).await?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
     let generation = target
         .submit(GenerateRequest {
             prompt: Prompt::TokenIds(tokenized.ids),
             params,
-            grammar: None,
+            grammar,
         })
         .await?;
     let meta = ResponseMeta::new("cmpl", state.served_model_name());

@@ -10,6 +10,7 @@ pub mod completions;
 pub mod logprobs;
 pub mod models;
 pub mod stream;
+pub mod structured;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
