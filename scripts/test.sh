@@ -3,7 +3,8 @@
 # Chromium, ChromeDriver, Prometheus), prepares the demo model if it is missing (the demo-model
 # parity tests need it), builds the `moeserve` binary (the end-to-end tests in tests/e2e start
 # it), runs the whole cargo workspace, then the official `openai` Python client against the real server
-# (tests/e2e/test_openai_client.py) from a venv it keeps under target/e2e-venv.
+# (tests/e2e/test_openai_client.py, structured outputs checked with jsonschema) from a venv it
+# keeps under target/e2e-venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-test-tools.sh
