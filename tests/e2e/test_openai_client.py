@@ -395,3 +395,37 @@ def test_random_weights_answer_valid_json_because_of_the_constraint(harmony_serv
             max_tokens=300, response_format=JSON_SCHEMA_FORMAT)
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON_SCHEMA)
+
+
+def test_logit_bias_bans_and_forces_tokens(server):
+    client = make_client(server)
+    common = dict(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+
+    def tokens(bias):
+        return client.completions.create(**common, logit_bias=bias).choices[0].logprobs.tokens
+
+    plain = tokens(None)
+    forced = tokens({"9": 100})
+    assert forced == [forced[0]] * 4 and forced != plain
+    # Banned, token 9 gives way to the next one forced.
+    other = tokens({"9": -100, "10": 100, "11": 100})
+    assert forced[0] not in other
+    with pytest.raises(openai.BadRequestError) as bad:
+        tokens({"999999": 1})
+    assert bad.value.param == "logit_bias"
+
+
+def test_unimplemented_fields_are_refused_not_ignored(server):
+    client = make_client(server)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="hi", suffix="end")
+    assert bad.value.param == "suffix"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       modalities=["text", "audio"])
+    assert bad.value.param == "modalities"
+    # The neutral values clients send by default pass.
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, modalities=["text"], store=False)
+    assert reply.choices[0].message.role == "assistant"

@@ -34,6 +34,9 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Subtracted per occurrence of tokens already generated (0 = off).
     pub frequency_penalty: f32,
+    /// Added to these tokens' logits before any penalty (OpenAI's `logit_bias`, each in
+    /// [-100, 100]: -100 bans a token, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -52,6 +55,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -76,6 +80,12 @@ pub const MAX_STOP_STRING_BYTES: usize = 1024;
 
 /// Most `stop_token_ids` one request may give.
 pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+
+/// Most `logit_bias` entries one request may give (OpenAI documents none; vLLM sets none).
+pub const MAX_LOGIT_BIAS_ENTRIES: usize = 1024;
+
+/// `logit_bias` values lie in `[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]`, as OpenAI's.
+pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
 
 impl SamplingParams {
     pub fn greedy(max_tokens: usize) -> Self {
@@ -159,6 +169,28 @@ impl SamplingParams {
                 format!(
                     "at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {}",
                     self.stop_token_ids.len()
+                ),
+            );
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS_ENTRIES {
+            return err(
+                "logit_bias",
+                format!(
+                    "at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, got {}",
+                    self.logit_bias.len()
+                ),
+            );
+        }
+        if let Some((id, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-LOGIT_BIAS_LIMIT..=LOGIT_BIAS_LIMIT).contains(b))
+        {
+            return err(
+                "logit_bias",
+                format!(
+                    "the bias of token {id} must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], \
+                     got {bias}"
                 ),
             );
         }

@@ -4,6 +4,7 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use moeserve_backend::device::Device;
+use moeserve_core::SamplingParams;
 use moeserve_model::config::Architecture;
 use moeserve_model::models::MoeModel;
 use moeserve_structured::{Grammar, GrammarCompiler, StructuredError, StructuredOutput};
@@ -152,16 +153,25 @@ impl ModelAssets {
         Ok(ids)
     }
 
-    /// Refuses `stop_token_ids` outside the vocabulary (they could never be generated).
-    pub fn check_stop_token_ids(&self, ids: &[u32]) -> Result<()> {
+    /// Refuses `stop_token_ids` and `logit_bias` tokens outside the vocabulary.
+    pub fn check_token_ids(&self, params: &SamplingParams) -> Result<()> {
         let vocab = self.model.config().vocab_size;
-        match ids.iter().find(|id| **id as usize >= vocab) {
+        let outside = |field, bad: Option<u32>| match bad {
             Some(bad) => Err(EngineError::InvalidRequest {
-                field: "stop_token_ids",
+                field,
                 message: format!("token id {bad} is out of the vocabulary (size {vocab})"),
             }),
             None => Ok(()),
-        }
+        };
+        let beyond = |id: &u32| *id as usize >= vocab;
+        outside(
+            "stop_token_ids",
+            params.stop_token_ids.iter().copied().find(beyond),
+        )?;
+        outside(
+            "logit_bias",
+            params.logit_bias.iter().map(|(id, _)| *id).find(beyond),
+        )
     }
 
     /// Renders chat messages with the model's template, ending with the assistant's turn.

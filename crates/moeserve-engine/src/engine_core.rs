@@ -270,8 +270,7 @@ impl EngineCore {
     /// Validates and queues a request; refuses it at once when it could never be served.
     pub fn add_request(&mut self, request: GenerateRequest) -> Result<RequestId> {
         request.params.validate()?;
-        self.assets
-            .check_stop_token_ids(&request.params.stop_token_ids)?;
+        self.assets.check_token_ids(&request.params)?;
         let max_model_len = self.scheduler.limits().max_model_len;
         let prompt_ids = self.assets.prompt_ids(&request.prompt, max_model_len)?;
         let id = RequestId(self.next_id);

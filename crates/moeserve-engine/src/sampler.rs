@@ -2,7 +2,7 @@
 //!
 //! Order, as in vLLM's v1 sampler:
 //! 1. logprobs come from the raw logits (log-softmax of the model output, before anything else);
-//! 2. repetition penalty (prompt and output tokens; positive logits divided, negative
+//! 2. `logit_bias` added; repetition penalty (prompt and output tokens; positive logits divided, negative
 //!    multiplied, as HF and vLLM), then frequency and presence penalties (output tokens only);
 //! 3. temperature below 1e-5 is greedy: argmax, ties to the lowest id;
 //! 4. otherwise temperature, min-p, top-k (ties at the k-th value kept), top-p (the smallest
@@ -84,6 +84,12 @@ impl SamplerState {
         let raw = LogSoftmax::of(logits)?;
         self.work.clear();
         self.work.extend_from_slice(logits);
+        for &(id, bias) in &params.logit_bias {
+            // In range: the engine checks the ids against the vocabulary at admission.
+            if let Some(logit) = self.work.get_mut(id as usize) {
+                *logit += bias;
+            }
+        }
         self.apply_penalties(params, prompt_ids, output_ids)?;
         let token_id = if params.temperature >= GREEDY_TEMPERATURE_EPS {
             self.draw(params)
@@ -406,6 +412,26 @@ mod tests {
         let logits = [f32::NEG_INFINITY, 3.0, f32::NEG_INFINITY, -2.0];
         let drawn = sequence(&params(f32::INFINITY), &logits, 200);
         assert!(drawn.iter().all(|&t| t == 1 || t == 3) && drawn.contains(&3));
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens_and_logprobs_stay_raw() {
+        let logits = [0.3, 1.2, -0.7, 1.1];
+        let banned = SamplingParams {
+            logit_bias: vec![(1, -100.0)],
+            ..SamplingParams::greedy(1)
+        };
+        assert!(sequence(&banned, &logits, 5).iter().all(|&t| t == 3));
+        let forced = SamplingParams {
+            logit_bias: vec![(2, 100.0)],
+            ..params(1.0)
+        };
+        assert!(sequence(&forced, &logits, 200).iter().all(|&t| t == 2));
+        let out = SamplerState::new(&forced)
+            .sample(&logits, &forced, &[], &[])
+            .unwrap();
+        let raw = LogSoftmax::of(&logits).unwrap();
+        assert_eq!(out.logprob, raw.logprob(-0.7));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
+use super::unsupported::{Endpoint, refuse_unsupported};
 use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
 use crate::generation::Target;
@@ -254,6 +255,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     let request: ChatRequest = parse_json(body)?;
     let fields: SamplingFields = parse_json(body)?;
     let structured = parse_json::<StructuredFields>(body)?.to_request()?;
+    refuse_unsupported(body, Endpoint::Chat)?;
     let chat = ChatPrompt {
         messages: request.chat_messages()?,
         reasoning_effort: request.reasoning_effort()?,

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::logprobs::{CompletionLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
+use super::unsupported::{Endpoint, refuse_unsupported};
 use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
 use crate::generation::Target;
@@ -115,6 +116,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
     let mut request: CompletionRequest = parse_json(body)?;
     let fields: SamplingFields = parse_json(body)?;
     let structured = parse_json::<StructuredFields>(body)?.to_request()?;
+    refuse_unsupported(body, Endpoint::Completions)?;
     if request.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }

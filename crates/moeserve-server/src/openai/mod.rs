@@ -2,7 +2,8 @@
 //! the JSON body extractor, the sampling fields common to completions and chat, `usage` (with
 //! the `usage.moe` extension: the request's dropped / rerouted pairs under a capacity factor).
 //!
-//! Unknown fields are ignored, as OpenAI does. Each body is read twice, once as the endpoint's
+//! Unknown fields are ignored, as OpenAI does; known ones that moeserve does not implement are
+//! refused ([`unsupported`]). Each body is read twice, once as the endpoint's
 //! own fields and once as [`SamplingFields`], so both keep exact field paths in their errors.
 
 pub mod chat;
@@ -11,6 +12,7 @@ pub mod logprobs;
 pub mod models;
 pub mod stream;
 pub mod structured;
+pub mod unsupported;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -133,6 +135,8 @@ pub struct SamplingFields {
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
     pub n: Option<u64>,
+    /// Token id (as a string, as OpenAI sends it) → bias added to its logit, in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     /// Accepted and ignored (OpenAI uses it for abuse monitoring).
     pub user: Option<String>,
 }
@@ -167,6 +171,18 @@ impl SamplingFields {
             Some(StopField::One(s)) => vec![s.clone()],
             Some(StopField::Many(list)) => list.clone(),
         };
+        let logit_bias = self
+            .logit_bias
+            .iter()
+            .flatten()
+            .map(|(key, &bias)| match key.trim().parse::<u32>() {
+                Ok(id) => Ok((id, bias)),
+                Err(_) => Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("invalid `logit_bias`: keys are token ids, got {key:?}"),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let defaults = SamplingParams::default();
         let params = SamplingParams {
             temperature: self.temperature.unwrap_or(defaults.temperature),
@@ -184,6 +200,7 @@ impl SamplingFields {
                 .unwrap_or(defaults.repetition_penalty),
             presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+            logit_bias,
         };
         params
             .validate()
@@ -307,6 +324,21 @@ mod tests {
         assert_eq!(err.body().param.as_deref(), Some("top_k"));
         let err = fields("{}").to_params(0, None).unwrap_err();
         assert_eq!(err.body().param.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn logit_bias_takes_token_id_keys_within_a_hundred() {
+        let p = fields(r#"{"logit_bias": {"7": -100, "3": 2.5}}"#)
+            .to_params(1, None)
+            .unwrap();
+        assert_eq!(p.logit_bias, vec![(3, 2.5), (7, -100.0)]);
+        for bad in [
+            r#"{"logit_bias": {"x": 1}}"#,
+            r#"{"logit_bias": {"1": 101}}"#,
+        ] {
+            let err = fields(bad).to_params(1, None).unwrap_err();
+            assert_eq!(err.body().param.as_deref(), Some("logit_bias"), "{bad}");
+        }
     }
 
     #[test]
