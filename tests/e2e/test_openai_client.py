@@ -429,3 +429,31 @@ def test_unimplemented_fields_are_refused_not_ignored(server):
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=2, modalities=["text"], store=False)
     assert reply.choices[0].message.role == "assistant"
+
+
+def _post(server, path, body):
+    request = urllib.request.Request(server.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.load(r)
+
+
+def test_tokenize_round_trips_with_detokenize_and_counts_as_requests_do(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    text = "The quick brown fox jumps over the lazy dog, twice: ünïcode too."
+    tokenized = _post(demo_server, "/tokenize", {"model": model, "prompt": text,
+                                                 "return_token_strs": True})
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"]) > 0
+    assert tokenized["max_model_len"] == client.models.list().data[0].max_model_len
+    assert _post(demo_server, "/detokenize", {"model": model, "tokens": tokenized["tokens"]}) \
+        == {"prompt": text}
+    completion = client.completions.create(model=model, prompt=text, max_tokens=1)
+    assert completion.usage.prompt_tokens == tokenized["count"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    chat_tokens = _post(demo_server, "/tokenize", {"model": model, "messages": messages})
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert reply.usage.prompt_tokens == chat_tokens["count"]
+    rendered = _post(demo_server, "/detokenize", {"tokens": chat_tokens["tokens"]})["prompt"]
+    assert "Be brief." in rendered and text in rendered

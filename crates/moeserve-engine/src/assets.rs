@@ -98,7 +98,8 @@ impl ModelAssets {
             })
     }
 
-    fn tokenizer(&self, field: &'static str) -> Result<&Tokenizer> {
+    /// The tokenizer, or a 400-style error naming `field` when the model has none.
+    pub fn tokenizer_for(&self, field: &'static str) -> Result<&Tokenizer> {
         self.tokenizer
             .as_ref()
             .ok_or_else(|| EngineError::InvalidRequest {
@@ -126,13 +127,13 @@ impl ModelAssets {
         let ids = match prompt {
             Prompt::TokenIds(ids) => ids.clone(),
             Prompt::Text(text) => {
-                let tokenizer = self.tokenizer("prompt")?;
+                let tokenizer = self.tokenizer_for("prompt")?;
                 measured(tokenizer, text)?;
                 tokenizer.encode_with_special_tokens(text)?
             }
             Prompt::Chat(chat) => {
                 let text = self.render_chat(chat)?;
-                let tokenizer = self.tokenizer("messages")?;
+                let tokenizer = self.tokenizer_for("messages")?;
                 measured(tokenizer, &text)?;
                 tokenizer.encode(&text)?
             }
@@ -176,6 +177,16 @@ impl ModelAssets {
 
     /// Renders chat messages with the model's template, ending with the assistant's turn.
     pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String> {
+        self.render_chat_turn(chat, true)
+    }
+
+    /// Renders chat messages with the model's template; `add_generation_prompt` opens the
+    /// assistant's turn after them.
+    pub fn render_chat_turn(
+        &self,
+        chat: &ChatPrompt,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()
@@ -192,7 +203,7 @@ impl ModelAssets {
         Ok(template.render(
             &chat.messages,
             &RenderOptions {
-                add_generation_prompt: true,
+                add_generation_prompt,
                 reasoning_effort: chat.reasoning_effort,
             },
         )?)

@@ -1,5 +1,5 @@
-//! The router: OpenAI endpoints, `GET /v1/moe/load` and `GET /v1/stats` under `/v1` (behind the
-//! API key when one is set), `/health`, `/version`, `/dashboard` (the page only; its data comes
+//! The router: OpenAI endpoints, `GET /v1/moe/load` and `GET /v1/stats` under `/v1`, and
+//! `POST /tokenize` / `/detokenize` (all behind the API key when one is set), `/health`, `/version`, `/dashboard` (the page only; its data comes
 //! from `/v1`), and `/metrics` on its own router merged in. Unknown routes and methods answer in
 //! the OpenAI error shape; bodies are limited to `--max-request-bytes`.
 
@@ -15,7 +15,7 @@ use crate::dashboard;
 use crate::error::ApiError;
 use crate::metrics;
 use crate::moe;
-use crate::openai::{chat, completions, models};
+use crate::openai::{chat, completions, models, tokenize};
 use crate::state::AppState;
 
 /// The whole HTTP API over `state`.
@@ -26,6 +26,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/models", get(models::list))
         .route("/v1/moe/load", get(moe::load))
         .route("/v1/stats", get(dashboard::stats::stats))
+        // vLLM's tokenizer endpoints, outside /v1 as in vLLM, but behind the key (they spend
+        // the server's CPU).
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -117,7 +117,7 @@ pub struct ChatRequest {
 }
 
 impl ChatRequest {
-    fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
+    pub(crate) fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
         let messages = self
             .messages
             .as_ref()
@@ -137,7 +137,7 @@ impl ChatRequest {
             .collect()
     }
 
-    fn reasoning_effort(&self) -> Result<Option<ReasoningEffort>, ApiError> {
+    pub(crate) fn reasoning_effort(&self) -> Result<Option<ReasoningEffort>, ApiError> {
         let Some(name) = self.reasoning_effort.as_deref() else {
             return Ok(None);
         };

@@ -12,6 +12,7 @@ pub mod logprobs;
 pub mod models;
 pub mod stream;
 pub mod structured;
+pub mod tokenize;
 pub mod unsupported;
 
 use std::sync::atomic::{AtomicU64, Ordering};
