@@ -19,4 +19,4 @@ pub use dtype::DType;
 pub use ids::{BlockId, DeviceId, ExpertId, RequestId};
 pub use moe_config::{ExpertMetrics, MoeConfig, OverflowPolicy};
 pub use placement::{ExpertPlacement, LayerPlacement, PlacementError};
-pub use sampling::{MAX_LOGPROBS, SamplingParams, SamplingParamsError};
+pub use sampling::{MAX_LOGPROBS, SamplingDefaults, SamplingParams, SamplingParamsError};

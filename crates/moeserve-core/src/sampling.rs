@@ -60,6 +60,42 @@ impl Default for SamplingParams {
     }
 }
 
+/// Defaults for the sampling fields a request leaves out: the model's `generation_config.json`
+/// values under `--generation-config auto` (vLLM's default), none under `--generation-config
+/// vllm`. Unset fields fall back to [`SamplingParams::default`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// The model's `max_new_tokens`: caps a chat request that gives no `max_tokens`.
+    pub max_tokens: Option<usize>,
+}
+
+impl SamplingDefaults {
+    /// `name=value` for every default set, for the start-up log; empty when none is.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        let mut add = |name: &str, value: Option<String>| {
+            if let Some(v) = value {
+                parts.push(format!("{name}={v}"));
+            }
+        };
+        add("temperature", self.temperature.map(|v| v.to_string()));
+        add("top_p", self.top_p.map(|v| v.to_string()));
+        add("top_k", self.top_k.map(|v| v.to_string()));
+        add("min_p", self.min_p.map(|v| v.to_string()));
+        add(
+            "repetition_penalty",
+            self.repetition_penalty.map(|v| v.to_string()),
+        );
+        add("max_tokens", self.max_tokens.map(|v| v.to_string()));
+        parts.join(", ")
+    }
+}
+
 /// A sampling parameter outside its allowed range; names the field like an API error would.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("invalid `{field}`: {message}")]

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use moeserve_backend::device::Device;
-use moeserve_core::SamplingParams;
+use moeserve_core::{SamplingDefaults, SamplingParams};
 use moeserve_model::config::Architecture;
 use moeserve_model::models::MoeModel;
 use moeserve_structured::{Grammar, GrammarCompiler, StructuredError, StructuredOutput};
@@ -61,6 +61,20 @@ impl ModelAssets {
             generation_config: GenerationConfig::from_dir(dir)?,
             grammar_compiler: OnceLock::new(),
         })
+    }
+
+    /// The sampling defaults its `generation_config.json` recommends (what vLLM's
+    /// `--generation-config auto` takes from it).
+    pub fn sampling_defaults(&self) -> SamplingDefaults {
+        let g = &self.generation_config;
+        SamplingDefaults {
+            temperature: g.temperature,
+            top_p: g.top_p,
+            top_k: g.top_k,
+            min_p: g.min_p,
+            repetition_penalty: g.repetition_penalty,
+            max_tokens: g.max_new_tokens,
+        }
     }
 
     /// The compiler of output constraints over this model's vocabulary.

@@ -66,6 +66,18 @@ pub enum MetricsCompat {
     Vllm,
 }
 
+/// `--generation-config`: where requests' sampling defaults come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GenerationConfigMode {
+    /// The model's `generation_config.json` (temperature, top_p, top_k, min_p,
+    /// repetition_penalty, max_new_tokens), as vLLM's default.
+    #[default]
+    Auto,
+    /// vLLM's own defaults; the model's file is ignored.
+    Vllm,
+}
+
 /// A size in the config file: bytes as a number, or text like `"4GiB"`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(untagged)]
@@ -98,6 +110,7 @@ pub struct ServeFile {
     pub max_waiting_requests: Option<usize>,
     pub metrics_compat: Option<MetricsCompat>,
     pub metrics_auth: Option<bool>,
+    pub generation_config: Option<GenerationConfigMode>,
     pub allowed_hosts: Option<String>,
     pub allowed_origins: Option<String>,
     pub max_connections: Option<usize>,
@@ -140,6 +153,7 @@ pub struct ServeConfig {
     pub max_request_bytes: usize,
     pub max_waiting_requests: usize,
     pub metrics_compat: MetricsCompat,
+    pub generation_config: GenerationConfigMode,
     /// `/metrics` needs the API key too.
     pub metrics_auth: bool,
     /// `--allowed-hosts` / `--allowed-origins` (or their defaults for the bind address).

@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 
 use crate::app::app;
-use crate::config::ServeConfig;
+use crate::config::{GenerationConfigMode, ServeConfig};
 use crate::listener::{ConnectionLimits, accept};
 use crate::metrics::{ServerMetrics, install_recorder};
 use crate::state::{AppOptions, AppState, TimeLimits};
@@ -54,6 +54,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         max_waiting_requests: config.max_waiting_requests,
         metrics_auth: config.metrics_auth,
         origin_policy: config.origin_policy.clone(),
+        generation_config: config.generation_config,
         time_limits: TimeLimits {
             read: limits.request_read_timeout,
             request: limits.request_timeout,
@@ -212,6 +213,20 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
             None => "",
         },
     ));
+    let defaults = assets.sampling_defaults().describe();
+    match (config.generation_config, defaults.is_empty()) {
+        (_, true) => {
+            log("sampling defaults: vLLM's (the model's generation_config.json sets none)")
+        }
+        (GenerationConfigMode::Auto, false) => log(format_args!(
+            "sampling defaults from the model's generation_config.json: {defaults} \
+             (--generation-config vllm ignores them)"
+        )),
+        (GenerationConfigMode::Vllm, false) => log(format_args!(
+            "sampling defaults: vLLM's; the model's generation_config.json recommends \
+             {defaults} (--generation-config auto uses them)"
+        )),
+    }
     let engine =
         Engine::start(Arc::new(assets), &config.engine).context("cannot start the engine")?;
     let stats = engine.stats();

@@ -5,9 +5,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use moeserve_core::SamplingDefaults;
+use moeserve_engine::assets::ModelAssets;
 use moeserve_engine::handle::Engine;
 
 use crate::auth::ApiKey;
+use crate::config::GenerationConfigMode;
 use crate::drain::Drain;
 use crate::error::ApiError;
 use crate::metrics::ServerMetrics;
@@ -26,6 +29,8 @@ pub struct AppOptions {
     pub time_limits: TimeLimits,
     /// `--allowed-hosts`, `--allowed-origins`.
     pub origin_policy: crate::origin::OriginPolicy,
+    /// `--generation-config`: whether the model's generation_config.json sets the defaults.
+    pub generation_config: GenerationConfigMode,
 }
 
 impl Default for AppOptions {
@@ -38,6 +43,7 @@ impl Default for AppOptions {
             metrics_auth: false,
             time_limits: TimeLimits::default(),
             origin_policy: crate::origin::OriginPolicy::any(),
+            generation_config: GenerationConfigMode::Auto,
         }
     }
 }
@@ -98,6 +104,14 @@ impl AppState {
             metrics,
             started_at: unix_now(),
         }))
+    }
+
+    /// The defaults of sampling fields a request leaves out (`--generation-config`).
+    pub fn sampling_defaults(&self, assets: &ModelAssets) -> SamplingDefaults {
+        match self.0.options.generation_config {
+            GenerationConfigMode::Auto => assets.sampling_defaults(),
+            GenerationConfigMode::Vllm => SamplingDefaults::default(),
+        }
     }
 
     /// A permit to render and tokenize one prompt on the blocking pool.

@@ -39,3 +39,57 @@ async fn the_config_file_applies_and_flags_override_it() {
     assert_eq!(models.body["data"][0]["id"], "from-flag");
     assert_eq!(models.body["data"][0]["max_model_len"], 256);
 }
+
+/// `--generation-config auto` (the default) takes the model's sampling defaults from its
+/// generation_config.json and says so at start-up; `vllm` ignores them.
+#[tokio::test]
+async fn the_models_generation_config_sets_the_sampling_defaults() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let gen_path = path.join("generation_config.json");
+    let mut gen_config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&gen_path).unwrap()).unwrap();
+    gen_config["temperature"] = 0.0.into();
+    gen_config["top_k"] = 5.into();
+    gen_config["max_new_tokens"] = 3.into();
+    std::fs::write(&gen_path, gen_config.to_string()).unwrap();
+    let body = serde_json::json!({"prompt": [5, 6, 7], "ignore_eos": true, "logprobs": 0});
+    let explicit = serde_json::json!({
+        "prompt": [5, 6, 7], "ignore_eos": true, "temperature": 0, "max_tokens": 3
+    });
+
+    let server = Server::start(&["--model", path.to_str().unwrap()]).await;
+    assert!(
+        server.log_shows(
+            "sampling defaults from the model's generation_config.json: temperature=0, \
+             top_k=5, max_tokens=3",
+            Duration::from_secs(10)
+        ),
+        "{}",
+        server.logs()
+    );
+    let url = server.url("/v1/completions");
+    let first = moeserve_e2e::post_json(&url, &body).await;
+    let second = moeserve_e2e::post_json(&url, &body).await;
+    let greedy = moeserve_e2e::post_json(&url, &explicit).await;
+    // Greedy (temperature 0 from the file) and capped at max_new_tokens (not OpenAI's 16).
+    assert_eq!(first.body["usage"]["completion_tokens"], 3, "{}", first.body);
+    assert_eq!(first.body["choices"][0]["text"], second.body["choices"][0]["text"]);
+    assert_eq!(first.body["choices"][0]["text"], greedy.body["choices"][0]["text"]);
+    drop(server);
+
+    let server = Server::start(&[
+        "--model",
+        path.to_str().unwrap(),
+        "--generation-config",
+        "vllm",
+    ])
+    .await;
+    assert!(
+        server.log_shows("sampling defaults: vLLM's", Duration::from_secs(10)),
+        "{}",
+        server.logs()
+    );
+    let plain = moeserve_e2e::post_json(&server.url("/v1/completions"), &body).await;
+    assert_eq!(plain.body["usage"]["completion_tokens"], 16, "{}", plain.body);
+}

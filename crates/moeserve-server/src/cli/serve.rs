@@ -14,8 +14,8 @@ use moeserve_engine::engine_core::EngineConfig;
 use super::engine_args::{EngineArgs, parse_size};
 use crate::auth::ApiKey;
 use crate::config::{
-    DtypeChoice, MetricsCompat, ServeConfig, ServeFile, ServerLimits, SizeValue,
-    default_served_model_name, parse_seconds, seconds_to_duration,
+    DtypeChoice, GenerationConfigMode, MetricsCompat, ServeConfig, ServeFile, ServerLimits,
+    SizeValue, default_served_model_name, parse_seconds, seconds_to_duration,
 };
 use crate::origin::{Allowed, OriginPolicy};
 
@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// Also export metrics under vLLM's names, so vLLM dashboards work unchanged.
     #[arg(long, value_enum, default_value_t = MetricsCompat::None)]
     metrics_compat: MetricsCompat,
+    /// Sampling defaults of requests that leave them out: `auto` takes the model's
+    /// generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    /// max_new_tokens), `vllm` ignores it.
+    #[arg(long, value_enum, default_value_t = GenerationConfigMode::Auto)]
+    generation_config: GenerationConfigMode,
     /// Require the API key on /metrics too (needs --api-key).
     #[arg(long)]
     metrics_auth: bool,
@@ -288,6 +293,11 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
             .context("--max-request-bytes is too large")?,
         max_waiting_requests,
         metrics_compat: x.pick("metrics_compat", args.metrics_compat, file.metrics_compat),
+        generation_config: x.pick(
+            "generation_config",
+            args.generation_config,
+            file.generation_config,
+        ),
         metrics_auth,
         limits,
         served_model_name,

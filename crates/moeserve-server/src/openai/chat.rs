@@ -297,7 +297,8 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .max_completion_tokens
         .or(request.max_tokens)
         .unwrap_or(tokenized.room.max(1));
-    let params = fields.to_params(max_tokens, num_logprobs)?;
+    let defaults = state.sampling_defaults(target.assets());
+    let params = fields.to_params_with(max_tokens, num_logprobs, &defaults)?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
     // A constrained reply is the constraint's text from its first token, without harmony's
     // channel headers: it is all content.

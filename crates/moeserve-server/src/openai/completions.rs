@@ -106,6 +106,8 @@ impl Completion {
 pub struct ParsedCompletion {
     pub request: CompletionRequest,
     pub prompt: Prompt,
+    pub fields: SamplingFields,
+    /// Checked with vLLM's defaults; made again with the model's once it is known.
     pub params: SamplingParams,
     pub structured: Option<StructuredRequest>,
 }
@@ -138,6 +140,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
     Ok(ParsedCompletion {
         request,
         prompt,
+        fields,
         params,
         structured,
     })
@@ -147,11 +150,15 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     let ParsedCompletion {
         request,
         prompt,
-        params,
+        fields,
+        params: _,
         structured,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
+    let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let defaults = state.sampling_defaults(target.assets());
+    let params = fields.to_params_with(max_tokens, request.logprobs, &defaults)?;
     let tokenized = target.tokenize(prompt).await?;
     let grammar = target.compile_grammar(structured).await?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use moeserve_core::SamplingParams;
+use moeserve_core::{SamplingDefaults, SamplingParams};
 use moeserve_engine::moe::MoeRequestCounts;
 use moeserve_engine::request::GenerateOutput;
 use serde::de::DeserializeOwned;
@@ -149,6 +149,20 @@ impl SamplingFields {
         max_tokens: usize,
         logprobs: Option<usize>,
     ) -> Result<SamplingParams, ApiError> {
+        self.to_params_with(max_tokens, logprobs, &SamplingDefaults::default())
+    }
+
+    /// Engine parameters; absent fields take `defaults` (the model's generation config), then
+    /// vLLM's. The model's `max_tokens` caps `max_tokens`, as vLLM's does.
+    pub fn to_params_with(
+        &self,
+        max_tokens: usize,
+        logprobs: Option<usize>,
+        model: &SamplingDefaults,
+    ) -> Result<SamplingParams, ApiError> {
+        let max_tokens = model
+            .max_tokens
+            .map_or(max_tokens, |m| max_tokens.min(m.max(1)));
         if let Some(n) = self.n
             && n != 1
         {
@@ -158,7 +172,8 @@ impl SamplingFields {
             ));
         }
         let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
+            None => model.top_k.unwrap_or(0),
+            Some(-1) | Some(0) => 0,
             Some(k) if k > 0 => k as usize,
             Some(k) => {
                 return Err(ApiError::invalid(
@@ -186,10 +201,13 @@ impl SamplingFields {
             .collect::<Result<Vec<_>, _>>()?;
         let defaults = SamplingParams::default();
         let params = SamplingParams {
-            temperature: self.temperature.unwrap_or(defaults.temperature),
-            top_p: self.top_p.unwrap_or(defaults.top_p),
+            temperature: self
+                .temperature
+                .or(model.temperature)
+                .unwrap_or(defaults.temperature),
+            top_p: self.top_p.or(model.top_p).unwrap_or(defaults.top_p),
             top_k,
-            min_p: self.min_p.unwrap_or(defaults.min_p),
+            min_p: self.min_p.or(model.min_p).unwrap_or(defaults.min_p),
             seed: self.seed,
             max_tokens,
             ignore_eos: self.ignore_eos.unwrap_or(false),
@@ -198,6 +216,7 @@ impl SamplingFields {
             stop,
             repetition_penalty: self
                 .repetition_penalty
+                .or(model.repetition_penalty)
                 .unwrap_or(defaults.repetition_penalty),
             presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
@@ -303,6 +322,28 @@ mod tests {
         let p = fields("{}").to_params(16, None).unwrap();
         assert_eq!(p.temperature, 1.0);
         assert_eq!((p.top_p, p.top_k, p.max_tokens), (1.0, 0, 16));
+    }
+
+    #[test]
+    fn the_models_defaults_fill_what_the_request_leaves_out() {
+        let model = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            repetition_penalty: Some(1.1),
+            max_tokens: Some(8),
+            ..Default::default()
+        };
+        let p = fields("{}").to_params_with(16, None, &model).unwrap();
+        assert_eq!((p.temperature, p.top_p, p.top_k), (0.6, 0.95, 20));
+        assert_eq!((p.repetition_penalty, p.min_p, p.max_tokens), (1.1, 0.0, 8));
+        let p = fields(r#"{"temperature": 0, "top_k": -1, "top_p": 1}"#)
+            .to_params_with(4, None, &model)
+            .unwrap();
+        assert_eq!(
+            (p.temperature, p.top_k, p.top_p, p.max_tokens),
+            (0.0, 0, 1.0, 4)
+        );
     }
 
     #[test]
