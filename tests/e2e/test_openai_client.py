@@ -457,3 +457,91 @@ def test_tokenize_round_trips_with_detokenize_and_counts_as_requests_do(demo_ser
     assert reply.usage.prompt_tokens == chat_tokens["count"]
     rendered = _post(demo_server, "/detokenize", {"tokens": chat_tokens["tokens"]})["prompt"]
     assert "Be brief." in rendered and text in rendered
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a time zone.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+                       "required": ["zone"], "additionalProperties": False}}},
+]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(calls):
+    assert calls, "no tool calls"
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in TOOL_SCHEMAS, call.function.name
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+
+
+def test_required_and_named_tool_calls_parse_streamed_and_not(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    common = dict(model=model, messages=messages, tools=TOOLS, max_tokens=120, temperature=0)
+    reply = client.chat.completions.create(tool_choice="required", **common)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    _check_calls(choice.message.tool_calls)
+
+    chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **common))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [call for d in deltas for call in (d.tool_calls or [])]
+    assert [c.index for c in streamed] == list(range(len(streamed)))
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    named = client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, **common)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    _check_calls([call])
+    single = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False,
+                                            **common)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_a_conversation_with_a_tool_result_continues(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                           tool_choice="required", max_tokens=120, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    answer = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                            tool_choice="none", max_tokens=20, temperature=0)
+    assert answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    # The tool turn is in the prompt: it is longer than the first request's.
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_auto_tool_choice_needs_the_server_flags(demo_server):
+    client = make_client(demo_server)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=DEMO_MODEL.name, tools=TOOLS,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.param == "tool_choice"
+    assert "--enable-auto-tool-choice" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=DEMO_MODEL.name, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert bad.value.param == "tool_choice"

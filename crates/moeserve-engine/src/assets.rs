@@ -214,12 +214,13 @@ impl ModelAssets {
                 message: "no messages given".to_string(),
             });
         }
-        Ok(template.render(
+        Ok(template.render_with_tools(
             &chat.messages,
             &RenderOptions {
                 add_generation_prompt,
                 reasoning_effort: chat.reasoning_effort,
             },
+            chat.tools.as_ref(),
         )?)
     }
 }

@@ -22,6 +22,7 @@ impl Prompt {
         Prompt::Chat(ChatPrompt {
             messages,
             reasoning_effort: None,
+            tools: None,
         })
     }
 }
@@ -32,6 +33,8 @@ pub struct ChatPrompt {
     pub messages: Vec<ChatMessage>,
     /// The template's `reasoning_effort` (GPT-OSS's "Reasoning: …" line).
     pub reasoning_effort: Option<ReasoningEffort>,
+    /// OpenAI's `tools` definitions, passed to the template as transformers passes them.
+    pub tools: Option<serde_json::Value>,
 }
 
 /// One generation request.

@@ -111,6 +111,8 @@ pub struct ServeFile {
     pub metrics_compat: Option<MetricsCompat>,
     pub metrics_auth: Option<bool>,
     pub generation_config: Option<GenerationConfigMode>,
+    pub tool_call_parser: Option<crate::openai::tools::ToolCallParser>,
+    pub enable_auto_tool_choice: Option<bool>,
     pub allowed_hosts: Option<String>,
     pub allowed_origins: Option<String>,
     pub max_connections: Option<usize>,
@@ -154,6 +156,8 @@ pub struct ServeConfig {
     pub max_waiting_requests: usize,
     pub metrics_compat: MetricsCompat,
     pub generation_config: GenerationConfigMode,
+    /// How `tool_choice: "auto"` replies are parsed for calls; `None`: "auto" is refused.
+    pub auto_tool_parser: Option<crate::openai::tools::ToolCallParser>,
     /// `/metrics` needs the API key too.
     pub metrics_auth: bool,
     /// `--allowed-hosts` / `--allowed-origins` (or their defaults for the bind address).

@@ -55,6 +55,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         metrics_auth: config.metrics_auth,
         origin_policy: config.origin_policy.clone(),
         generation_config: config.generation_config,
+        auto_tool_parser: config.auto_tool_parser,
         time_limits: TimeLimits {
             read: limits.request_read_timeout,
             request: limits.request_timeout,

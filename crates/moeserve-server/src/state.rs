@@ -14,6 +14,7 @@ use crate::config::GenerationConfigMode;
 use crate::drain::Drain;
 use crate::error::ApiError;
 use crate::metrics::ServerMetrics;
+use crate::openai::tools::ToolCallParser;
 
 /// Settings of the HTTP layer.
 #[derive(Clone, Debug)]
@@ -31,6 +32,8 @@ pub struct AppOptions {
     pub origin_policy: crate::origin::OriginPolicy,
     /// `--generation-config`: whether the model's generation_config.json sets the defaults.
     pub generation_config: GenerationConfigMode,
+    /// `--enable-auto-tool-choice` with `--tool-call-parser`.
+    pub auto_tool_parser: Option<ToolCallParser>,
 }
 
 impl Default for AppOptions {
@@ -44,6 +47,7 @@ impl Default for AppOptions {
             time_limits: TimeLimits::default(),
             origin_policy: crate::origin::OriginPolicy::any(),
             generation_config: GenerationConfigMode::Auto,
+            auto_tool_parser: None,
         }
     }
 }
@@ -112,6 +116,11 @@ impl AppState {
             GenerationConfigMode::Auto => assets.sampling_defaults(),
             GenerationConfigMode::Vllm => SamplingDefaults::default(),
         }
+    }
+
+    /// The parser of `tool_choice: "auto"` replies; `None` when auto tool choice is off.
+    pub fn auto_tool_parser(&self) -> Option<ToolCallParser> {
+        self.0.options.auto_tool_parser
     }
 
     /// A permit to render and tokenize one prompt on the blocking pool.

@@ -26,6 +26,13 @@ const RAISED_PREFIX: &str = "raise_exception: ";
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, as OpenAI sends them (`[{id, type, function: {name,
+    /// arguments}}]`, the arguments an object, as transformers' templates expect).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn answers the call with this id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -33,6 +40,8 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -202,6 +211,17 @@ impl ChatTemplate {
 
     /// The prompt text for `messages` (not tokenized; encode it without adding special tokens).
     pub fn render(&self, messages: &[ChatMessage], opts: &RenderOptions) -> Result<String> {
+        self.render_with_tools(messages, opts, None)
+    }
+
+    /// [`ChatTemplate::render`] with `tools` (OpenAI's list of `{type, function}` definitions)
+    /// passed to the template, as transformers' `apply_chat_template(tools=…)` passes them.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        opts: &RenderOptions,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String> {
         let template = self
             .env
             .get_template(&self.name)
@@ -212,7 +232,10 @@ impl ChatTemplate {
                 "add_generation_prompt",
                 Value::from(opts.add_generation_prompt),
             ),
-            ("tools", Value::from(())),
+            (
+                "tools",
+                tools.map_or(Value::from(()), Value::from_serialize),
+            ),
             ("documents", Value::from(())),
         ];
         if let Some(effort) = opts.reasoning_effort {
@@ -540,6 +563,41 @@ mod tests {
         );
         let text = render(CHATML, RenderOptions::default()).unwrap();
         assert!(text.ends_with("<|im_end|>\n"), "{text:?}");
+    }
+
+    #[test]
+    fn tools_and_tool_turns_reach_the_template_as_transformers_passes_them() {
+        let source = "{% for t in tools %}<tool>{{ t.function.name }}</tool>{% endfor %}\
+            {% for m in messages %}[{{ m.role }}]{{ m.content }}\
+            {% for c in m.tool_calls or [] %}<call>{{ c.function.name }} \
+            {{ c.function.arguments | tojson }}</call>{% endfor %}\
+            {% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}";
+        let template = ChatTemplate::new(source, SpecialTokenStrings::default()).unwrap();
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ]));
+        let mut answer = ChatMessage::new("tool", "18 C");
+        answer.tool_call_id = Some("c1".into());
+        let messages = [ChatMessage::new("user", "Weather?"), call, answer];
+        let tools = serde_json::json!([
+            {"type": "function", "function": {"name": "get_weather"}},
+            {"type": "function", "function": {"name": "get_time"}}
+        ]);
+        let text = template
+            .render_with_tools(&messages, &RenderOptions::default(), Some(&tools))
+            .unwrap();
+        assert_eq!(
+            text,
+            "<tool>get_weather</tool><tool>get_time</tool>[user]Weather?\
+             [assistant]<call>get_weather {\"city\": \"Paris\"}</call>[tool]18 C(c1)"
+        );
+        // Without tools the template sees none.
+        let text = template
+            .render(&messages[..1], &RenderOptions::default())
+            .unwrap();
+        assert_eq!(text, "[user]Weather?");
     }
 
     #[test]

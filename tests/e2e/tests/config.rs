@@ -73,9 +73,19 @@ async fn the_models_generation_config_sets_the_sampling_defaults() {
     let second = moeserve_e2e::post_json(&url, &body).await;
     let greedy = moeserve_e2e::post_json(&url, &explicit).await;
     // Greedy (temperature 0 from the file) and capped at max_new_tokens (not OpenAI's 16).
-    assert_eq!(first.body["usage"]["completion_tokens"], 3, "{}", first.body);
-    assert_eq!(first.body["choices"][0]["text"], second.body["choices"][0]["text"]);
-    assert_eq!(first.body["choices"][0]["text"], greedy.body["choices"][0]["text"]);
+    assert_eq!(
+        first.body["usage"]["completion_tokens"], 3,
+        "{}",
+        first.body
+    );
+    assert_eq!(
+        first.body["choices"][0]["text"],
+        second.body["choices"][0]["text"]
+    );
+    assert_eq!(
+        first.body["choices"][0]["text"],
+        greedy.body["choices"][0]["text"]
+    );
     drop(server);
 
     let server = Server::start(&[
@@ -91,5 +101,9 @@ async fn the_models_generation_config_sets_the_sampling_defaults() {
         server.logs()
     );
     let plain = moeserve_e2e::post_json(&server.url("/v1/completions"), &body).await;
-    assert_eq!(plain.body["usage"]["completion_tokens"], 16, "{}", plain.body);
+    assert_eq!(
+        plain.body["usage"]["completion_tokens"], 16,
+        "{}",
+        plain.body
+    );
 }

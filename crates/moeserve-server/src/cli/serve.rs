@@ -17,6 +17,7 @@ use crate::config::{
     DtypeChoice, GenerationConfigMode, MetricsCompat, ServeConfig, ServeFile, ServerLimits,
     SizeValue, default_served_model_name, parse_seconds, seconds_to_duration,
 };
+use crate::openai::tools::ToolCallParser;
 use crate::origin::{Allowed, OriginPolicy};
 
 #[derive(Debug, Args)]
@@ -64,6 +65,14 @@ pub struct ServeArgs {
     /// max_new_tokens), `vllm` ignores it.
     #[arg(long, value_enum, default_value_t = GenerationConfigMode::Auto)]
     generation_config: GenerationConfigMode,
+    /// How calls are read out of a reply under `tool_choice: "auto"`: `hermes` (Qwen,
+    /// `<tool_call>…</tool_call>`) or `mistral` (`[TOOL_CALLS]…`).
+    #[arg(long, value_enum)]
+    tool_call_parser: Option<ToolCallParser>,
+    /// Let the model decide whether to call a tool (`tool_choice: "auto"`, the default when
+    /// `tools` are given); needs --tool-call-parser.
+    #[arg(long)]
+    enable_auto_tool_choice: bool,
     /// Require the API key on /metrics too (needs --api-key).
     #[arg(long)]
     metrics_auth: bool,
@@ -271,6 +280,21 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
     if max_request_bytes == 0 {
         anyhow::bail!("--max-request-bytes 0 would refuse every body: it must be at least 1");
     }
+    let tool_call_parser = x.pick_opt(
+        "tool_call_parser",
+        args.tool_call_parser,
+        file.tool_call_parser,
+    );
+    let enable_auto_tool_choice = x.pick(
+        "enable_auto_tool_choice",
+        args.enable_auto_tool_choice,
+        file.enable_auto_tool_choice,
+    );
+    let auto_tool_parser = match (enable_auto_tool_choice, tool_call_parser) {
+        (true, None) => anyhow::bail!("--enable-auto-tool-choice needs --tool-call-parser"),
+        (true, parser) => parser,
+        (false, _) => None,
+    };
     let host = x.pick("host", args.host, file.host);
     let mut origin_policy = OriginPolicy::defaults_for(&host);
     if let Some(hosts) = x.pick_opt("allowed_hosts", args.allowed_hosts, file.allowed_hosts) {
@@ -293,6 +317,7 @@ pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<ServeCon
             .context("--max-request-bytes is too large")?,
         max_waiting_requests,
         metrics_compat: x.pick("metrics_compat", args.metrics_compat, file.metrics_compat),
+        auto_tool_parser,
         generation_config: x.pick(
             "generation_config",
             args.generation_config,

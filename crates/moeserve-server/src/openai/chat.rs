@@ -14,11 +14,13 @@ use moeserve_engine::request::{ChatPrompt, FinishReason, GenerateOutput, Generat
 use moeserve_engine::sampler::SampleOutput;
 use moeserve_text::chat_template::{ChatMessage, ReasoningEffort};
 use moeserve_text::harmony::{ChannelText, HarmonyParser};
+use moeserve_text::tokenizer::SpecialTokens;
 use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
+use super::tools::{ToolCall, ToolCallParser, ToolChoice, ToolDef, ToolRequest, ToolStream};
 use super::unsupported::{Endpoint, refuse_unsupported};
 use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
 use crate::error::ApiError;
@@ -114,6 +116,9 @@ pub struct ChatRequest {
     /// `low`, `medium` or `high`: passed to the chat template (GPT-OSS's states it in its
     /// system message).
     pub reasoning_effort: Option<String>,
+    pub tools: Option<Vec<ToolDef>>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 impl ChatRequest {
@@ -132,7 +137,10 @@ impl ChatRequest {
                     Some(MessageContent::Text(text)) => text.clone(),
                     Some(MessageContent::Parts(parts)) => text_of_parts(parts, i)?,
                 };
-                Ok(ChatMessage::new(m.role.clone(), content))
+                let mut message = ChatMessage::new(m.role.clone(), content);
+                message.tool_call_id = m.tool_call_id.clone();
+                message.tool_calls = m.tool_calls.as_ref().map(template_tool_calls);
+                Ok(message)
             })
             .collect()
     }
@@ -169,6 +177,22 @@ impl ChatRequest {
     }
 }
 
+/// An assistant turn's `tool_calls` as templates read them: the `arguments` (a JSON text on
+/// the wire) parsed into an object, as vLLM hands them to transformers' templates.
+fn template_tool_calls(calls: &serde_json::Value) -> serde_json::Value {
+    let mut calls = calls.clone();
+    for call in calls.as_array_mut().into_iter().flatten() {
+        if let Some(args) = call.pointer_mut("/function/arguments")
+            && let Some(parsed) = args
+                .as_str()
+                .and_then(|text| serde_json::from_str::<serde_json::Value>(text).ok())
+        {
+            *args = parsed;
+        }
+    }
+    calls
+}
+
 fn text_of_parts(parts: &[ContentPart], index: usize) -> Result<String, ApiError> {
     let texts = parts.iter().map(|part| match (&*part.kind, &part.text) {
         ("text", Some(text)) => Ok(text.as_str()),
@@ -199,15 +223,37 @@ pub struct ChatChoice {
     pub index: usize,
     pub message: AssistantMessage,
     pub logprobs: Option<ChatLogprobs>,
-    pub finish_reason: FinishReason,
+    pub finish_reason: ChatFinishReason,
+}
+
+/// Chat's `finish_reason`: the engine's, or `tool_calls` when the reply called tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChatFinishReason {
+    Stop,
+    Length,
+    ToolCalls,
+}
+
+impl ChatFinishReason {
+    fn of(reason: FinishReason, called: bool) -> ChatFinishReason {
+        match (reason, called) {
+            (_, true) => ChatFinishReason::ToolCalls,
+            (FinishReason::Stop, false) => ChatFinishReason::Stop,
+            (FinishReason::Length, false) => ChatFinishReason::Length,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the reply is tool calls only.
+    pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// `chat.completion.chunk`.
@@ -227,7 +273,7 @@ pub struct ChunkChoice {
     pub index: usize,
     pub delta: Delta,
     pub logprobs: Option<ChatLogprobs>,
-    pub finish_reason: Option<FinishReason>,
+    pub finish_reason: Option<ChatFinishReason>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -238,6 +284,9 @@ pub struct Delta {
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// Each call whole, with its `index` (OpenAI's clients also take calls in one piece).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// A chat request read and checked as far as it can be without the model.
@@ -247,6 +296,7 @@ pub struct ParsedChat {
     pub chat: ChatPrompt,
     pub num_logprobs: Option<usize>,
     pub structured: Option<StructuredRequest>,
+    pub tools: Option<ToolRequest>,
 }
 
 /// Reads and checks a chat request body: every field a client sends is checked here (the
@@ -254,11 +304,30 @@ pub struct ParsedChat {
 pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     let request: ChatRequest = parse_json(body)?;
     let fields: SamplingFields = parse_json(body)?;
-    let structured = parse_json::<StructuredFields>(body)?.to_request()?;
+    let mut structured = parse_json::<StructuredFields>(body)?.to_request()?;
     refuse_unsupported(body, Endpoint::Chat)?;
+    let tools = ToolRequest::from_fields(
+        request.tools.as_deref(),
+        request.tool_choice.as_ref(),
+        request.parallel_tool_calls,
+    )?;
+    if let Some(output) = tools.as_ref().and_then(ToolRequest::constraint) {
+        if structured.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a required or named `tool_choice` constrains the reply already: it cannot be \
+                 combined with `response_format` or another output constraint",
+            ));
+        }
+        structured = Some(StructuredRequest {
+            output,
+            field: "tools",
+        });
+    }
     let chat = ChatPrompt {
         messages: request.chat_messages()?,
         reasoning_effort: request.reasoning_effort()?,
+        tools: tools.as_ref().map(ToolRequest::template_tools),
     };
     let num_logprobs = request.num_logprobs()?;
     // The sampling fields are checked before any work; the output limit may depend on the
@@ -277,6 +346,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
         chat,
         num_logprobs,
         structured,
+        tools,
     })
 }
 
@@ -287,8 +357,28 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         chat,
         num_logprobs,
         structured,
+        tools,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
+    // What reads the calls out of the reply, if anything does.
+    let calls = match &tools {
+        None => None,
+        Some(t) => match t.choice {
+            ToolChoice::None => None,
+            ToolChoice::Required | ToolChoice::Named(_) => Some(CallReader::Constrained(t.clone())),
+            ToolChoice::Auto => match state.auto_tool_parser() {
+                Some(parser) => Some(CallReader::Parsed(parser)),
+                None => {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        "\"auto\" tool choice (the default when `tools` are given) needs the \
+                         server started with --enable-auto-tool-choice and --tool-call-parser; \
+                         or send tool_choice \"required\", \"none\" or a named function",
+                    ));
+                }
+            },
+        },
+    };
     let target = Target::new(&state)?;
     let tokenized = target.tokenize(Prompt::Chat(chat)).await?;
     let grammar = target.compile_grammar(structured).await?;
@@ -307,6 +397,9 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .harmony
         .zip(target.assets().tokenizer.clone())
         .filter(|_| grammar.is_none());
+    // GPT-OSS calls tools on its commentary channel, which no parser here reads yet.
+    let calls = calls.filter(|_| harmony.is_none());
+    let specials = SpecialText::new(target.assets());
     let generation = target
         .submit(GenerateRequest {
             prompt: Prompt::TokenIds(tokenized.ids),
@@ -323,6 +416,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
             harmony: harmony.map(|(tokens, tokenizer)| HarmonyParser::new(tokens, tokenizer)),
             want_logprobs,
             include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+            calls: calls.map(|reader| StreamedCalls::new(reader, specials)),
         };
         return Ok(sse_response(generation, chunks));
     }
@@ -351,6 +445,11 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         }
         None => (output.text.clone(), None),
     };
+    let (content, tool_calls) = match &calls {
+        Some(reader) => reader.read(&content, &specials.text(&output.token_ids)),
+        None => (Some(content), Vec::new()),
+    };
+    let finish_reason = ChatFinishReason::of(output.finish_reason, !tool_calls.is_empty());
     Ok(Json(ChatCompletion {
         id: meta.id,
         object: "chat.completion",
@@ -362,9 +461,10 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
                 role: "assistant",
                 content,
                 reasoning_content,
+                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
             },
             logprobs,
-            finish_reason: output.finish_reason,
+            finish_reason,
         }],
         usage: Usage::of(&output),
     })
@@ -375,6 +475,130 @@ fn non_empty(text: String) -> Option<String> {
     (!text.is_empty()).then_some(text)
 }
 
+/// How a tool request's calls are read out of its reply.
+#[derive(Clone, Debug)]
+enum CallReader {
+    /// `required` or a named function: the reply is the calls' constrained JSON.
+    Constrained(ToolRequest),
+    /// `auto`: the parser finds the calls the model chose to make.
+    Parsed(ToolCallParser),
+}
+
+impl CallReader {
+    /// The content and the calls of a finished reply; `text` is its text, `with_specials` the
+    /// same with special tokens kept (Mistral's `[TOOL_CALLS]` is one).
+    fn read(&self, text: &str, with_specials: &str) -> (Option<String>, Vec<ToolCall>) {
+        match self {
+            CallReader::Constrained(tools) => match tools.constrained_calls(text) {
+                Some(calls) => (None, calls),
+                // Cut off by max_tokens before the JSON closed: it stays text.
+                None => (Some(text.to_string()), Vec::new()),
+            },
+            CallReader::Parsed(parser) => match parser.parse(with_specials) {
+                (_, calls) if calls.is_empty() => (Some(text.to_string()), calls),
+                (content, calls) => (non_empty(content), calls),
+            },
+        }
+    }
+}
+
+/// A reply's text with its special tokens, its end-of-sequence token left out.
+#[derive(Clone)]
+struct SpecialText {
+    tokenizer: Option<moeserve_text::tokenizer::Tokenizer>,
+    eos: Vec<u32>,
+}
+
+impl SpecialText {
+    fn new(assets: &moeserve_engine::assets::ModelAssets) -> SpecialText {
+        SpecialText {
+            tokenizer: assets.tokenizer.clone(),
+            eos: assets.generation_config.eos_token_ids.clone(),
+        }
+    }
+
+    fn text(&self, ids: &[u32]) -> String {
+        let ids = match ids.split_last() {
+            Some((last, rest)) if self.eos.contains(last) => rest,
+            _ => ids,
+        };
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(ids, SpecialTokens::Keep).ok())
+            .unwrap_or_default()
+    }
+
+    fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.as_ref()?.token_to_id(token)
+    }
+}
+
+/// A tool request's reply while it streams: content goes out until calls begin (all of it,
+/// under a constraint, is held); the calls go out whole in the last chunk.
+struct StreamedCalls {
+    reader: CallReader,
+    specials: SpecialText,
+    /// Under `auto`: what of the text may go out as content.
+    content: Option<ToolStream>,
+    /// The parser's marker as one token (Mistral's special `[TOOL_CALLS]`).
+    marker_token: Option<u32>,
+    ids: Vec<u32>,
+    /// The whole text so far, and how much of it went out as content.
+    text: String,
+    sent: usize,
+}
+
+impl StreamedCalls {
+    fn new(reader: CallReader, specials: SpecialText) -> StreamedCalls {
+        let (content, marker_token) = match &reader {
+            CallReader::Parsed(parser) => (
+                Some(ToolStream::new(*parser)),
+                specials.token_id(match parser {
+                    ToolCallParser::Hermes => "<tool_call>",
+                    ToolCallParser::Mistral => "[TOOL_CALLS]",
+                }),
+            ),
+            CallReader::Constrained(_) => (None, None),
+        };
+        StreamedCalls {
+            reader,
+            specials,
+            content,
+            marker_token,
+            ids: Vec::new(),
+            text: String::new(),
+            sent: 0,
+        }
+    }
+
+    /// The content to send for one token, and at the last token the calls.
+    fn push(&mut self, token_id: u32, text: &str, last: bool) -> (String, Vec<ToolCall>) {
+        self.ids.push(token_id);
+        self.text.push_str(text);
+        let mut now = match self.content.as_mut() {
+            Some(stream) if Some(token_id) == self.marker_token => stream.begin_calls(),
+            Some(stream) => stream.push(text),
+            None => String::new(),
+        };
+        if !last {
+            self.sent += now.len();
+            return (now, Vec::new());
+        }
+        if let Some(stream) = self.content.as_mut()
+            && !stream.in_calls()
+        {
+            now.push_str(&stream.flush());
+            return (now, Vec::new());
+        }
+        let (_, calls) = self.reader.read(&self.text, &self.specials.text(&self.ids));
+        if calls.is_empty() {
+            // Nothing parsed: what was held back is content after all.
+            now = self.text[self.sent..].to_string();
+        }
+        (now, calls)
+    }
+}
+
 /// Streamed `chat.completion.chunk`s.
 struct ChatChunks {
     meta: ResponseMeta,
@@ -383,6 +607,8 @@ struct ChatChunks {
     harmony: Option<HarmonyParser>,
     want_logprobs: bool,
     include_usage: bool,
+    /// The calls of a tool request, read as the reply streams.
+    calls: Option<StreamedCalls>,
 }
 
 impl ChatChunks {
@@ -403,7 +629,7 @@ impl ChunkMaker for ChatChunks {
         let delta = Delta {
             role: Some("assistant"),
             content: Some(String::new()),
-            reasoning_content: None,
+            ..Delta::default()
         };
         let choice = ChunkChoice {
             index: 0,
@@ -429,6 +655,18 @@ impl ChunkMaker for ChatChunks {
                 content: update.text.clone(),
             },
         };
+        let (text, calls) = match self.calls.as_mut() {
+            Some(calls) => {
+                let (content, calls) =
+                    calls.push(sample.token_id, &text.content, update.finished.is_some());
+                let text = ChannelText {
+                    reasoning: text.reasoning,
+                    content,
+                };
+                (text, calls)
+            }
+            None => (text, Vec::new()),
+        };
         if text.is_empty() && !self.want_logprobs && update.finished.is_none() {
             return None;
         }
@@ -442,16 +680,22 @@ impl ChunkMaker for ChatChunks {
             lp.push(&self.strings, token);
             lp
         });
+        let finish_reason = update
+            .finished
+            .map(|reason| ChatFinishReason::of(reason, !calls.is_empty()));
+        let tool_calls = (!calls.is_empty())
+            .then(|| calls.iter().enumerate().map(|(i, c)| c.delta(i)).collect());
         let delta = Delta {
             role: None,
             content: non_empty(text.content),
             reasoning_content: non_empty(text.reasoning),
+            tool_calls,
         };
         let choice = ChunkChoice {
             index: 0,
             delta,
             logprobs,
-            finish_reason: update.finished,
+            finish_reason,
         };
         Some(self.chunk(vec![choice], None))
     }

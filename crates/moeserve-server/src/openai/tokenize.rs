@@ -67,6 +67,10 @@ fn parse_tokenize(body: &[u8]) -> Result<(TokenizeRequest, Input), ApiError> {
         (None, Some(_)) => Input::Chat(ChatPrompt {
             messages: chat.chat_messages()?,
             reasoning_effort: chat.reasoning_effort()?,
+            tools: chat
+                .tools
+                .as_ref()
+                .map(|tools| serde_json::to_value(tools).expect("tool definitions serialize")),
         }),
         (None, None) => {
             return Err(ApiError::invalid(

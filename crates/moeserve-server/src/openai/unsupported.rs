@@ -113,11 +113,15 @@ pub fn refuse_unsupported(body: &[u8], endpoint: Endpoint) -> Result<(), ApiErro
             !set(&f.function_call) || f.function_call.as_ref().is_some_and(|v| v == "none"),
             "the deprecated `function_call` is not supported",
         ),
-        ("tools", !set(&f.tools), "tool calls are not supported yet"),
+        (
+            "tools",
+            endpoint == Endpoint::Chat || !set(&f.tools),
+            "tools are a chat completions field",
+        ),
         (
             "tool_choice",
-            tool_choice_none(&f.tool_choice),
-            "tool calls are not supported yet",
+            endpoint == Endpoint::Chat || tool_choice_none(&f.tool_choice),
+            "tools are a chat completions field",
         ),
         (
             "web_search_options",
@@ -259,8 +263,6 @@ mod tests {
             (r#"{"modalities": ["text", "audio"]}"#, "modalities"),
             (r#"{"audio": {"voice": "alloy"}}"#, "audio"),
             (r#"{"functions": [{"name": "f"}]}"#, "functions"),
-            (r#"{"tools": [{"type": "function"}]}"#, "tools"),
-            (r#"{"tool_choice": "required"}"#, "tool_choice"),
             (r#"{"min_tokens": 4}"#, "min_tokens"),
             (r#"{"use_beam_search": true}"#, "use_beam_search"),
             (r#"{"skip_special_tokens": false}"#, "skip_special_tokens"),
@@ -289,9 +291,21 @@ mod tests {
         ] {
             assert_eq!(refused(body, Endpoint::Chat), None, "{body}");
         }
-        // Completions have no assistant turn to open.
+        // Completions have no assistant turn to open, and no tools.
         assert_eq!(
             refused(r#"{"add_generation_prompt": false}"#, Endpoint::Completions),
+            None
+        );
+        assert_eq!(
+            refused(
+                r#"{"tools": [{"type": "function"}]}"#,
+                Endpoint::Completions
+            )
+            .as_deref(),
+            Some("tools")
+        );
+        assert_eq!(
+            refused(r#"{"tools": [{"type": "function"}]}"#, Endpoint::Chat),
             None
         );
     }
