@@ -545,3 +545,68 @@ def test_auto_tool_choice_needs_the_server_flags(demo_server):
             model=DEMO_MODEL.name, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "nope"}})
     assert bad.value.param == "tool_choice"
+
+
+def _metric(server, name):
+    with urllib.request.urlopen(server.base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def test_n_choices_share_the_prompt_and_come_back_indexed(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    # A prompt of several full 16-token blocks: choices 2 and 3 find them in the prefix cache.
+    prompt = "Once upon a time, in a small village by the sea, there lived an old fisherman " \
+             "who told stories to the children every evening about the " + "deep blue water " * 4
+    hits_before = _metric(demo_server, "moeserve:prefix_cache_hits_total")
+    reply = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=12,
+                                      temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    prompt_tokens = reply.usage.prompt_tokens
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) > 1, "seeds seed, seed+1, seed+2 differ"
+    assert reply.usage.completion_tokens == 36
+    hits = _metric(demo_server, "moeserve:prefix_cache_hits_total") - hits_before
+    assert hits >= 2 * ((prompt_tokens - 1) // 16 * 16), (hits, prompt_tokens)
+    # Choice i is the same as a single request with seed + i.
+    for i, choice in enumerate(reply.choices):
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                          temperature=1.0, seed=7 + i,
+                                          extra_body={"ignore_eos": True})
+        assert alone.choices[0].text == choice.text
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a colour."}], n=3,
+        max_tokens=8, temperature=1.0, seed=3, stream=True,
+        stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    plain = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a colour."}], n=3,
+        max_tokens=8, temperature=1.0, seed=3)
+    assert [c.message.content for c in plain.choices] == texts
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_best_of_returns_the_likeliest(demo_server):
+    client = make_client(demo_server)
+    model = DEMO_MODEL.name
+    common = dict(model=model, prompt="The capital of France is", max_tokens=6, temperature=1.0,
+                  seed=11, logprobs=0, extra_body={"ignore_eos": True})
+    best = client.completions.create(best_of=4, n=2, **common)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == 24  # every sequence generated is counted
+    every = client.completions.create(n=4, **common)
+    totals = sorted((sum(c.logprobs.token_logprobs) for c in every.choices), reverse=True)
+    got = [sum(c.logprobs.token_logprobs) for c in best.choices]
+    assert got == pytest.approx(totals[:2])
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(best_of=2, n=3, **common)
+    assert bad.value.param == "best_of"

@@ -113,33 +113,55 @@ impl Target {
 
     /// Queues the request; 429 when too many wait already, 400 when the engine refuses it.
     pub async fn submit(self, request: GenerateRequest) -> Result<Generation, ApiError> {
+        let mut all = self.submit_all(vec![request]).await?;
+        Ok(all.pop().expect("one request in, one generation out"))
+    }
+
+    /// Queues the choices of one request (`n` > 1), each holding its own place in the waiting
+    /// queue; if any is refused, those queued already are cancelled and the error returned.
+    pub async fn submit_all(
+        self,
+        requests: Vec<GenerateRequest>,
+    ) -> Result<Vec<Generation>, ApiError> {
         let rejected = |e: ApiError| {
             self.state.metrics().observe_rejected();
             e
         };
-        let slot = self.slot;
-        let prompt_len = match &request.prompt {
-            Prompt::TokenIds(ids) => ids.len(),
-            Prompt::Text(_) | Prompt::Chat(_) => 0,
-        };
-        let stream = self
-            .engine
-            .submit(request)
-            .await
-            .map_err(|e| rejected(e.into()))?;
-        Ok(Generation {
-            stream,
-            cancelled: self.state.drain().cancelled(),
-            state: self.state,
-            slot,
-            prompt_len,
-            arrived: self.arrived,
-            first_token_at: None,
-            last_token_at: None,
-            ended: None,
-            deadline: self.deadline,
-            _in_flight: self.in_flight,
-        })
+        let mut slot = Some(self.slot);
+        let mut in_flight = Some(self.in_flight);
+        let mut generations = Vec::with_capacity(requests.len());
+        for request in requests {
+            let slot = match slot.take() {
+                Some(slot) => slot,
+                None => self.state.reserve_waiting_slot().map_err(rejected)?,
+            };
+            let in_flight = in_flight
+                .take()
+                .unwrap_or_else(|| self.state.drain().enter());
+            let prompt_len = match &request.prompt {
+                Prompt::TokenIds(ids) => ids.len(),
+                Prompt::Text(_) | Prompt::Chat(_) => 0,
+            };
+            let stream = self
+                .engine
+                .submit(request)
+                .await
+                .map_err(|e| rejected(e.into()))?;
+            generations.push(Generation {
+                stream,
+                cancelled: self.state.drain().cancelled(),
+                state: self.state.clone(),
+                slot,
+                prompt_len,
+                arrived: self.arrived,
+                first_token_at: None,
+                last_token_at: None,
+                ended: None,
+                deadline: self.deadline,
+                _in_flight: in_flight,
+            });
+        }
+        Ok(generations)
     }
 }
 
@@ -222,6 +244,14 @@ impl Generation {
                 return Ok(output);
             }
         }
+    }
+
+    /// Waits for every choice's output, in order; the first error ends the wait (dropping the
+    /// others cancels them).
+    pub async fn collect_all(
+        generations: Vec<Generation>,
+    ) -> Result<Vec<GenerateOutput>, ApiError> {
+        futures_util::future::try_join_all(generations.into_iter().map(Generation::collect)).await
     }
 }
 

@@ -10,11 +10,11 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use moeserve_core::MAX_LOGPROBS;
 use moeserve_engine::output::TokenUpdate;
-use moeserve_engine::request::{ChatPrompt, FinishReason, GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::request::{ChatPrompt, FinishReason, GenerateOutput, Prompt};
 use moeserve_engine::sampler::SampleOutput;
 use moeserve_text::chat_template::{ChatMessage, ReasoningEffort};
-use moeserve_text::harmony::{ChannelText, HarmonyParser};
-use moeserve_text::tokenizer::SpecialTokens;
+use moeserve_text::harmony::{ChannelText, HarmonyParser, HarmonyTokens};
+use moeserve_text::tokenizer::{SpecialTokens, Tokenizer};
 use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
@@ -22,9 +22,11 @@ use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
 use super::tools::{ToolCall, ToolCallParser, ToolChoice, ToolDef, ToolRequest, ToolStream};
 use super::unsupported::{Endpoint, refuse_unsupported};
-use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
+use super::{
+    JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests, parse_json,
+};
 use crate::error::ApiError;
-use crate::generation::Target;
+use crate::generation::{Generation, Target};
 use crate::state::AppState;
 
 /// One message as sent: `content` is text or a list of text parts.
@@ -297,6 +299,8 @@ pub struct ParsedChat {
     pub num_logprobs: Option<usize>,
     pub structured: Option<StructuredRequest>,
     pub tools: Option<ToolRequest>,
+    /// `n`: the choices returned.
+    pub n: usize,
 }
 
 /// Reads and checks a chat request body: every field a client sends is checked here (the
@@ -340,7 +344,9 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     }
     let max_tokens = request.max_completion_tokens.or(request.max_tokens);
     fields.to_params(max_tokens.unwrap_or(1), num_logprobs)?;
+    let n = fields.choices()?;
     Ok(ParsedChat {
+        n,
         request,
         fields,
         chat,
@@ -358,6 +364,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         num_logprobs,
         structured,
         tools,
+        n,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     // What reads the calls out of the reply, if anything does.
@@ -400,75 +407,105 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     // GPT-OSS calls tools on its commentary channel, which no parser here reads yet.
     let calls = calls.filter(|_| harmony.is_none());
     let specials = SpecialText::new(target.assets());
-    let generation = target
-        .submit(GenerateRequest {
-            prompt: Prompt::TokenIds(tokenized.ids),
-            params,
-            grammar,
-        })
+    let generations = target
+        .submit_all(choice_requests(tokenized.ids, params, grammar, n))
         .await?;
     let meta = ResponseMeta::new("chatcmpl", state.served_model_name());
     let want_logprobs = num_logprobs.is_some();
     if request.stream == Some(true) {
-        let chunks = ChatChunks {
-            meta,
-            strings,
-            harmony: harmony.map(|(tokens, tokenizer)| HarmonyParser::new(tokens, tokenizer)),
-            want_logprobs,
-            include_usage: request.stream_options.is_some_and(|o| o.include_usage),
-            calls: calls.map(|reader| StreamedCalls::new(reader, specials)),
-        };
-        return Ok(sse_response(generation, chunks));
+        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
+        let makers = (0..generations.len())
+            .map(|index| ChatChunks {
+                meta: meta.clone(),
+                index,
+                strings: strings.clone(),
+                harmony: harmony
+                    .clone()
+                    .map(|(tokens, tokenizer)| HarmonyParser::new(tokens, tokenizer)),
+                want_logprobs,
+                include_usage,
+                calls: calls
+                    .clone()
+                    .map(|reader| StreamedCalls::new(reader, specials.clone())),
+            })
+            .collect();
+        return Ok(sse_response(generations, makers));
     }
-    let output = generation.collect().await?;
-    let logprobs = want_logprobs.then(|| {
-        let mut lp = ChatLogprobs::default();
-        for (i, &token_id) in output.token_ids.iter().enumerate() {
-            let top = output.top_logprobs.get(i).map_or(&[][..], Vec::as_slice);
-            let logprob = output.logprobs[i];
-            lp.push(
-                &strings,
-                TokenLogprob {
-                    token_id,
-                    logprob,
-                    top,
-                },
-            );
-        }
-        lp
-    });
-    let (content, reasoning_content) = match harmony {
-        Some((tokens, tokenizer)) => {
-            let split = HarmonyParser::parse(tokens, tokenizer, &output.token_ids)
-                .map_err(|e| ApiError::Internal(format!("cannot decode the reply: {e}")))?;
-            (split.content, non_empty(split.reasoning))
-        }
-        None => (output.text.clone(), None),
+    let outputs = Generation::collect_all(generations).await?;
+    let reply = Reply {
+        strings: &strings,
+        want_logprobs,
+        harmony: harmony.as_ref(),
+        calls: calls.as_ref(),
+        specials: &specials,
     };
-    let (content, tool_calls) = match &calls {
-        Some(reader) => reader.read(&content, &specials.text(&output.token_ids)),
-        None => (Some(content), Vec::new()),
-    };
-    let finish_reason = ChatFinishReason::of(output.finish_reason, !tool_calls.is_empty());
+    let choices = outputs
+        .iter()
+        .enumerate()
+        .map(|(index, output)| reply.choice(index, output))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(Json(ChatCompletion {
         id: meta.id,
         object: "chat.completion",
         created: meta.created,
         model: meta.model,
-        choices: vec![ChatChoice {
-            index: 0,
+        choices,
+        usage: Usage::of_all(&outputs.iter().collect::<Vec<_>>()),
+    })
+    .into_response())
+}
+
+/// What turns a finished output into a choice of the non-streamed response.
+struct Reply<'a> {
+    strings: &'a TokenStrings,
+    want_logprobs: bool,
+    harmony: Option<&'a (HarmonyTokens, Tokenizer)>,
+    calls: Option<&'a CallReader>,
+    specials: &'a SpecialText,
+}
+
+impl Reply<'_> {
+    fn choice(&self, index: usize, output: &GenerateOutput) -> Result<ChatChoice, ApiError> {
+        let logprobs = self.want_logprobs.then(|| {
+            let mut lp = ChatLogprobs::default();
+            for (i, &token_id) in output.token_ids.iter().enumerate() {
+                let top = output.top_logprobs.get(i).map_or(&[][..], Vec::as_slice);
+                let logprob = output.logprobs[i];
+                lp.push(
+                    self.strings,
+                    TokenLogprob {
+                        token_id,
+                        logprob,
+                        top,
+                    },
+                );
+            }
+            lp
+        });
+        let (content, reasoning_content) = match self.harmony {
+            Some((tokens, tokenizer)) => {
+                let split = HarmonyParser::parse(*tokens, tokenizer.clone(), &output.token_ids)
+                    .map_err(|e| ApiError::Internal(format!("cannot decode the reply: {e}")))?;
+                (split.content, non_empty(split.reasoning))
+            }
+            None => (output.text.clone(), None),
+        };
+        let (content, tool_calls) = match self.calls {
+            Some(reader) => reader.read(&content, &self.specials.text(&output.token_ids)),
+            None => (Some(content), Vec::new()),
+        };
+        Ok(ChatChoice {
+            index,
             message: AssistantMessage {
                 role: "assistant",
                 content,
                 reasoning_content,
-                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
+                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls.clone()),
             },
             logprobs,
-            finish_reason,
-        }],
-        usage: Usage::of(&output),
-    })
-    .into_response())
+            finish_reason: ChatFinishReason::of(output.finish_reason, !tool_calls.is_empty()),
+        })
+    }
 }
 
 fn non_empty(text: String) -> Option<String> {
@@ -602,6 +639,8 @@ impl StreamedCalls {
 /// Streamed `chat.completion.chunk`s.
 struct ChatChunks {
     meta: ResponseMeta,
+    /// The choice this maker streams.
+    index: usize,
     strings: TokenStrings,
     /// Splits a GPT-OSS reply by channel as it streams.
     harmony: Option<HarmonyParser>,
@@ -632,7 +671,7 @@ impl ChunkMaker for ChatChunks {
             ..Delta::default()
         };
         let choice = ChunkChoice {
-            index: 0,
+            index: self.index,
             delta,
             logprobs: None,
             finish_reason: None,
@@ -692,7 +731,7 @@ impl ChunkMaker for ChatChunks {
             tool_calls,
         };
         let choice = ChunkChoice {
-            index: 0,
+            index: self.index,
             delta,
             logprobs,
             finish_reason,
@@ -700,12 +739,9 @@ impl ChunkMaker for ChatChunks {
         Some(self.chunk(vec![choice], None))
     }
 
-    fn finish(&mut self, output: &GenerateOutput) -> Vec<Event> {
-        if !self.include_usage {
-            return Vec::new();
-        }
-        let usage = Usage::of(output);
-        vec![self.chunk(Vec::new(), Some(usage))]
+    fn usage(&self, usage: Usage) -> Option<Event> {
+        self.include_usage
+            .then(|| self.chunk(Vec::new(), Some(usage)))
     }
 }
 

@@ -7,7 +7,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use moeserve_core::SamplingParams;
 use moeserve_engine::output::TokenUpdate;
-use moeserve_engine::request::{FinishReason, GenerateOutput, GenerateRequest, Prompt};
+use moeserve_engine::request::{FinishReason, GenerateOutput, Prompt};
 use moeserve_engine::sampler::SampleOutput;
 use serde::{Deserialize, Serialize};
 
@@ -15,9 +15,12 @@ use super::logprobs::{CompletionLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
 use super::unsupported::{Endpoint, refuse_unsupported};
-use super::{JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, parse_json};
+use super::{
+    JsonBody, MAX_CHOICES, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests,
+    parse_json,
+};
 use crate::error::ApiError;
-use crate::generation::Target;
+use crate::generation::{Generation, Target};
 use crate::state::AppState;
 
 /// OpenAI's default `max_tokens` for completions.
@@ -110,6 +113,10 @@ pub struct ParsedCompletion {
     /// Checked with vLLM's defaults; made again with the model's once it is known.
     pub params: SamplingParams,
     pub structured: Option<StructuredRequest>,
+    /// `n`: the choices returned.
+    pub n: usize,
+    /// `best_of`: the sequences generated, of which the `n` likeliest are returned.
+    pub best_of: usize,
 }
 
 /// Reads and checks a completions request body: every field a client sends is checked here
@@ -122,12 +129,23 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
     if request.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
-    if let Some(best_of) = request.best_of
-        && best_of != 1
-    {
+    let n = fields.choices()?;
+    let best_of = match request.best_of {
+        None => n,
+        Some(b) if (n as u64..=MAX_CHOICES as u64).contains(&b) => b as usize,
+        Some(b) => {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!(
+                    "invalid `best_of`: must be at least n ({n}) and at most {MAX_CHOICES}, got {b}"
+                ),
+            ));
+        }
+    };
+    if best_of > n && request.stream == Some(true) {
         return Err(ApiError::invalid(
             "best_of",
-            format!("only best_of = 1 is supported, got {best_of}"),
+            "`best_of` greater than `n` cannot be streamed (the best are known only at the end)",
         ));
     }
     let prompt = request
@@ -143,6 +161,8 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
         fields,
         params,
         structured,
+        n,
+        best_of,
     })
 }
 
@@ -153,6 +173,8 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         fields,
         params: _,
         structured,
+        n,
+        best_of,
     } = parse_request(body.bytes())?;
     state.check_model(request.model.as_deref())?;
     let target = Target::new(&state)?;
@@ -162,40 +184,54 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     let tokenized = target.tokenize(prompt).await?;
     let grammar = target.compile_grammar(structured).await?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
-    let generation = target
-        .submit(GenerateRequest {
-            prompt: Prompt::TokenIds(tokenized.ids),
-            params,
-            grammar,
-        })
+    let generations = target
+        .submit_all(choice_requests(tokenized.ids, params, grammar, best_of))
         .await?;
     let meta = ResponseMeta::new("cmpl", state.served_model_name());
     let want_logprobs = request.logprobs.is_some();
     if request.stream == Some(true) {
-        let chunks = CompletionChunks {
-            meta,
-            strings,
-            want_logprobs,
-            include_usage: request.stream_options.is_some_and(|o| o.include_usage),
-            offset: 0,
-        };
-        return Ok(sse_response(generation, chunks));
+        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
+        let makers = (0..generations.len())
+            .map(|index| CompletionChunks {
+                meta: meta.clone(),
+                index,
+                strings: strings.clone(),
+                want_logprobs,
+                include_usage,
+                offset: 0,
+            })
+            .collect();
+        return Ok(sse_response(generations, makers));
     }
-    let output = generation.collect().await?;
-    Ok(Json(completion(
-        &meta,
-        &output,
-        want_logprobs.then_some(&strings),
-    ))
-    .into_response())
+    let outputs = Generation::collect_all(generations).await?;
+    // Usage counts every sequence generated, the ones `best_of` drops too (as OpenAI bills).
+    let usage = Usage::of_all(&outputs.iter().collect::<Vec<_>>());
+    let choices = best_first(&outputs, n)
+        .into_iter()
+        .enumerate()
+        .map(|(index, output)| choice(index, output, want_logprobs.then_some(&strings)))
+        .collect();
+    Ok(Json(Completion::new(&meta, choices, Some(usage))).into_response())
 }
 
-/// The non-streamed response.
-fn completion(
-    meta: &ResponseMeta,
+/// The `n` outputs of the highest total logprob, in that order, when `best_of` made more; all
+/// of them in order otherwise.
+fn best_first(outputs: &[GenerateOutput], n: usize) -> Vec<&GenerateOutput> {
+    let mut ranked: Vec<&GenerateOutput> = outputs.iter().collect();
+    if outputs.len() > n {
+        let total = |o: &GenerateOutput| o.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>();
+        ranked.sort_by(|a, b| total(b).total_cmp(&total(a)));
+        ranked.truncate(n);
+    }
+    ranked
+}
+
+/// One choice of the non-streamed response.
+fn choice(
+    index: usize,
     output: &GenerateOutput,
     logprobs: Option<&TokenStrings>,
-) -> Completion {
+) -> CompletionChoice {
     let logprobs = logprobs.map(|strings| {
         let mut lp = CompletionLogprobs::default();
         let mut offset = 0;
@@ -209,19 +245,19 @@ fn completion(
         }
         lp
     });
-    let choice = CompletionChoice {
-        index: 0,
+    CompletionChoice {
+        index,
         text: output.text.clone(),
         logprobs,
         finish_reason: Some(output.finish_reason),
-    };
-    let usage = Usage::of(output);
-    Completion::new(meta, vec![choice], Some(usage))
+    }
 }
 
 /// Streamed `text_completion` chunks.
 struct CompletionChunks {
     meta: ResponseMeta,
+    /// The choice this maker streams.
+    index: usize,
     strings: TokenStrings,
     want_logprobs: bool,
     include_usage: bool,
@@ -249,7 +285,7 @@ impl ChunkMaker for CompletionChunks {
             lp
         });
         let choice = CompletionChoice {
-            index: 0,
+            index: self.index,
             text: update.text.clone(),
             logprobs,
             finish_reason: update.finished,
@@ -257,16 +293,9 @@ impl ChunkMaker for CompletionChunks {
         Some(json_event(&Completion::new(&self.meta, vec![choice], None)))
     }
 
-    fn finish(&mut self, output: &GenerateOutput) -> Vec<Event> {
-        if !self.include_usage {
-            return Vec::new();
-        }
-        let usage = Usage::of(output);
-        vec![json_event(&Completion::new(
-            &self.meta,
-            Vec::new(),
-            Some(usage),
-        ))]
+    fn usage(&self, usage: Usage) -> Option<Event> {
+        self.include_usage
+            .then(|| json_event(&Completion::new(&self.meta, Vec::new(), Some(usage))))
     }
 }
 

@@ -120,6 +120,30 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// Most choices one request may ask for (`n`, `best_of`), as OpenAI's limit.
+pub const MAX_CHOICES: usize = 128;
+
+/// The engine requests of `count` choices of one prompt: the same prompt ids (the later ones
+/// find its full blocks in the prefix cache instead of computing them again), each its own
+/// grammar state, and with a `seed` the seeds `seed`, `seed + 1`, … (as vLLM derives them).
+pub fn choice_requests(
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    grammar: Option<moeserve_structured::Grammar>,
+    count: usize,
+) -> Vec<moeserve_engine::request::GenerateRequest> {
+    (0..count)
+        .map(|i| moeserve_engine::request::GenerateRequest {
+            prompt: moeserve_engine::request::Prompt::TokenIds(prompt_ids.clone()),
+            params: SamplingParams {
+                seed: params.seed.map(|s| s.wrapping_add(i as u64)),
+                ..params.clone()
+            },
+            grammar: grammar.clone(),
+        })
+        .collect()
+}
+
 /// Sampling fields shared by `/v1/completions` and `/v1/chat/completions` (vLLM's extras
 /// `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` included).
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -144,6 +168,18 @@ pub struct SamplingFields {
 }
 
 impl SamplingFields {
+    /// How many choices (`n`, 1 to [`MAX_CHOICES`]).
+    pub fn choices(&self) -> Result<usize, ApiError> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => Ok(n as usize),
+            Some(n) => Err(ApiError::invalid(
+                "n",
+                format!("invalid `n`: must be in 1..={MAX_CHOICES}, got {n}"),
+            )),
+        }
+    }
+
     /// Engine parameters; absent fields take vLLM's defaults (temperature 1).
     pub fn to_params(
         &self,
@@ -164,14 +200,6 @@ impl SamplingFields {
         let max_tokens = model
             .max_tokens
             .map_or(max_tokens, |m| max_tokens.min(m.max(1)));
-        if let Some(n) = self.n
-            && n != 1
-        {
-            return Err(ApiError::invalid(
-                "n",
-                format!("only n = 1 is supported, got {n}; send one request per completion"),
-            ));
-        }
         let top_k = match self.top_k {
             None => model.top_k.unwrap_or(0),
             Some(-1) | Some(0) => 0,
@@ -274,9 +302,26 @@ impl Usage {
 
     /// The usage of a finished request, with its MoE counts when the engine kept them.
     pub fn of(output: &GenerateOutput) -> Usage {
+        Usage::of_all(&[output])
+    }
+
+    /// The usage of a request's choices: the prompt counted once (they share it), the
+    /// completions and MoE counts summed.
+    pub fn of_all(outputs: &[&GenerateOutput]) -> Usage {
+        let prompt = outputs.first().map_or(0, |o| o.prompt_ids.len());
+        let completion = outputs.iter().map(|o| o.token_ids.len()).sum();
+        let moe = outputs
+            .iter()
+            .filter_map(|o| o.moe.as_ref().map(MoeUsage::from))
+            .reduce(|a, b| MoeUsage {
+                routed_pairs: a.routed_pairs + b.routed_pairs,
+                dropped_pairs: a.dropped_pairs + b.dropped_pairs,
+                rerouted_pairs: a.rerouted_pairs + b.rerouted_pairs,
+                spilled_pairs: a.spilled_pairs + b.spilled_pairs,
+            });
         Usage {
-            moe: output.moe.as_ref().map(MoeUsage::from),
-            ..Usage::new(output.prompt_ids.len(), output.token_ids.len())
+            moe,
+            ..Usage::new(prompt, completion)
         }
     }
 }
@@ -358,9 +403,12 @@ mod tests {
     }
 
     #[test]
-    fn n_other_than_one_and_bad_ranges_name_their_field() {
-        let err = fields(r#"{"n": 2}"#).to_params(1, None).unwrap_err();
-        assert_eq!(err.body().param.as_deref(), Some("n"));
+    fn n_beyond_its_range_and_bad_ranges_name_their_field() {
+        assert_eq!(fields(r#"{"n": 3}"#).choices().unwrap(), 3);
+        for bad in [r#"{"n": 0}"#, r#"{"n": 129}"#] {
+            let err = fields(bad).choices().unwrap_err();
+            assert_eq!(err.body().param.as_deref(), Some("n"));
+        }
         let err = fields(r#"{"top_p": 0}"#).to_params(1, None).unwrap_err();
         assert_eq!(err.body().param.as_deref(), Some("top_p"));
         let err = fields(r#"{"top_k": -3}"#).to_params(1, None).unwrap_err();
