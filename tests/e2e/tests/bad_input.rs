@@ -169,12 +169,17 @@ fn catalogue() -> Vec<Case> {
             json!({"messages": user, "top_logprobs": 2}),
             "top_logprobs",
         ),
-        // Unsupported n / best_of / echo.
-        json_case(CMPL, json!({"prompt": "x", "n": 2}), "n"),
+        // n / best_of out of range, echo.
+        json_case(CMPL, json!({"prompt": "x", "n": 129}), "n"),
         json_case(CMPL, json!({"prompt": "x", "n": 0}), "n"),
-        json_case(CMPL, json!({"prompt": "x", "best_of": 3}), "best_of"),
+        json_case(CMPL, json!({"prompt": "x", "n": 4, "best_of": 3}), "best_of"),
+        json_case(
+            CMPL,
+            json!({"prompt": "x", "best_of": 2, "stream": true}),
+            "best_of",
+        ),
         json_case(CMPL, json!({"prompt": "x", "echo": true}), "echo"),
-        json_case(CHAT, json!({"messages": user, "n": 4}), "n"),
+        json_case(CHAT, json!({"messages": user, "n": 200}), "n"),
         // Unknown model.
         case(
             CMPL,

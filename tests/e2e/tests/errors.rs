@@ -45,7 +45,7 @@ async fn bad_requests_are_400_naming_the_field_and_the_server_keeps_serving() {
         (json!({"prompt": "x", "temperature": "hot"}), "temperature"),
         (json!({"prompt": "x", "top_p": 0}), "top_p"),
         (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
-        (json!({"prompt": "x", "n": 2}), "n"),
+        (json!({"prompt": "x", "n": 0}), "n"),
         (json!({"prompt": "x", "logprobs": 21}), "logprobs"),
         (
             json!({"prompt": "x", "presence_penalty": 3}),
