@@ -610,3 +610,26 @@ def test_best_of_returns_the_likeliest(demo_server):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(best_of=2, n=3, **common)
     assert bad.value.param == "best_of"
+
+
+def test_routed_experts_come_back_per_token_streamed_and_not(qwen3_server):
+    client = make_client(qwen3_server)
+    common = dict(model="qwen3", prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0,
+                  extra_body={"ignore_eos": True, "return_routed_experts": "prompt"})
+    plain = client.completions.create(**common)
+    choice = plain.choices[0].model_dump()
+    generated, prompt = choice["routed_experts"], choice["prompt_routed_experts"]
+    assert len(generated) == 4 and len(prompt) == 4  # prompt positions but the last
+    for token in generated + prompt:
+        assert len(token) == 2  # MoE layers
+        assert all(len(chosen) == 8 and len(set(chosen)) == 8 for chosen in token)
+        assert all(0 <= e < 128 for chosen in token for e in chosen)
+    chunks = list(client.completions.create(stream=True, **common))
+    streamed = [e for c in chunks for ch in c.choices
+                for e in (ch.model_dump().get("routed_experts") or [])]
+    assert streamed == generated
+    firsts = [ch.model_dump().get("prompt_routed_experts") for c in chunks for ch in c.choices]
+    assert firsts[0] == prompt and not any(firsts[1:])
+    # Not asked for, nothing is added.
+    bare = client.completions.create(model="qwen3", prompt=[5, 6, 7], max_tokens=2)
+    assert "routed_experts" not in bare.choices[0].model_dump(exclude_unset=True)

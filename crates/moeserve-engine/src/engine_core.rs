@@ -5,6 +5,7 @@
 //! from its own thread, the offline [`crate::offline::LlmEngine`] from the caller's.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,7 +21,9 @@ use crate::assets::ModelAssets;
 use crate::kv_cache::{KvCacheConfig, KvCacheManager};
 use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
-use crate::request::{GenerateOutput, GenerateRequest, RequestTimings};
+use crate::request::{
+    GenerateOutput, GenerateRequest, RequestTimings, RoutedExperts, RoutedExpertsMode,
+};
 use crate::sampler::{SampleOutput, SamplerState};
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput, Unservable};
 use crate::stats::EngineStats;
@@ -121,6 +124,60 @@ struct RequestState {
     moe: Option<MoeRequestCounts>,
     /// The output constraint, advanced by every sampled token.
     grammar: Option<Grammar>,
+    /// The routers' choices at its positions, when asked for.
+    routing: Option<RoutingCapture>,
+}
+
+/// One request's routed experts, kept by position (a recomputed position overwrites itself).
+struct RoutingCapture {
+    /// The first position kept: 0 with the prompt, else the last prompt position.
+    first: usize,
+    /// Values per position: MoE layers × top_k.
+    stride: usize,
+    top_k: usize,
+    /// `[position - first][layer][k]`, flat.
+    flat: Vec<u32>,
+}
+
+impl RoutingCapture {
+    /// Copies the step's routing of positions `positions` (step rows from `row`).
+    fn record(&mut self, record: &MoeStepRecord, row: usize, positions: Range<usize>) {
+        for (i, position) in positions.enumerate() {
+            let Some(at) = position.checked_sub(self.first) else {
+                continue;
+            };
+            let end = (at + 1) * self.stride;
+            if self.flat.len() < end {
+                self.flat.resize(end, 0);
+            }
+            for (l, layer) in record.layers.iter().enumerate() {
+                let k = self.top_k;
+                let chosen = &layer.chosen_experts[(row + i) * k..(row + i + 1) * k];
+                let start = at * self.stride + l * k;
+                self.flat[start..start + k].copy_from_slice(chosen);
+            }
+        }
+    }
+
+    /// `[layer][k]` at `position`.
+    fn at(&self, position: usize) -> Vec<Vec<u32>> {
+        let at = position - self.first;
+        self.flat[at * self.stride..(at + 1) * self.stride]
+            .chunks(self.top_k.max(1))
+            .map(<[u32]>::to_vec)
+            .collect()
+    }
+
+    /// The whole request's: the prompt's positions (when kept) and one per generated token.
+    fn finish(&self, prompt_len: usize, num_generated: usize) -> RoutedExperts {
+        let last_prompt = prompt_len - 1;
+        RoutedExperts {
+            prompt: (self.first == 0).then(|| (0..last_prompt).map(|p| self.at(p)).collect()),
+            generated: (0..num_generated)
+                .map(|i| self.at(last_prompt + i))
+                .collect(),
+        }
+    }
 }
 
 /// A constrained sequence's grammar, taken out of its state for the step's mask.
@@ -284,6 +341,26 @@ impl EngineCore {
         self.scheduler
             .add_request(id, prompt_ids, request.params.max_tokens)?;
         let sampler = SamplerState::new(&request.params);
+        let routing = match request.routed_experts {
+            RoutedExpertsMode::Off => None,
+            mode => {
+                let with_prompt = mode == RoutedExpertsMode::WithPrompt;
+                if with_prompt {
+                    self.scheduler.bypass_prefix_cache(id);
+                }
+                let config = self.assets.model.config();
+                Some(RoutingCapture {
+                    first: if with_prompt {
+                        0
+                    } else {
+                        output.prompt_ids().len() - 1
+                    },
+                    stride: config.num_moe_layers() * config.num_experts_per_tok,
+                    top_k: config.num_experts_per_tok,
+                    flat: Vec::new(),
+                })
+            }
+        };
         self.states.insert(
             id,
             RequestState {
@@ -297,6 +374,7 @@ impl EngineCore {
                 },
                 moe: self.moe.counts_requests().then(MoeRequestCounts::default),
                 grammar: request.grammar,
+                routing,
             },
         );
         Ok(id)
@@ -358,6 +436,14 @@ impl EngineCore {
 
     /// Charges each request its pairs of the step, then books the step's MoE layers.
     fn account_moe(&mut self, plan: &SchedulerOutput, record: &MoeStepRecord) {
+        let mut row = 0;
+        for s in &plan.scheduled {
+            if let Some(capture) = self.states.get_mut(&s.id).and_then(|r| r.routing.as_mut()) {
+                let positions = s.num_computed_tokens..s.num_computed_tokens + s.num_new_tokens;
+                capture.record(record, row, positions);
+            }
+            row += s.num_new_tokens;
+        }
         if self.moe.counts_requests() {
             let mut start = 0;
             for s in &plan.scheduled {
@@ -600,6 +686,15 @@ impl EngineCore {
             }
         };
         self.stats.generation_tokens += 1;
+        let mut update = update;
+        if let Some(capture) = &state.routing {
+            // The forward that produced it ran at the sequence's last position.
+            let position = state.output.prompt_ids().len() + state.output.token_ids().len() - 2;
+            update.routed_experts = Some(capture.at(position));
+            if capture.first == 0 && state.output.token_ids().len() == 1 {
+                update.prompt_routed_experts = Some((0..position).map(|p| capture.at(p)).collect());
+            }
+        }
         state.clock.first_token.get_or_insert_with(Instant::now);
         self.scheduler.append_token(id, sample.token_id);
         let finished = update.finished;
@@ -611,6 +706,10 @@ impl EngineCore {
                 .output
                 .into_output(reason, state.clock.timings(Instant::now()));
             output.moe = state.moe;
+            output.routed_experts = state
+                .routing
+                .as_ref()
+                .map(|c| c.finish(output.prompt_ids.len(), output.token_ids.len()));
             events.push(RequestEvent::Finished { id, output });
         }
     }

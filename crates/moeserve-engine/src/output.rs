@@ -31,6 +31,11 @@ pub struct TokenUpdate {
     /// Text that became final with this token (may be empty).
     pub text: String,
     pub finished: Option<FinishReason>,
+    /// `[layer][k]`: the experts of the forward that produced it, when asked for.
+    pub routed_experts: Option<Vec<Vec<u32>>>,
+    /// With the first token, when asked for: the prompt's positions but the last,
+    /// `[position][layer][k]`.
+    pub prompt_routed_experts: Option<Vec<Vec<Vec<u32>>>>,
 }
 
 /// What a sequence needs to know about the model to finish correctly.
@@ -141,6 +146,7 @@ impl SequenceOutput {
             finish_reason,
             timings,
             moe: None,
+            routed_experts: None,
         }
     }
 }

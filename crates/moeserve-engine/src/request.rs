@@ -45,6 +45,35 @@ pub struct GenerateRequest {
     /// A compiled output constraint (JSON schema, regex, grammar): each step's logits are masked
     /// to what it allows, and the request ends when it is complete.
     pub grammar: Option<Grammar>,
+    /// Report the experts the routers chose for the request's tokens.
+    pub routed_experts: RoutedExpertsMode,
+}
+
+/// Which tokens' routed experts a request gets back (`return_routed_experts`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RoutedExpertsMode {
+    /// None (nothing is copied).
+    #[default]
+    Off,
+    /// One entry per generated token: the experts of the forward that produced it.
+    Generated,
+    /// The prompt's positions too (the prompt is then computed in full, never taken from the
+    /// prefix cache, so that every position was routed by this request).
+    WithPrompt,
+}
+
+/// The experts every MoE layer's router chose (its top-k, best first, before any capacity
+/// limit; logical expert ids) at consecutive positions of a request, flat
+/// `[position][layer][k]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RoutedExperts {
+    /// `[prompt positions][layer][k]` for positions 0 .. prompt_len - 1 (the last prompt
+    /// position is the first generated token's), with [`RoutedExpertsMode::WithPrompt`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<Vec<Vec<Vec<u32>>>>,
+    /// `[generated token][layer][k]`: entry i is the routing of the forward that produced
+    /// generated token i (its input was the token before it).
+    pub generated: Vec<Vec<Vec<u32>>>,
 }
 
 /// Why a sequence stopped, named as in OpenAI's `finish_reason`.
@@ -73,6 +102,8 @@ pub struct GenerateOutput {
     /// Its (token, expert) pairs that the capacity limit dropped, rerouted or spilled; `None`
     /// when routing is dropless.
     pub moe: Option<MoeRequestCounts>,
+    /// The routers' choices, when asked for.
+    pub routed_experts: Option<RoutedExperts>,
 }
 
 /// Phases of one request, in seconds, measured by the engine (vLLM's request metrics).

@@ -85,6 +85,7 @@ fn concurrent_requests_equal_their_solo_runs_on_every_fixture() {
                 prompt: Prompt::TokenIds(p),
                 params: params(r),
                 grammar: None,
+                routed_experts: Default::default(),
             })
             .collect();
         let alone: Vec<GenerateOutput> = requests
@@ -127,6 +128,7 @@ fn prefix_caching_computes_only_the_new_tokens() {
         prompt: Prompt::TokenIds(prefix.clone()),
         params: SamplingParams::greedy(4),
         grammar: None,
+        routed_experts: Default::default(),
     };
     let first_out = engine
         .generate(vec![first], |_, _| {})
@@ -141,6 +143,7 @@ fn prefix_caching_computes_only_the_new_tokens() {
         prompt: Prompt::TokenIds(second_prompt.clone()),
         params: SamplingParams::greedy(4),
         grammar: None,
+        routed_experts: Default::default(),
     };
     let second_out = engine
         .generate(vec![second.clone()], |_, _| {})
@@ -170,6 +173,7 @@ fn chunked_prefill_of_a_long_prompt_equals_one_chunk() {
         prompt: Prompt::TokenIds(prompt),
         params: SamplingParams::greedy(8),
         grammar: None,
+        routed_experts: Default::default(),
     };
     let config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -204,6 +208,7 @@ fn demo_model_batch_equals_alone() {
             prompt: Prompt::chat(vec![ChatMessage::new("user", *q)]),
             params: params(r),
             grammar: None,
+            routed_experts: Default::default(),
         })
         .collect();
     let alone: Vec<Vec<u32>> = requests

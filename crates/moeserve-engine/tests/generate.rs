@@ -48,6 +48,7 @@ fn greedy_generation_matches_transformers_on_fixtures() {
                 prompt: Prompt::TokenIds(want.prompt_ids.clone()),
                 params,
                 grammar: None,
+                routed_experts: Default::default(),
             };
             let out = generate_one(assets.clone(), request).unwrap();
             assert_eq!(out.token_ids, want.greedy_ids, "{case}");
@@ -77,6 +78,7 @@ fn seeded_sampling_is_reproducible_and_seed_dependent() {
                 prompt: Prompt::TokenIds(vec![5, 6, 7]),
                 params,
                 grammar: None,
+                routed_experts: Default::default(),
             },
         )
         .unwrap()
@@ -95,6 +97,7 @@ fn over_long_request_is_refused_with_limit_and_length() {
         prompt: Prompt::TokenIds(vec![5; max - 4]),
         params: SamplingParams::greedy(10),
         grammar: None,
+        routed_experts: Default::default(),
     };
     let msg = generate_one(assets.clone(), request)
         .unwrap_err()
@@ -107,6 +110,7 @@ fn over_long_request_is_refused_with_limit_and_length() {
         prompt: Prompt::TokenIds(vec![100_000]),
         params: SamplingParams::greedy(1),
         grammar: None,
+        routed_experts: Default::default(),
     };
     let msg = generate_one(assets.clone(), request)
         .unwrap_err()
@@ -129,6 +133,7 @@ fn demo_model_matches_dense_smollm2() {
             prompt: Prompt::chat(want.messages.clone()),
             params: SamplingParams::greedy(want.greedy_ids.len()),
             grammar: None,
+            routed_experts: Default::default(),
         };
         let out = generate_one(assets.clone(), request).unwrap();
         assert_eq!(

@@ -25,6 +25,7 @@ fn request(i: u32, max_tokens: usize) -> GenerateRequest {
             ..SamplingParams::greedy(max_tokens)
         },
         grammar: None,
+        routed_experts: Default::default(),
     }
 }
 
@@ -96,6 +97,7 @@ async fn refused_request_errors_at_submit_and_others_keep_running() {
         prompt: Prompt::TokenIds(vec![5; 10]),
         params: SamplingParams::greedy(1_000_000),
         grammar: None,
+        routed_experts: Default::default(),
     };
     let err = engine.submit(too_long).await.err().expect("refused");
     assert!(err.to_string().contains("maximum context length"), "{err}");
@@ -103,6 +105,7 @@ async fn refused_request_errors_at_submit_and_others_keep_running() {
         prompt: Prompt::TokenIds(vec![999_999]),
         params: SamplingParams::greedy(2),
         grammar: None,
+        routed_experts: Default::default(),
     };
     assert!(engine.submit(bad_token).await.is_err());
     let mut ok = engine.submit(request(3, 3)).await.unwrap();

@@ -34,6 +34,7 @@ fn requests(n: u32, vocab: u32) -> Vec<GenerateRequest> {
                 ..SamplingParams::greedy(6 + (i as usize * 3) % 7)
             },
             grammar: None,
+            routed_experts: Default::default(),
         })
         .collect()
 }
@@ -299,6 +300,7 @@ fn demo_model_outputs_are_equal_under_expert_parallelism() {
         prompt: Prompt::chat(vec![ChatMessage::new("user", *q)]),
         params: SamplingParams::greedy(8),
         grammar: None,
+        routed_experts: Default::default(),
     })
     .collect();
     let (want, _) = run_together(&assets, &reqs, with_moe(MoeConfig::default()));

@@ -37,6 +37,7 @@ fn requests() -> Vec<GenerateRequest> {
                 ..SamplingParams::greedy(40)
             },
             grammar: None,
+            routed_experts: Default::default(),
         })
         .collect()
 }

@@ -37,6 +37,7 @@ fn an_engine_step_allocates_a_few_times_per_request_not_per_layer() {
             prompt,
             params,
             grammar: None,
+            routed_experts: Default::default(),
         })
         .unwrap();
     }

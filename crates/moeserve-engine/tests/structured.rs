@@ -99,6 +99,7 @@ fn constrained(assets: &ModelAssets, output: StructuredOutput, seed: u64) -> Gen
         prompt: Prompt::TokenIds(vec![11, 40, 77, 3 + seed as u32]),
         params: sampled(seed),
         grammar: Some(assets.compile_grammar(&output, "response_format").unwrap()),
+        routed_experts: Default::default(),
     }
 }
 
@@ -143,6 +144,7 @@ fn the_unconstrained_request_is_unconstrained_without_a_grammar() {
                 ..sampled(0)
             },
             grammar: None,
+            routed_experts: Default::default(),
         },
     )
     .unwrap();
@@ -210,6 +212,7 @@ fn unconstrained_neighbours_get_the_tokens_they_get_alone() {
             ..sampled(seed + 100)
         },
         grammar: None,
+        routed_experts: Default::default(),
     };
     let alone: Vec<_> = (0..3)
         .map(|s| generate_one(assets.clone(), free(s)).unwrap().token_ids)

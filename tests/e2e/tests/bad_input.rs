@@ -172,7 +172,11 @@ fn catalogue() -> Vec<Case> {
         // n / best_of out of range, echo.
         json_case(CMPL, json!({"prompt": "x", "n": 129}), "n"),
         json_case(CMPL, json!({"prompt": "x", "n": 0}), "n"),
-        json_case(CMPL, json!({"prompt": "x", "n": 4, "best_of": 3}), "best_of"),
+        json_case(
+            CMPL,
+            json!({"prompt": "x", "n": 4, "best_of": 3}),
+            "best_of",
+        ),
         json_case(
             CMPL,
             json!({"prompt": "x", "best_of": 2, "stream": true}),

@@ -231,7 +231,10 @@ impl Scheduler {
                 break;
             }
             let req = &self.requests[&id];
-            let (cached_blocks, num_cached) = self.kv.computed_blocks(&req.token_ids);
+            let (cached_blocks, num_cached) = match req.use_prefix_cache {
+                true => self.kv.computed_blocks(&req.token_ids),
+                false => (Vec::new(), 0),
+            };
             let remaining = req.token_ids.len() - num_cached;
             if !self.limits.enable_chunked_prefill && remaining > *budget {
                 break;
@@ -285,6 +288,13 @@ impl Scheduler {
             if let Some(req) = self.requests.get_mut(&s.id) {
                 req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens;
             }
+        }
+    }
+
+    /// Keeps the request's prompt out of the prefix cache's hits (it is computed in full).
+    pub fn bypass_prefix_cache(&mut self, id: RequestId) {
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.use_prefix_cache = false;
         }
     }
 

@@ -15,6 +15,9 @@ pub struct SchedRequest {
     pub max_total_tokens: usize,
     /// Times this request was preempted (its cache dropped, to be recomputed).
     pub num_preemptions: usize,
+    /// Whether its prompt may be taken from the prefix cache (off when the request wants what
+    /// only computing the prompt itself gives, e.g. the prompt's routed experts).
+    pub use_prefix_cache: bool,
 }
 
 impl SchedRequest {
@@ -26,6 +29,7 @@ impl SchedRequest {
             token_ids: prompt_ids,
             num_computed_tokens: 0,
             num_preemptions: 0,
+            use_prefix_cache: true,
         }
     }
 

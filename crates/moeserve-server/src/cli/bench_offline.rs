@@ -114,6 +114,7 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
             prompt: Prompt::TokenIds(ids),
             params,
             grammar: None,
+            routed_experts: Default::default(),
         })?);
     }
 

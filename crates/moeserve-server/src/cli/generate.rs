@@ -216,6 +216,7 @@ fn requests(args: &GenerateArgs) -> anyhow::Result<Vec<GenerateRequest>> {
         prompt,
         params,
         grammar: None,
+        routed_experts: Default::default(),
     }])
 }
 
@@ -254,6 +255,7 @@ pub(super) fn read_prompts_file(
             prompt,
             params,
             grammar: None,
+            routed_experts: Default::default(),
         });
     }
     anyhow::ensure!(!requests.is_empty(), "{} holds no requests", path.display());

@@ -226,6 +226,12 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: ChatFinishReason,
+    /// `return_routed_experts`: `[generated token][layer][k]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<Vec<Vec<Vec<u32>>>>,
+    /// `return_routed_experts: "prompt"`: `[prompt position][layer][k]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_routed_experts: Option<Vec<Vec<Vec<u32>>>>,
 }
 
 /// Chat's `finish_reason`: the engine's, or `tool_calls` when the reply called tools.
@@ -276,6 +282,12 @@ pub struct ChunkChoice {
     pub delta: Delta,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<ChatFinishReason>,
+    /// This chunk's token's routed experts, `[1][layer][k]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<Vec<Vec<Vec<u32>>>>,
+    /// In the first token's chunk, with `return_routed_experts: "prompt"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_routed_experts: Option<Vec<Vec<Vec<u32>>>>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -408,7 +420,13 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     let calls = calls.filter(|_| harmony.is_none());
     let specials = SpecialText::new(target.assets());
     let generations = target
-        .submit_all(choice_requests(tokenized.ids, params, grammar, n))
+        .submit_all(choice_requests(
+            tokenized.ids,
+            params,
+            grammar,
+            fields.routed_experts()?,
+            n,
+        ))
         .await?;
     let meta = ResponseMeta::new("chatcmpl", state.served_model_name());
     let want_logprobs = num_logprobs.is_some();
@@ -504,6 +522,11 @@ impl Reply<'_> {
             },
             logprobs,
             finish_reason: ChatFinishReason::of(output.finish_reason, !tool_calls.is_empty()),
+            routed_experts: output.routed_experts.as_ref().map(|r| r.generated.clone()),
+            prompt_routed_experts: output
+                .routed_experts
+                .as_ref()
+                .and_then(|r| r.prompt.clone()),
         })
     }
 }
@@ -675,6 +698,8 @@ impl ChunkMaker for ChatChunks {
             delta,
             logprobs: None,
             finish_reason: None,
+            routed_experts: None,
+            prompt_routed_experts: None,
         };
         vec![self.chunk(vec![choice], None)]
     }
@@ -706,7 +731,11 @@ impl ChunkMaker for ChatChunks {
             }
             None => (text, Vec::new()),
         };
-        if text.is_empty() && !self.want_logprobs && update.finished.is_none() {
+        if text.is_empty()
+            && !self.want_logprobs
+            && update.finished.is_none()
+            && update.routed_experts.is_none()
+        {
             return None;
         }
         let logprobs = self.want_logprobs.then(|| {
@@ -735,6 +764,8 @@ impl ChunkMaker for ChatChunks {
             delta,
             logprobs,
             finish_reason,
+            routed_experts: update.routed_experts.clone().map(|token| vec![token]),
+            prompt_routed_experts: update.prompt_routed_experts.clone(),
         };
         Some(self.chunk(vec![choice], None))
     }

@@ -90,6 +90,13 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<FinishReason>,
+    /// `return_routed_experts`: `[generated token][layer][k]` (streamed: this chunk's token).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<Vec<Vec<Vec<u32>>>>,
+    /// `return_routed_experts: "prompt"`: `[prompt position][layer][k]` (streamed: in the
+    /// first token's chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_routed_experts: Option<Vec<Vec<Vec<u32>>>>,
 }
 
 impl Completion {
@@ -185,7 +192,13 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     let grammar = target.compile_grammar(structured).await?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
     let generations = target
-        .submit_all(choice_requests(tokenized.ids, params, grammar, best_of))
+        .submit_all(choice_requests(
+            tokenized.ids,
+            params,
+            grammar,
+            fields.routed_experts()?,
+            best_of,
+        ))
         .await?;
     let meta = ResponseMeta::new("cmpl", state.served_model_name());
     let want_logprobs = request.logprobs.is_some();
@@ -245,11 +258,14 @@ fn choice(
         }
         lp
     });
+    let routed = output.routed_experts.as_ref();
     CompletionChoice {
         index,
         text: output.text.clone(),
         logprobs,
         finish_reason: Some(output.finish_reason),
+        routed_experts: routed.map(|r| r.generated.clone()),
+        prompt_routed_experts: routed.and_then(|r| r.prompt.clone()),
     }
 }
 
@@ -271,7 +287,11 @@ impl ChunkMaker for CompletionChunks {
     }
 
     fn token(&mut self, sample: &SampleOutput, update: &TokenUpdate) -> Option<Event> {
-        if update.text.is_empty() && !self.want_logprobs && update.finished.is_none() {
+        if update.text.is_empty()
+            && !self.want_logprobs
+            && update.finished.is_none()
+            && update.routed_experts.is_none()
+        {
             return None;
         }
         let logprobs = self.want_logprobs.then(|| {
@@ -289,6 +309,8 @@ impl ChunkMaker for CompletionChunks {
             text: update.text.clone(),
             logprobs,
             finish_reason: update.finished,
+            routed_experts: update.routed_experts.clone().map(|token| vec![token]),
+            prompt_routed_experts: update.prompt_routed_experts.clone(),
         };
         Some(json_event(&Completion::new(&self.meta, vec![choice], None)))
     }

@@ -22,7 +22,7 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use moeserve_core::{SamplingDefaults, SamplingParams};
 use moeserve_engine::moe::MoeRequestCounts;
-use moeserve_engine::request::GenerateOutput;
+use moeserve_engine::request::{GenerateOutput, RoutedExpertsMode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -130,6 +130,7 @@ pub fn choice_requests(
     prompt_ids: Vec<u32>,
     params: SamplingParams,
     grammar: Option<moeserve_structured::Grammar>,
+    routed_experts: RoutedExpertsMode,
     count: usize,
 ) -> Vec<moeserve_engine::request::GenerateRequest> {
     (0..count)
@@ -140,6 +141,7 @@ pub fn choice_requests(
                 ..params.clone()
             },
             grammar: grammar.clone(),
+            routed_experts,
         })
         .collect()
 }
@@ -163,11 +165,31 @@ pub struct SamplingFields {
     pub n: Option<u64>,
     /// Token id (as a string, as OpenAI sends it) → bias added to its logit, in [-100, 100].
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// `true`: each choice carries the experts the routers chose for each generated token;
+    /// `"prompt"`: for the prompt's tokens too.
+    pub return_routed_experts: Option<serde_json::Value>,
     /// Accepted and ignored (OpenAI uses it for abuse monitoring).
     pub user: Option<String>,
 }
 
 impl SamplingFields {
+    /// `return_routed_experts`: `false` / absent, `true`, or `"prompt"`.
+    pub fn routed_experts(&self) -> Result<RoutedExpertsMode, ApiError> {
+        match &self.return_routed_experts {
+            None | Some(serde_json::Value::Null | serde_json::Value::Bool(false)) => {
+                Ok(RoutedExpertsMode::Off)
+            }
+            Some(serde_json::Value::Bool(true)) => Ok(RoutedExpertsMode::Generated),
+            Some(serde_json::Value::String(s)) if s == "prompt" => {
+                Ok(RoutedExpertsMode::WithPrompt)
+            }
+            Some(other) => Err(ApiError::invalid(
+                "return_routed_experts",
+                format!("invalid `return_routed_experts`: true, false or \"prompt\", got {other}"),
+            )),
+        }
+    }
+
     /// How many choices (`n`, 1 to [`MAX_CHOICES`]).
     pub fn choices(&self) -> Result<usize, ApiError> {
         match self.n {

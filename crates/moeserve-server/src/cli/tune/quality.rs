@@ -74,6 +74,7 @@ mod tests {
             finish_reason: FinishReason::Length,
             timings: Default::default(),
             moe: None,
+            routed_experts: None,
         }
     }
 
