@@ -41,6 +41,9 @@ if [[ $status -ne 0 ]]; then
     exit "$status"
 fi
 
+# The API fuzzed from its own OpenAPI document: schemathesis (pinned) against the real server.
+MOESERVE_BIN="$PWD/target/release/moeserve" scripts/schemathesis.sh
+
 # The CUDA backend without a GPU: NVRTC 13.0 from PyPI compiles every kernel for sm_80 / sm_90,
 # the `--features cuda` build and its `--device` selection (scripts/test-cuda.sh).
 scripts/test-cuda.sh

@@ -77,7 +77,7 @@ pub struct RoutedExperts {
 }
 
 /// Why a sequence stopped, named as in OpenAI's `finish_reason`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
     /// An eos / stop token or a stop string.

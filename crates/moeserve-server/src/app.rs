@@ -12,7 +12,7 @@ use axum::routing::{get, post};
 
 use crate::auth::require_api_key;
 use crate::dashboard;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::metrics;
 use crate::moe;
 use crate::openai::{chat, completions, models, tokenize};
@@ -38,6 +38,7 @@ pub fn app(state: AppState) -> Router {
         .merge(v1)
         .route("/health", get(health))
         .route("/version", get(version))
+        .route("/openapi.json", get(crate::openapi::openapi_json))
         .merge(metrics_router(&state))
         .merge(dashboard::router())
         .fallback(not_found)
@@ -63,12 +64,19 @@ fn metrics_router(state: &AppState) -> Router<AppState> {
 }
 
 /// 200 once the model is loaded; 503 while loading or shutting down.
-async fn health(State(state): State<AppState>) -> Result<StatusCode, ApiError> {
+#[utoipa::path(get, path = "/health", tag = "server",
+    responses(
+        (status = 200, description = "Ready"),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+    ))]
+pub async fn health(State(state): State<AppState>) -> Result<StatusCode, ApiError> {
     state.engine()?;
     Ok(StatusCode::OK)
 }
 
-async fn version() -> impl IntoResponse {
+#[utoipa::path(get, path = "/version", tag = "server",
+    responses((status = 200, description = "`{\"version\": …}`", body = serde_json::Value)))]
+pub async fn version() -> impl IntoResponse {
     Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
 }
 

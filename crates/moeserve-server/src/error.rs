@@ -221,7 +221,7 @@ impl ApiError {
 }
 
 /// OpenAI's error object.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     pub message: String,
     pub r#type: &'static str,
@@ -229,9 +229,9 @@ pub struct ErrorDetail {
     pub code: Option<String>,
 }
 
-#[derive(Serialize)]
-struct ErrorBody {
-    error: ErrorDetail,
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
 }
 
 impl IntoResponse for ApiError {

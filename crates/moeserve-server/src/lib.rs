@@ -28,6 +28,7 @@ pub mod listener;
 pub mod metrics;
 pub mod moe;
 pub mod openai;
+pub mod openapi;
 pub mod origin;
 pub mod server;
 pub mod state;

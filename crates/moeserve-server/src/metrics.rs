@@ -372,7 +372,12 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/metrics", get(scrape))
 }
 
-async fn scrape(State(state): State<AppState>) -> axum::response::Response {
+#[utoipa::path(get, path = "/metrics", tag = "server",
+    responses(
+        (status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"),
+        (status = 401, description = "Missing or wrong API key (with --metrics-auth)", body = crate::error::ErrorBody),
+    ))]
+pub async fn scrape(State(state): State<AppState>) -> axum::response::Response {
     if let Some(engine) = state.loaded_engine() {
         state.metrics().refresh(&engine.stats());
         state.metrics().refresh_moe(&engine.moe_snapshot());

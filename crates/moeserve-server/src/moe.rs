@@ -12,7 +12,7 @@ use moeserve_engine::metrics as names;
 use moeserve_engine::moe::MoeStats;
 use serde::Serialize;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
 /// Copies one snapshot into the MoE series of the installed recorder.
@@ -79,6 +79,13 @@ pub struct MoeLoadReport {
 }
 
 /// `GET /v1/moe/load`; 503 while loading or shutting down.
+#[utoipa::path(get, path = "/v1/moe/load", tag = "moe",
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "Per-layer, per-expert and per-device load, and the placement", body = serde_json::Value),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+    ))]
 pub async fn load(State(state): State<AppState>) -> Result<Json<MoeLoadReport>, ApiError> {
     let engine = state.engine()?;
     Ok(Json(MoeLoadReport {

@@ -30,7 +30,9 @@ pub fn router() -> Router<AppState> {
     Router::new().route("/dashboard", get(page))
 }
 
-async fn page() -> impl IntoResponse {
+#[utoipa::path(get, path = "/dashboard", tag = "moe",
+    responses((status = 200, description = "The live dashboard page", body = String, content_type = "text/html")))]
+pub async fn page() -> impl IntoResponse {
     (
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),

@@ -7,7 +7,7 @@ use axum::extract::State;
 use moeserve_engine::stats::EngineStats;
 use serde::Serialize;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::latency_window::LatencySummary;
 use crate::state::{AppState, unix_now};
 
@@ -26,6 +26,13 @@ pub struct StatsReport {
 }
 
 /// `GET /v1/stats`.
+#[utoipa::path(get, path = "/v1/stats", tag = "moe",
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "The dashboard's data: engine, latency and MoE figures", body = serde_json::Value),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+    ))]
 pub async fn stats(State(state): State<AppState>) -> Result<Json<StatsReport>, ApiError> {
     let engine = state.engine()?;
     let time = unix_now();

@@ -25,19 +25,33 @@ use super::unsupported::{Endpoint, refuse_unsupported};
 use super::{
     JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests, parse_json,
 };
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::generation::{Generation, Target};
 use crate::state::AppState;
 
 /// One message as sent: `content` is text or a list of text parts.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct WireMessage {
+    #[schema(value_type = Role)]
     pub role: String,
     pub content: Option<MessageContent>,
     /// A `tool` message answers the call with this id.
     pub tool_call_id: Option<String>,
     /// An `assistant` message may carry calls instead of content.
     pub tool_calls: Option<serde_json::Value>,
+}
+
+/// A message's `role` (documented as this enum; read as a string so that another is refused
+/// with a message naming it).
+#[derive(utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+#[allow(dead_code)]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
 }
 
 /// The roles OpenAI's chat API takes; anything else (`"function"`, made-up roles) is refused,
@@ -89,14 +103,14 @@ impl WireMessage {
     }
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
@@ -104,9 +118,11 @@ pub struct ContentPart {
 }
 
 /// The fields of a chat request besides [`SamplingFields`].
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChatRequest {
     pub model: Option<String>,
+    /// Required (absent: a 400 naming it).
+    #[schema(required = true)]
     pub messages: Option<Vec<WireMessage>>,
     pub max_tokens: Option<usize>,
     /// OpenAI's newer name of `max_tokens`; wins when both are given.
@@ -210,7 +226,7 @@ fn text_of_parts(parts: &[ContentPart], index: usize) -> Result<String, ApiError
 }
 
 /// `chat.completion`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ChatCompletion {
     pub id: String,
     pub object: &'static str,
@@ -220,7 +236,7 @@ pub struct ChatCompletion {
     pub usage: Usage,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ChatChoice {
     pub index: usize,
     pub message: AssistantMessage,
@@ -235,7 +251,7 @@ pub struct ChatChoice {
 }
 
 /// Chat's `finish_reason`: the engine's, or `tool_calls` when the reply called tools.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ChatFinishReason {
     Stop,
@@ -253,7 +269,7 @@ impl ChatFinishReason {
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct AssistantMessage {
     pub role: &'static str,
     /// `null` when the reply is tool calls only.
@@ -265,7 +281,7 @@ pub struct AssistantMessage {
 }
 
 /// `chat.completion.chunk`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ChatChunk {
     pub id: String,
     pub object: &'static str,
@@ -276,7 +292,7 @@ pub struct ChatChunk {
     pub usage: Option<Usage>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ChunkChoice {
     pub index: usize,
     pub delta: Delta,
@@ -290,7 +306,7 @@ pub struct ChunkChoice {
     pub prompt_routed_experts: Option<Vec<Vec<Vec<u32>>>>,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
@@ -368,6 +384,23 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedChat, ApiError> {
     })
 }
 
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai",
+    request_body = crate::openapi::ChatBody,
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "The chat completion, or with `stream` its chunks as server-sent events",
+            content((ChatCompletion = "application/json"), (String = "text/event-stream"))),
+        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
+        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
+        (status = 415, description = "The body is not application/json", body = ErrorBody),
+        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
+        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+    ))]
 pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
     let ParsedChat {
         request,

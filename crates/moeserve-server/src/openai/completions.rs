@@ -19,7 +19,7 @@ use super::{
     JsonBody, MAX_CHOICES, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests,
     parse_json,
 };
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::generation::{Generation, Target};
 use crate::state::AppState;
 
@@ -27,7 +27,7 @@ use crate::state::AppState;
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 
 /// `prompt`: text or token ids; a list of one prompt is accepted too.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum PromptField {
     Text(String),
@@ -58,12 +58,16 @@ impl PromptField {
 }
 
 /// The fields of a completions request besides [`SamplingFields`].
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct CompletionRequest {
     pub model: Option<String>,
+    /// Required (absent: a 400 naming it).
+    #[schema(required = true)]
     pub prompt: Option<PromptField>,
+    #[schema(minimum = 1)]
     pub max_tokens: Option<usize>,
     /// How many alternatives to report per token (0–20).
+    #[schema(maximum = 20)]
     pub logprobs: Option<usize>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -73,7 +77,7 @@ pub struct CompletionRequest {
 }
 
 /// A `text_completion` object: the whole response, or one streamed chunk.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct Completion {
     pub id: String,
     pub object: &'static str,
@@ -84,7 +88,7 @@ pub struct Completion {
     pub usage: Option<Usage>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct CompletionChoice {
     pub index: usize,
     pub text: String,
@@ -173,6 +177,23 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
     })
 }
 
+#[utoipa::path(post, path = "/v1/completions", tag = "openai",
+    request_body = crate::openapi::CompletionBody,
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "The completion, or with `stream` its chunks as server-sent events",
+            content((Completion = "application/json"), (String = "text/event-stream"))),
+        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
+        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
+        (status = 415, description = "The body is not application/json", body = ErrorBody),
+        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
+        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+    ))]
 pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
     let ParsedCompletion {
         request,

@@ -89,10 +89,12 @@ impl Serialize for OrderedLogprobs {
 }
 
 /// Legacy completions `logprobs`.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<f32>,
+    /// Per token, `{token text: logprob}`, most likely first.
+    #[schema(value_type = Vec<std::collections::HashMap<String, f32>>)]
     pub top_logprobs: Vec<OrderedLogprobs>,
     pub text_offset: Vec<usize>,
 }
@@ -125,12 +127,12 @@ impl CompletionLogprobs {
 }
 
 /// Chat `logprobs`.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct ChatTokenLogprob {
     pub token: String,
     pub logprob: f32,
@@ -138,7 +140,7 @@ pub struct ChatTokenLogprob {
     pub top_logprobs: Vec<ChatTopLogprob>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct ChatTopLogprob {
     pub token: String,
     pub logprob: f32,

@@ -106,7 +106,7 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 }
 
 /// `stop`: one string or a list.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum StopField {
     One(String),
@@ -114,7 +114,7 @@ pub enum StopField {
 }
 
 /// `stream_options`.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
@@ -148,20 +148,28 @@ pub fn choice_requests(
 
 /// Sampling fields shared by `/v1/completions` and `/v1/chat/completions` (vLLM's extras
 /// `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` included).
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct SamplingFields {
+    #[schema(minimum = 0)]
     pub temperature: Option<f32>,
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     pub top_p: Option<f32>,
     /// vLLM takes -1 (and 0) as "off".
+    #[schema(minimum = -1)]
     pub top_k: Option<i64>,
+    #[schema(minimum = 0, maximum = 1)]
     pub min_p: Option<f32>,
     pub seed: Option<u64>,
     pub stop: Option<StopField>,
     pub stop_token_ids: Option<Vec<u32>>,
+    #[schema(minimum = -2, maximum = 2)]
     pub presence_penalty: Option<f32>,
+    #[schema(minimum = -2, maximum = 2)]
     pub frequency_penalty: Option<f32>,
+    #[schema(exclusive_minimum = 0)]
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
+    #[schema(minimum = 1, maximum = 128)]
     pub n: Option<u64>,
     /// Token id (as a string, as OpenAI sends it) → bias added to its logit, in [-100, 100].
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
@@ -281,7 +289,7 @@ impl SamplingFields {
 }
 
 /// Token counts of one request; `moe` (an extension) only when a capacity factor is set.
-#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -292,7 +300,7 @@ pub struct Usage {
 
 /// What the expert capacity limit did to one request's (token, expert) pairs, over all its
 /// steps and MoE layers.
-#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct MoeUsage {
     /// Pairs the router chose: tokens run × top_k × MoE layers.
     pub routed_pairs: u64,

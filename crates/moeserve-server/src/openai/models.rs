@@ -6,13 +6,13 @@ use serde::Serialize;
 
 use crate::state::AppState;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ModelList {
     pub object: &'static str,
     pub data: Vec<ModelCard>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct ModelCard {
     pub id: String,
     pub object: &'static str,
@@ -23,6 +23,12 @@ pub struct ModelCard {
     pub max_model_len: Option<usize>,
 }
 
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "The served model", body = ModelList),
+        (status = 401, description = "Missing or wrong API key", body = crate::error::ErrorBody),
+    ))]
 pub async fn list(State(state): State<AppState>) -> Json<ModelList> {
     let max_model_len = state.loaded_engine().map(|e| e.stats().max_model_len);
     Json(ModelList {

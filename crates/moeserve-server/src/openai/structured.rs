@@ -10,7 +10,7 @@ use serde_json::Value;
 use crate::error::ApiError;
 
 /// `response_format`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ResponseFormat {
     Text,
@@ -23,7 +23,7 @@ pub enum ResponseFormat {
 }
 
 /// `response_format.json_schema`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct JsonSchemaFormat {
     pub name: Option<String>,
     pub description: Option<String>,
@@ -33,7 +33,7 @@ pub struct JsonSchemaFormat {
 }
 
 /// vLLM's `structured_outputs` (`StructuredOutputsParams`).
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct StructuredOutputsField {
     /// A JSON schema, as an object or as a string holding one.
     pub json: Option<Value>,
@@ -50,7 +50,7 @@ pub struct StructuredOutputsField {
 }
 
 /// The constraint fields of a completions or chat request.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct StructuredFields {
     pub response_format: Option<ResponseFormat>,
     pub structured_outputs: Option<StructuredOutputsField>,

@@ -11,11 +11,11 @@ use serde::{Deserialize, Serialize};
 
 use super::chat::ChatRequest;
 use super::{JsonBody, parse_json};
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
 /// `/tokenize`: `prompt`, or `messages` (with the chat fields that shape the rendering).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
@@ -28,7 +28,7 @@ pub struct TokenizeRequest {
     pub return_token_strs: Option<bool>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct TokenizeResponse {
     pub count: usize,
     pub max_model_len: usize,
@@ -36,13 +36,15 @@ pub struct TokenizeResponse {
     pub token_strs: Option<Vec<String>>,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
+    /// Required (absent: a 400 naming it).
+    #[schema(required = true)]
     pub tokens: Option<Vec<u32>>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct DetokenizeResponse {
     pub prompt: String,
 }
@@ -82,6 +84,22 @@ fn parse_tokenize(body: &[u8]) -> Result<(TokenizeRequest, Input), ApiError> {
     Ok((request, input))
 }
 
+#[utoipa::path(post, path = "/tokenize", tag = "vllm",
+    request_body = TokenizeRequest,
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "The token ids (vLLM's shape)", body = TokenizeResponse),
+        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
+        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
+        (status = 415, description = "The body is not application/json", body = ErrorBody),
+        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
+        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+    ))]
 pub async fn tokenize(
     State(state): State<AppState>,
     body: JsonBody,
@@ -132,6 +150,22 @@ pub async fn tokenize(
     }))
 }
 
+#[utoipa::path(post, path = "/detokenize", tag = "vllm",
+    request_body = DetokenizeRequest,
+    security((), ("api_key" = [])),
+    responses(
+        (status = 200, description = "The text of the tokens", body = DetokenizeResponse),
+        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
+        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
+        (status = 415, description = "The body is not application/json", body = ErrorBody),
+        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
+        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+    ))]
 pub async fn detokenize(
     State(state): State<AppState>,
     body: JsonBody,

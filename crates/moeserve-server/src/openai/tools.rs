@@ -93,7 +93,7 @@ fn parse_mistral(text: &str) -> Option<Vec<ToolCall>> {
 }
 
 /// One call as OpenAI returns it in `message.tool_calls`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ToolCall {
     pub id: String,
     #[serde(rename = "type")]
@@ -101,7 +101,7 @@ pub struct ToolCall {
     pub function: FunctionCall,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct FunctionCall {
     pub name: String,
     /// The arguments as a JSON text, as OpenAI sends them.
@@ -143,14 +143,14 @@ impl ToolCall {
 }
 
 /// One entry of `tools`.
-#[derive(Clone, Debug, Deserialize, Serialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
 pub struct ToolDef {
     #[serde(rename = "type")]
     pub kind: String,
     pub function: FunctionDef,
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize)]
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
 pub struct FunctionDef {
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
