@@ -150,9 +150,18 @@ impl RoutingCapture {
             if self.flat.len() < end {
                 self.flat.resize(end, 0);
             }
-            for (l, layer) in record.layers.iter().enumerate() {
-                let k = self.top_k;
-                let chosen = &layer.chosen_experts[(row + i) * k..(row + i + 1) * k];
+            let k = self.top_k;
+            for (l, layer) in record
+                .layers
+                .iter()
+                .enumerate()
+                .take(self.stride / k.max(1))
+            {
+                // A backend that recorded no choices leaves zeros rather than failing the step.
+                let Some(chosen) = layer.chosen_experts.get((row + i) * k..(row + i + 1) * k)
+                else {
+                    continue;
+                };
                 let start = at * self.stride + l * k;
                 self.flat[start..start + k].copy_from_slice(chosen);
             }
@@ -161,8 +170,10 @@ impl RoutingCapture {
 
     /// `[layer][k]` at `position`.
     fn at(&self, position: usize) -> Vec<Vec<u32>> {
-        let at = position - self.first;
-        self.flat[at * self.stride..(at + 1) * self.stride]
+        let at = position.saturating_sub(self.first);
+        self.flat
+            .get(at * self.stride..(at + 1) * self.stride)
+            .unwrap_or_default()
             .chunks(self.top_k.max(1))
             .map(<[u32]>::to_vec)
             .collect()
