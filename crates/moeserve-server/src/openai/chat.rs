@@ -646,10 +646,7 @@ impl StreamedCalls {
         let (content, marker_token) = match &reader {
             CallReader::Parsed(parser) => (
                 Some(ToolStream::new(*parser)),
-                specials.token_id(match parser {
-                    ToolCallParser::Hermes => "<tool_call>",
-                    ToolCallParser::Mistral => "[TOOL_CALLS]",
-                }),
+                specials.token_id(parser.marker()),
             ),
             CallReader::Constrained(_) => (None, None),
         };

@@ -10,8 +10,11 @@
 //! - `"auto"` (needs `--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM): the
 //!   model decides, and the parser picks calls out of its text in the format of its family's
 //!   template: `hermes` (`<tool_call>{"name", "arguments"}</tool_call>`, Qwen2/3, Qwen3-MoE,
-//!   Hermes) or `mistral` (`[TOOL_CALLS][{"name", "arguments"}, …]`, and v11's
-//!   `[TOOL_CALLS]name[ARGS]{…}`). Text before the first call is the message's content.
+//!   Hermes), `mistral` (`[TOOL_CALLS][{"name", "arguments"}, …]`, and v11's
+//!   `[TOOL_CALLS]name[ARGS]{…}`), `deepseek_v3` (DeepSeek-V3 / R1 / V3.1's `<｜tool▁calls▁begin｜>`
+//!   blocks) or `glm45` (GLM-4.5's `<tool_call>name<arg_key>…<arg_value>…</tool_call>`). Text
+//!   before the first call is the message's content. GPT-OSS's calls (harmony's commentary
+//!   channel) have no parser yet: use `required` or a named function there.
 //! - `"none"`: the tools are still rendered (vLLM's default); nothing is parsed.
 
 use moeserve_structured::{GrammarSpec, StructuredOutput};
@@ -28,14 +31,24 @@ pub enum ToolCallParser {
     Hermes,
     /// `[TOOL_CALLS][{"name": …, "arguments": {…}}]` (Mistral, Mixtral).
     Mistral,
+    /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the arguments
+    /// in a ```json block (V3 / R1) or directly after `<｜tool▁sep｜>` (V3.1), each call closed
+    /// by `<｜tool▁call▁end｜>` (DeepSeek-V3, R1, V3.1).
+    #[value(name = "deepseek_v3")]
+    #[serde(rename = "deepseek_v3")]
+    DeepseekV3,
+    /// `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>…</tool_call>`, each
+    /// value JSON when it parses as JSON, else a string (GLM-4.5, GLM-4.6).
+    Glm45,
 }
 
 impl ToolCallParser {
     /// The text that opens the calls; what follows it is held back while streaming.
-    fn marker(self) -> &'static str {
+    pub fn marker(self) -> &'static str {
         match self {
-            ToolCallParser::Hermes => "<tool_call>",
+            ToolCallParser::Hermes | ToolCallParser::Glm45 => "<tool_call>",
             ToolCallParser::Mistral => "[TOOL_CALLS]",
+            ToolCallParser::DeepseekV3 => DEEPSEEK_CALLS_BEGIN,
         }
     }
 
@@ -48,6 +61,8 @@ impl ToolCallParser {
         let calls = match self {
             ToolCallParser::Hermes => parse_hermes(&text[start..]),
             ToolCallParser::Mistral => parse_mistral(&text[start + self.marker().len()..]),
+            ToolCallParser::DeepseekV3 => parse_deepseek(&text[start..]),
+            ToolCallParser::Glm45 => parse_glm45(&text[start..]),
         };
         match calls {
             Some(calls) if !calls.is_empty() => (text[..start].trim_end().to_string(), calls),
@@ -68,6 +83,61 @@ fn parse_hermes(text: &str) -> Option<Vec<ToolCall>> {
         };
         let value: Value = serde_json::from_str(inside.trim()).ok()?;
         calls.push(ToolCall::from_json(&value, "arguments")?);
+        rest = after;
+    }
+    Some(calls)
+}
+
+const DEEPSEEK_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const DEEPSEEK_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
+
+fn parse_deepseek(text: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    for call in text.split(DEEPSEEK_CALL_BEGIN).skip(1) {
+        let call = call.split(DEEPSEEK_CALL_END).next()?;
+        let (head, args) = call.split_once(DEEPSEEK_SEP)?;
+        // V3 / R1: `function<｜tool▁sep｜>NAME\n```json\n{…}\n````; V3.1: `NAME<｜tool▁sep｜>{…}`.
+        let (name, args) = match args.split_once("```json") {
+            Some((name, rest)) => (name.trim(), rest.trim().trim_end_matches("```").trim()),
+            None => (head.trim(), args.trim()),
+        };
+        let arguments: Value = serde_json::from_str(args).ok()?;
+        calls.push(ToolCall::new(name, &arguments));
+    }
+    Some(calls)
+}
+
+fn parse_glm45(text: &str) -> Option<Vec<ToolCall>> {
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(open) = rest.find("<tool_call>") {
+        let body = &rest[open + "<tool_call>".len()..];
+        let (inside, after) = match body.find("</tool_call>") {
+            Some(end) => (&body[..end], &body[end + "</tool_call>".len()..]),
+            None => (body, ""),
+        };
+        let (name, mut args_text) = match inside.find("<arg_key>") {
+            Some(at) => (inside[..at].trim(), &inside[at..]),
+            None => (inside.trim(), ""),
+        };
+        if name.is_empty() {
+            return None;
+        }
+        let mut arguments = serde_json::Map::new();
+        while let Some(k) = args_text.find("<arg_key>") {
+            let after_key = &args_text[k + "<arg_key>".len()..];
+            let (key, after_key) = after_key.split_once("</arg_key>")?;
+            let v = after_key.find("<arg_value>")?;
+            let (value, after_value) =
+                after_key[v + "<arg_value>".len()..].split_once("</arg_value>")?;
+            let value = serde_json::from_str(value.trim())
+                .unwrap_or_else(|_| Value::String(value.to_string()));
+            arguments.insert(key.trim().to_string(), value);
+            args_text = after_value;
+        }
+        calls.push(ToolCall::new(name, &Value::Object(arguments)));
         rest = after;
     }
     Some(calls)
@@ -440,6 +510,50 @@ mod tests {
             .parse("[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}[TOOL_CALLS]get_time[ARGS]{}");
         let names: Vec<_> = calls.iter().map(|c| c.function.name.as_str()).collect();
         assert_eq!(names, ["get_weather", "get_time"]);
+    }
+
+    #[test]
+    fn deepseek_v3_and_v3_1_calls() {
+        let v3 = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>\
+                  get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\
+                  <｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```\
+                  <｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (content, calls) = ToolCallParser::DeepseekV3.parse(v3);
+        assert_eq!(content, "Checking.");
+        let got: Vec<_> = calls
+            .iter()
+            .map(|c| (c.function.name.as_str(), c.function.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [("get_weather", r#"{"city":"Paris"}"#), ("get_time", "{}")]
+        );
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>\
+                   {\"city\": \"Oslo\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (content, calls) = ToolCallParser::DeepseekV3.parse(v31);
+        assert_eq!(
+            (content.as_str(), calls[0].function.name.as_str()),
+            ("", "get_weather")
+        );
+        assert_eq!(calls[0].function.arguments, r#"{"city":"Oslo"}"#);
+    }
+
+    #[test]
+    fn glm45_calls_with_typed_and_string_values() {
+        let text = "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n\
+                    <arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n\
+                    <arg_value>3</arg_value>\n</tool_call><tool_call>get_time\n</tool_call>";
+        let (content, calls) = ToolCallParser::Glm45.parse(text);
+        assert_eq!(content, "Let me check.");
+        assert_eq!(calls[0].function.name, "get_weather");
+        assert_eq!(calls[0].function.arguments, r#"{"city":"Paris","days":3}"#);
+        assert_eq!(
+            (
+                calls[1].function.name.as_str(),
+                calls[1].function.arguments.as_str()
+            ),
+            ("get_time", "{}")
+        );
     }
 
     #[test]
