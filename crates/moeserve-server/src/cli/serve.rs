@@ -65,8 +65,8 @@ pub struct ServeArgs {
     /// max_new_tokens), `vllm` ignores it.
     #[arg(long, value_enum, default_value_t = GenerationConfigMode::Auto)]
     generation_config: GenerationConfigMode,
-    /// How calls are read out of a reply under `tool_choice: "auto"`: `hermes` (Qwen,
-    /// `<tool_call>…</tool_call>`) or `mistral` (`[TOOL_CALLS]…`).
+    /// How calls are read out of a reply under `tool_choice: "auto"`: `hermes` (Qwen),
+    /// `mistral` (Mixtral), `deepseek_v3` (DeepSeek-V3 / R1 / V3.1) or `glm45` (GLM-4.5).
     #[arg(long, value_enum)]
     tool_call_parser: Option<ToolCallParser>,
     /// Let the model decide whether to call a tool (`tool_choice: "auto"`, the default when
