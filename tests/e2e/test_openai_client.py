@@ -32,11 +32,11 @@ os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
 class RunningServer:
     """`moeserve serve` on 127.0.0.1:0; its stderr is drained into `lines`."""
 
-    def __init__(self, model: Path):
+    def __init__(self, model: Path, extra_args: tuple = ()):
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [BIN, "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
-             "--api-key", API_KEY],
+             "--api-key", API_KEY, *extra_args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True,
         )
@@ -633,3 +633,27 @@ def test_routed_experts_come_back_per_token_streamed_and_not(qwen3_server):
     # Not asked for, nothing is added.
     bare = client.completions.create(model="qwen3", prompt=[5, 6, 7], max_tokens=2)
     assert "routed_experts" not in bare.choices[0].model_dump(exclude_unset=True)
+
+
+def test_gpt_oss_auto_tool_choice_keeps_a_reply_without_calls_as_it_was():
+    """With the harmony parser on, a reply that calls nothing is the same reasoning and answer
+    (the fixture's template renders no tools; the call parsing itself is tested in
+    crates/moeserve-text/tests/harmony.rs)."""
+    server = RunningServer(HARMONY_FIXTURE, ("--enable-auto-tool-choice", "--tool-call-parser",
+                                             "openai"))
+    try:
+        manifest = json.loads((HARMONY_FIXTURE / "manifest.json").read_text())
+        case = json.loads((HARMONY_FIXTURE / "chat_cases.json").read_text())[0]
+        client = make_client(server)
+        common = dict(model="gpt-oss-harmony", messages=case["messages"], temperature=0,
+                      tools=TOOLS)
+        reply = client.chat.completions.create(**common)
+        assert reply.choices[0].message.content == manifest["answer"]
+        assert reply.choices[0].message.reasoning_content == manifest["reasoning"]
+        assert reply.choices[0].message.tool_calls is None
+        assert reply.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(stream=True, **common))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert content == manifest["answer"]
+    finally:
+        server.stop()

@@ -5,7 +5,10 @@
 //! (`<|channel|>analysis`, or `assistant<|channel|>final` for a message after the first), and
 //! the last one ends with `<|return|>` (or `<|call|>` for a tool call) instead of `<|end|>`.
 //! As vLLM does for this model, the `analysis` channel's text becomes `reasoning_content` and
-//! every other channel's (`final`, `commentary`) the `content`.
+//! every other channel's (`final`, `commentary`) the `content`; a message whose header names a
+//! recipient (`<|channel|>commentary to=functions.get_weather <|constrain|>json`, or
+//! `to=functions.get_weather<|channel|>commentary json`) is a tool call, its text the call's
+//! arguments, kept apart in [`ChannelText::calls`].
 //!
 //! The parser reads token ids, not text: the structure is in the special tokens, and each
 //! message's text is decoded apart, so no character of one channel can leak into another.
@@ -51,18 +54,36 @@ impl HarmonyTokens {
 pub struct ChannelText {
     pub reasoning: String,
     pub content: String,
+    /// Tool calls that completed (their message ended).
+    pub calls: Vec<HarmonyCall>,
+}
+
+/// One tool call: the message's recipient and its text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HarmonyCall {
+    /// What follows `to=` (`functions.get_weather`).
+    pub recipient: String,
+    pub arguments: String,
+}
+
+impl HarmonyCall {
+    /// The function's name, for recipients of the `functions.` namespace.
+    pub fn function_name(&self) -> Option<&str> {
+        self.recipient.strip_prefix("functions.")
+    }
 }
 
 impl ChannelText {
     pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty()
+        self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty()
     }
 
-    fn push(&mut self, field: Field, text: Option<String>) {
+    fn push(&mut self, field: &mut Field, text: Option<String>) {
         if let Some(text) = text {
             match field {
                 Field::Reasoning => self.reasoning.push_str(&text),
                 Field::Content => self.content.push_str(&text),
+                Field::Call(call) => call.arguments.push_str(&text),
             }
         }
     }
@@ -71,13 +92,25 @@ impl ChannelText {
     pub fn append(&mut self, other: ChannelText) {
         self.reasoning.push_str(&other.reasoning);
         self.content.push_str(&other.content);
+        self.calls.extend(other.calls);
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Field {
     Reasoning,
     Content,
+    /// A tool call's arguments, until its message ends.
+    Call(HarmonyCall),
+}
+
+impl Field {
+    /// Hands a finished call over to `out`.
+    fn close(self, out: &mut ChannelText) {
+        if let Field::Call(call) = self {
+            out.calls.push(call);
+        }
+    }
 }
 
 enum State {
@@ -137,8 +170,12 @@ impl HarmonyParser {
         self.state = match state {
             State::Header(ids) if token == t.message => {
                 let header = self.tokenizer.decode(&ids, SpecialTokens::Keep)?;
-                let field = match channel_of(&header) {
-                    Some("analysis") => Field::Reasoning,
+                let field = match (recipient_of(&header), channel_of(&header)) {
+                    (Some(recipient), _) => Field::Call(HarmonyCall {
+                        recipient: recipient.to_string(),
+                        arguments: String::new(),
+                    }),
+                    (None, Some("analysis")) => Field::Reasoning,
                     _ => Field::Content,
                 };
                 State::Body {
@@ -155,20 +192,24 @@ impl HarmonyParser {
                     // Not a header after all: what it held is content.
                     let mut raw = self.decoder();
                     for id in ids.into_iter().chain(Some(token)) {
-                        out.push(Field::Content, raw.push(id)?);
+                        out.push(&mut Field::Content, raw.push(id)?);
                     }
                     match ends_reply {
                         true => {
-                            out.push(Field::Content, raw.flush()?);
+                            out.push(&mut Field::Content, raw.flush()?);
                             State::Done
                         }
                         false => State::Raw(raw),
                     }
                 }
             }
-            State::Body { field, mut decoder } => {
+            State::Body {
+                mut field,
+                mut decoder,
+            } => {
                 if token == t.end || token == t.start || ends_reply {
-                    out.push(field, decoder.flush()?);
+                    out.push(&mut field, decoder.flush()?);
+                    field.close(&mut out);
                     if token == t.start {
                         // A new message without the previous one's <|end|>.
                         State::Header(Vec::new())
@@ -178,7 +219,7 @@ impl HarmonyParser {
                         State::Done
                     }
                 } else {
-                    out.push(field, decoder.push(token)?);
+                    out.push(&mut field, decoder.push(token)?);
                     State::Body { field, decoder }
                 }
             }
@@ -186,11 +227,11 @@ impl HarmonyParser {
             State::Between if ends_reply => State::Done,
             State::Between => {
                 let mut raw = self.decoder();
-                out.push(Field::Content, raw.push(token)?);
+                out.push(&mut Field::Content, raw.push(token)?);
                 State::Raw(raw)
             }
             State::Raw(mut raw) => {
-                out.push(Field::Content, raw.push(token)?);
+                out.push(&mut Field::Content, raw.push(token)?);
                 State::Raw(raw)
             }
             State::Done => State::Done,
@@ -204,10 +245,17 @@ impl HarmonyParser {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Header(ids) => {
                 let text = self.tokenizer.decode(&ids, SpecialTokens::Skip)?;
-                out.push(Field::Content, Some(text));
+                out.push(&mut Field::Content, Some(text));
             }
-            State::Body { field, mut decoder } => out.push(field, decoder.flush()?),
-            State::Raw(mut raw) => out.push(Field::Content, raw.flush()?),
+            // A call cut off (max_tokens) is still handed over; its arguments may not parse.
+            State::Body {
+                mut field,
+                mut decoder,
+            } => {
+                out.push(&mut field, decoder.flush()?);
+                field.close(&mut out);
+            }
+            State::Raw(mut raw) => out.push(&mut Field::Content, raw.flush()?),
             State::Between | State::Done => {}
         }
         Ok(out)
@@ -228,9 +276,31 @@ fn channel_of(header: &str) -> Option<&str> {
     Some(&rest[..end])
 }
 
+/// The recipient a header names (`to=functions.get_weather`), before or after the channel.
+fn recipient_of(header: &str) -> Option<&str> {
+    let (_, rest) = header.split_once("to=")?;
+    let end = rest
+        .find(|c: char| c.is_whitespace() || c == '<')
+        .unwrap_or(rest.len());
+    (end > 0).then(|| &rest[..end])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_recipient_is_the_word_after_to() {
+        assert_eq!(
+            recipient_of("<|channel|>commentary to=functions.get <|constrain|>json"),
+            Some("functions.get")
+        );
+        assert_eq!(
+            recipient_of(" to=functions.get_weather<|channel|>commentary json"),
+            Some("functions.get_weather")
+        );
+        assert_eq!(recipient_of("<|channel|>final"), None);
+    }
 
     #[test]
     fn the_channel_is_the_word_after_the_channel_token() {

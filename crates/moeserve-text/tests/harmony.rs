@@ -126,6 +126,7 @@ fn transformers_replies_split_into_the_scripted_reasoning_and_answer() {
     let expected = ChannelText {
         reasoning: manifest.reasoning,
         content: manifest.answer,
+        calls: Vec::new(),
     };
     for case in read::<Vec<ChatCase>>("chat_cases.json") {
         let whole = HarmonyParser::parse(tokens, tokenizer.clone(), &case.greedy_ids).unwrap();
@@ -177,4 +178,32 @@ fn output_that_leaves_the_format_is_kept_as_content() {
         split("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b"),
         owned("a", "b")
     );
+}
+
+#[test]
+fn a_message_to_a_recipient_is_a_tool_call_not_content() {
+    let (tokenizer, tokens) = tokenizer();
+    let text = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant\
+                <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
+                {\"city\": \"Paris\"}<|call|>";
+    let ids = tokenizer.encode_with_special_tokens(text).unwrap();
+    let whole = HarmonyParser::parse(tokens, tokenizer.clone(), &ids).unwrap();
+    assert_eq!(whole.reasoning, "Need the weather.");
+    assert_eq!(whole.content, "");
+    assert_eq!(whole.calls.len(), 1);
+    assert_eq!(whole.calls[0].function_name(), Some("get_weather"));
+    assert_eq!(whole.calls[0].arguments, r#"{"city": "Paris"}"#);
+    // Streamed, the call arrives whole with the token that ends it.
+    let mut parser = HarmonyParser::new(tokens, tokenizer.clone());
+    let pieces: Vec<ChannelText> = ids.iter().map(|&id| parser.push(id).unwrap()).collect();
+    let with_calls: Vec<usize> = (0..pieces.len())
+        .filter(|&i| !pieces[i].calls.is_empty())
+        .collect();
+    assert_eq!(with_calls, [ids.len() - 1]);
+    // The recipient may come before the channel, too.
+    let text = "<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.get_time\
+                <|channel|>commentary json<|message|>{}<|call|>";
+    let ids = tokenizer.encode_with_special_tokens(text).unwrap();
+    let whole = HarmonyParser::parse(tokens, tokenizer, &ids).unwrap();
+    assert_eq!(whole.calls[0].function_name(), Some("get_time"));
 }

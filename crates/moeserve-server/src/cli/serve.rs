@@ -66,7 +66,8 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = GenerationConfigMode::Auto)]
     generation_config: GenerationConfigMode,
     /// How calls are read out of a reply under `tool_choice: "auto"`: `hermes` (Qwen),
-    /// `mistral` (Mixtral), `deepseek_v3` (DeepSeek-V3 / R1 / V3.1) or `glm45` (GLM-4.5).
+    /// `mistral` (Mixtral), `deepseek_v3` (DeepSeek-V3 / R1 / V3.1), `glm45` (GLM-4.5) or
+    /// `openai` (GPT-OSS's harmony calls).
     #[arg(long, value_enum)]
     tool_call_parser: Option<ToolCallParser>,
     /// Let the model decide whether to call a tool (`tool_choice: "auto"`, the default when

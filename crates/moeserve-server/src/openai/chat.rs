@@ -449,8 +449,10 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .harmony
         .zip(target.assets().tokenizer.clone())
         .filter(|_| grammar.is_none());
-    // GPT-OSS calls tools on its commentary channel, which no parser here reads yet.
-    let calls = calls.filter(|_| harmony.is_none());
+    // GPT-OSS's calls are harmony messages, which only the harmony parser reads; the text
+    // parsers read the other families' replies.
+    let harmony_calls = matches!(calls, Some(CallReader::Parsed(ToolCallParser::Openai)));
+    let calls = calls.filter(|_| harmony.is_none() && !harmony_calls);
     let specials = SpecialText::new(target.assets());
     let generations = target
         .submit_all(choice_requests(
@@ -478,6 +480,8 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
                 calls: calls
                     .clone()
                     .map(|reader| StreamedCalls::new(reader, specials.clone())),
+                harmony_calls,
+                calls_sent: 0,
             })
             .collect();
         return Ok(sse_response(generations, makers));
@@ -488,6 +492,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         want_logprobs,
         harmony: harmony.as_ref(),
         calls: calls.as_ref(),
+        harmony_calls,
         specials: &specials,
     };
     let choices = outputs
@@ -512,6 +517,8 @@ struct Reply<'a> {
     want_logprobs: bool,
     harmony: Option<&'a (HarmonyTokens, Tokenizer)>,
     calls: Option<&'a CallReader>,
+    /// GPT-OSS's harmony calls become `tool_calls` (`--tool-call-parser openai`).
+    harmony_calls: bool,
     specials: &'a SpecialText,
 }
 
@@ -533,17 +540,27 @@ impl Reply<'_> {
             }
             lp
         });
-        let (content, reasoning_content) = match self.harmony {
+        let (content, reasoning_content, tool_calls) = match self.harmony {
             Some((tokens, tokenizer)) => {
                 let split = HarmonyParser::parse(*tokens, tokenizer.clone(), &output.token_ids)
                     .map_err(|e| ApiError::Internal(format!("cannot decode the reply: {e}")))?;
-                (split.content, non_empty(split.reasoning))
+                let (content, calls) =
+                    harmony_calls(split.content, &split.calls, self.harmony_calls);
+                let content = match calls.is_empty() {
+                    true => Some(content),
+                    false => non_empty(content),
+                };
+                (content, non_empty(split.reasoning), calls)
             }
-            None => (output.text.clone(), None),
-        };
-        let (content, tool_calls) = match self.calls {
-            Some(reader) => reader.read(&content, &self.specials.text(&output.token_ids)),
-            None => (Some(content), Vec::new()),
+            None => {
+                let (content, calls) = match self.calls {
+                    Some(reader) => {
+                        reader.read(&output.text, &self.specials.text(&output.token_ids))
+                    }
+                    None => (Some(output.text.clone()), Vec::new()),
+                };
+                (content, None, calls)
+            }
         };
         Ok(ChatChoice {
             index,
@@ -566,6 +583,20 @@ impl Reply<'_> {
 
 fn non_empty(text: String) -> Option<String> {
     (!text.is_empty()).then_some(text)
+}
+
+/// A harmony reply's calls as `tool_calls` when they are asked for; otherwise their text stays
+/// in the content, as it was before calls were told apart.
+fn harmony_calls(
+    mut content: String,
+    calls: &[moeserve_text::harmony::HarmonyCall],
+    as_tool_calls: bool,
+) -> (String, Vec<ToolCall>) {
+    if as_tool_calls {
+        return (content, calls.iter().map(ToolCall::from_harmony).collect());
+    }
+    calls.iter().for_each(|c| content.push_str(&c.arguments));
+    (content, Vec::new())
 }
 
 /// How a tool request's calls are read out of its reply.
@@ -701,6 +732,10 @@ struct ChatChunks {
     include_usage: bool,
     /// The calls of a tool request, read as the reply streams.
     calls: Option<StreamedCalls>,
+    /// GPT-OSS's harmony calls become `tool_calls` (`--tool-call-parser openai`).
+    harmony_calls: bool,
+    /// Calls sent so far (the next one's `index`).
+    calls_sent: usize,
 }
 
 impl ChatChunks {
@@ -745,23 +780,36 @@ impl ChunkMaker for ChatChunks {
                 split
             }
             None => ChannelText {
-                reasoning: String::new(),
                 content: update.text.clone(),
+                ..ChannelText::default()
             },
         };
-        let (text, calls) = match self.calls.as_mut() {
-            Some(calls) => {
+        let (text, calls) = match (self.harmony.is_some(), self.calls.as_mut()) {
+            (true, _) => {
+                let (content, calls) = harmony_calls(text.content, &text.calls, self.harmony_calls);
+                let text = ChannelText {
+                    reasoning: text.reasoning,
+                    content,
+                    calls: Vec::new(),
+                };
+                (text, calls)
+            }
+            (false, Some(calls)) => {
                 let (content, calls) =
                     calls.push(sample.token_id, &text.content, update.finished.is_some());
                 let text = ChannelText {
                     reasoning: text.reasoning,
                     content,
+                    calls: Vec::new(),
                 };
                 (text, calls)
             }
-            None => (text, Vec::new()),
+            (false, None) => (text, Vec::new()),
         };
+        let first_call = self.calls_sent;
+        self.calls_sent += calls.len();
         if text.is_empty()
+            && calls.is_empty()
             && !self.want_logprobs
             && update.finished.is_none()
             && update.routed_experts.is_none()
@@ -780,9 +828,14 @@ impl ChunkMaker for ChatChunks {
         });
         let finish_reason = update
             .finished
-            .map(|reason| ChatFinishReason::of(reason, !calls.is_empty()));
-        let tool_calls = (!calls.is_empty())
-            .then(|| calls.iter().enumerate().map(|(i, c)| c.delta(i)).collect());
+            .map(|reason| ChatFinishReason::of(reason, self.calls_sent > 0));
+        let tool_calls = (!calls.is_empty()).then(|| {
+            calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| c.delta(first_call + i))
+                .collect()
+        });
         let delta = Delta {
             role: None,
             content: non_empty(text.content),

@@ -13,8 +13,8 @@
 //!   Hermes), `mistral` (`[TOOL_CALLS][{"name", "arguments"}, …]`, and v11's
 //!   `[TOOL_CALLS]name[ARGS]{…}`), `deepseek_v3` (DeepSeek-V3 / R1 / V3.1's `<｜tool▁calls▁begin｜>`
 //!   blocks) or `glm45` (GLM-4.5's `<tool_call>name<arg_key>…<arg_value>…</tool_call>`). Text
-//!   before the first call is the message's content. GPT-OSS's calls (harmony's commentary
-//!   channel) have no parser yet: use `required` or a named function there.
+//!   before the first call is the message's content. `openai`: GPT-OSS's calls are harmony
+//!   messages to a recipient, which the harmony parser tells apart (chat.rs).
 //! - `"none"`: the tools are still rendered (vLLM's default); nothing is parsed.
 
 use moeserve_structured::{GrammarSpec, StructuredOutput};
@@ -40,6 +40,10 @@ pub enum ToolCallParser {
     /// `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>…</tool_call>`, each
     /// value JSON when it parses as JSON, else a string (GLM-4.5, GLM-4.6).
     Glm45,
+    /// GPT-OSS's harmony messages to a recipient (`<|channel|>commentary
+    /// to=functions.NAME … <|message|>{…}<|call|>`), read by the harmony parser from the token
+    /// ids rather than from text.
+    Openai,
 }
 
 impl ToolCallParser {
@@ -49,6 +53,7 @@ impl ToolCallParser {
             ToolCallParser::Hermes | ToolCallParser::Glm45 => "<tool_call>",
             ToolCallParser::Mistral => "[TOOL_CALLS]",
             ToolCallParser::DeepseekV3 => DEEPSEEK_CALLS_BEGIN,
+            ToolCallParser::Openai => "<|call|>",
         }
     }
 
@@ -63,6 +68,8 @@ impl ToolCallParser {
             ToolCallParser::Mistral => parse_mistral(&text[start + self.marker().len()..]),
             ToolCallParser::DeepseekV3 => parse_deepseek(&text[start..]),
             ToolCallParser::Glm45 => parse_glm45(&text[start..]),
+            // Harmony's calls are in its structure, which text has lost.
+            ToolCallParser::Openai => None,
         };
         match calls {
             Some(calls) if !calls.is_empty() => (text[..start].trim_end().to_string(), calls),
@@ -199,6 +206,18 @@ impl ToolCall {
             Some(args) => args.clone(),
         };
         Some(ToolCall::new(name, &arguments))
+    }
+
+    /// A harmony message to `functions.NAME` (another recipient keeps its full name).
+    pub fn from_harmony(call: &moeserve_text::harmony::HarmonyCall) -> ToolCall {
+        ToolCall {
+            id: super::response_id("call"),
+            kind: "function",
+            function: FunctionCall {
+                name: call.function_name().unwrap_or(&call.recipient).to_string(),
+                arguments: call.arguments.trim().to_string(),
+            },
+        }
     }
 
     /// The call with its index, as a streamed `delta.tool_calls` entry carries it.
