@@ -135,7 +135,8 @@ pub fn refuse_unsupported(body: &[u8], endpoint: Endpoint) -> Result<(), ApiErro
         ),
         (
             "prompt_logprobs",
-            !set(&f.prompt_logprobs),
+            // 0 asks for the prompt tokens' own logprobs: only null asks for nothing.
+            f.prompt_logprobs.as_ref().is_none_or(Value::is_null),
             "prompt logprobs are not supported",
         ),
         (
@@ -198,8 +199,13 @@ pub fn refuse_unsupported(body: &[u8], endpoint: Endpoint) -> Result<(), ApiErro
         ),
         (
             "add_special_tokens",
-            !set(&f.add_special_tokens),
-            "`add_special_tokens` is not supported",
+            // What each endpoint does anyway: a prompt gets the tokenizer's special tokens, a
+            // rendered chat none (vLLM's defaults).
+            match endpoint {
+                Endpoint::Completions => is_true_or_absent(&f.add_special_tokens),
+                Endpoint::Chat => !set(&f.add_special_tokens),
+            },
+            "only the endpoint's default (completions: true, chat: false) is supported",
         ),
         (
             "chat_template",
@@ -264,6 +270,7 @@ mod tests {
             (r#"{"audio": {"voice": "alloy"}}"#, "audio"),
             (r#"{"functions": [{"name": "f"}]}"#, "functions"),
             (r#"{"min_tokens": 4}"#, "min_tokens"),
+            (r#"{"prompt_logprobs": 0}"#, "prompt_logprobs"),
             (r#"{"use_beam_search": true}"#, "use_beam_search"),
             (r#"{"skip_special_tokens": false}"#, "skip_special_tokens"),
             (
@@ -291,6 +298,18 @@ mod tests {
         ] {
             assert_eq!(refused(body, Endpoint::Chat), None, "{body}");
         }
+        // Each endpoint's own add_special_tokens default passes, the other is refused.
+        let add = |v: bool| format!(r#"{{"add_special_tokens": {v}}}"#);
+        assert_eq!(refused(&add(true), Endpoint::Completions), None);
+        assert_eq!(refused(&add(false), Endpoint::Chat), None);
+        assert_eq!(
+            refused(&add(false), Endpoint::Completions).as_deref(),
+            Some("add_special_tokens")
+        );
+        assert_eq!(
+            refused(&add(true), Endpoint::Chat).as_deref(),
+            Some("add_special_tokens")
+        );
         // Completions have no assistant turn to open, and no tools.
         assert_eq!(
             refused(r#"{"add_generation_prompt": false}"#, Endpoint::Completions),
