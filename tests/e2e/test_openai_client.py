@@ -495,9 +495,18 @@ def test_required_and_named_tool_calls_parse_streamed_and_not(demo_server):
 
     chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **common))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    streamed = [call for d in deltas for call in (d.tool_calls or [])]
-    assert [c.index for c in streamed] == list(range(len(streamed)))
-    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+    # As OpenAI streams calls: the first entry of a call has its id and name, the later ones
+    # pieces of its arguments; a client joins them by index.
+    streamed = {}
+    pieces = 0
+    for entry in (call for d in deltas for call in (d.tool_calls or [])):
+        if entry.id:
+            assert entry.index == len(streamed) and entry.function.name
+            streamed[entry.index] = [entry.function.name, ""]
+        streamed[entry.index][1] += entry.function.arguments or ""
+        pieces += 1
+    assert pieces > 2 * len(streamed), "the arguments came in pieces"
+    assert [tuple(v) for v in streamed.values()] == \
         [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 

@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
-use super::tools::{ToolCall, ToolCallParser, ToolChoice, ToolDef, ToolRequest, ToolStream};
+use super::tools::{
+    CallStreamer, ToolCall, ToolCallParser, ToolChoice, ToolDef, ToolRequest, ToolStream,
+};
 use super::unsupported::{Endpoint, refuse_unsupported};
 use super::{
     JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests, parse_json,
@@ -481,7 +483,8 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
                     .clone()
                     .map(|reader| StreamedCalls::new(reader, specials.clone())),
                 harmony_calls,
-                calls_sent: 0,
+                harmony_calls_sent: 0,
+                called: false,
             })
             .collect();
         return Ok(sse_response(generations, makers));
@@ -657,45 +660,63 @@ impl SpecialText {
     }
 }
 
-/// A tool request's reply while it streams: content goes out until calls begin (all of it,
-/// under a constraint, is held); the calls go out whole in the last chunk.
+/// A tool request's reply while it streams. Under a constraint the reply is the calls: each
+/// goes out as it is written (its name, then its arguments piece by piece). Under `auto`,
+/// content goes out until the calls begin, and the calls go out whole in the last chunk.
 struct StreamedCalls {
     reader: CallReader,
     specials: SpecialText,
     /// Under `auto`: what of the text may go out as content.
     content: Option<ToolStream>,
+    /// Under a constraint: the calls as they are written.
+    constrained: Option<CallStreamer>,
     /// The parser's marker as one token (Mistral's special `[TOOL_CALLS]`).
     marker_token: Option<u32>,
     ids: Vec<u32>,
     /// The whole text so far, and how much of it went out as content.
     text: String,
     sent: usize,
+    /// Whether any call went out.
+    called: bool,
 }
 
 impl StreamedCalls {
     fn new(reader: CallReader, specials: SpecialText) -> StreamedCalls {
-        let (content, marker_token) = match &reader {
+        let (content, constrained, marker_token) = match &reader {
             CallReader::Parsed(parser) => (
                 Some(ToolStream::new(*parser)),
+                None,
                 specials.token_id(parser.marker()),
             ),
-            CallReader::Constrained(_) => (None, None),
+            CallReader::Constrained(tools) => (None, CallStreamer::new(&tools.choice), None),
         };
         StreamedCalls {
             reader,
             specials,
             content,
+            constrained,
             marker_token,
             ids: Vec::new(),
             text: String::new(),
             sent: 0,
+            called: false,
         }
     }
 
-    /// The content to send for one token, and at the last token the calls.
-    fn push(&mut self, token_id: u32, text: &str, last: bool) -> (String, Vec<ToolCall>) {
+    /// The content to send for one token, and the `delta.tool_calls` entries.
+    fn push(&mut self, token_id: u32, text: &str, last: bool) -> (String, Vec<serde_json::Value>) {
         self.ids.push(token_id);
         self.text.push_str(text);
+        if let Some(streamer) = self.constrained.as_mut() {
+            let deltas = streamer.push(text);
+            self.called = streamer.called();
+            // Cut off (max_tokens) before any call began: the text is content after all.
+            let content = match last && !self.called {
+                true => std::mem::take(&mut self.text),
+                false => String::new(),
+            };
+            return (content, deltas);
+        }
         let mut now = match self.content.as_mut() {
             Some(stream) if Some(token_id) == self.marker_token => stream.begin_calls(),
             Some(stream) => stream.push(text),
@@ -716,7 +737,9 @@ impl StreamedCalls {
             // Nothing parsed: what was held back is content after all.
             now = self.text[self.sent..].to_string();
         }
-        (now, calls)
+        self.called = !calls.is_empty();
+        let deltas = calls.iter().enumerate().map(|(i, c)| c.delta(i)).collect();
+        (now, deltas)
     }
 }
 
@@ -734,8 +757,10 @@ struct ChatChunks {
     calls: Option<StreamedCalls>,
     /// GPT-OSS's harmony calls become `tool_calls` (`--tool-call-parser openai`).
     harmony_calls: bool,
-    /// Calls sent so far (the next one's `index`).
-    calls_sent: usize,
+    /// Harmony calls sent so far (the next one's `index`).
+    harmony_calls_sent: usize,
+    /// Whether any call went out (the finish reason is then `tool_calls`).
+    called: bool,
 }
 
 impl ChatChunks {
@@ -787,27 +812,33 @@ impl ChunkMaker for ChatChunks {
         let (text, calls) = match (self.harmony.is_some(), self.calls.as_mut()) {
             (true, _) => {
                 let (content, calls) = harmony_calls(text.content, &text.calls, self.harmony_calls);
+                let deltas = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| c.delta(self.harmony_calls_sent + i))
+                    .collect::<Vec<_>>();
+                self.harmony_calls_sent += calls.len();
+                self.called |= !calls.is_empty();
                 let text = ChannelText {
                     reasoning: text.reasoning,
                     content,
                     calls: Vec::new(),
                 };
-                (text, calls)
+                (text, deltas)
             }
             (false, Some(calls)) => {
-                let (content, calls) =
+                let (content, deltas) =
                     calls.push(sample.token_id, &text.content, update.finished.is_some());
+                self.called |= calls.called;
                 let text = ChannelText {
                     reasoning: text.reasoning,
                     content,
                     calls: Vec::new(),
                 };
-                (text, calls)
+                (text, deltas)
             }
             (false, None) => (text, Vec::new()),
         };
-        let first_call = self.calls_sent;
-        self.calls_sent += calls.len();
         if text.is_empty()
             && calls.is_empty()
             && !self.want_logprobs
@@ -828,14 +859,8 @@ impl ChunkMaker for ChatChunks {
         });
         let finish_reason = update
             .finished
-            .map(|reason| ChatFinishReason::of(reason, self.calls_sent > 0));
-        let tool_calls = (!calls.is_empty()).then(|| {
-            calls
-                .iter()
-                .enumerate()
-                .map(|(i, c)| c.delta(first_call + i))
-                .collect()
-        });
+            .map(|reason| ChatFinishReason::of(reason, self.called));
+        let tool_calls = (!calls.is_empty()).then_some(calls);
         let delta = Delta {
             role: None,
             content: non_empty(text.content),

@@ -402,17 +402,36 @@ impl ToolRequest {
         Some(StructuredOutput::new(GrammarSpec::JsonSchema(schema)))
     }
 
-    /// The calls in a constrained reply (`required` or named); `None` for other choices.
+    /// The calls in a constrained reply (`required` or named), their arguments the model's own
+    /// text (as streamed); `None` for other choices, or when the reply was cut off.
     pub fn constrained_calls(&self, text: &str) -> Option<Vec<ToolCall>> {
+        let call = |name: &str, arguments: &str| ToolCall {
+            id: super::response_id("call"),
+            kind: "function",
+            function: FunctionCall {
+                name: name.to_string(),
+                arguments: arguments.to_string(),
+            },
+        };
         match &self.choice {
             ToolChoice::Named(name) => {
-                let arguments: Value = serde_json::from_str(text).ok()?;
-                Some(vec![ToolCall::new(name, &arguments)])
+                serde_json::from_str::<Value>(text).ok()?;
+                Some(vec![call(name, text)])
             }
             ToolChoice::Required => {
                 let list: Vec<Value> = serde_json::from_str(text).ok()?;
-                list.iter()
-                    .map(|v| ToolCall::from_json(v, "parameters"))
+                let spans = call_spans(text);
+                if spans.len() != list.len() {
+                    return None;
+                }
+                spans
+                    .iter()
+                    .map(|span| match (&span.name, span.args) {
+                        (Some(name), Some((start, Some(end)))) => {
+                            Some(call(name, &text[start..end]))
+                        }
+                        _ => None,
+                    })
                     .collect()
             }
             ToolChoice::None | ToolChoice::Auto => None,
@@ -613,7 +632,8 @@ mod tests {
         let calls = required
             .constrained_calls(r#"[{"name": "get_weather", "parameters": {"city": "Lima"}}]"#)
             .unwrap();
-        assert_eq!(calls[0].function.arguments, r#"{"city":"Lima"}"#);
+        assert_eq!(calls[0].function.arguments, r#"{"city": "Lima"}"#);
+        assert_eq!(calls[0].function.name, "get_weather");
         // No tools: only none / auto pass.
         assert!(
             ToolRequest::from_fields(None, Some(&json!("auto")), None)
@@ -629,6 +649,60 @@ mod tests {
         assert_eq!(err.body().param.as_deref(), Some("tools[0].function.name"));
     }
 
+    /// Feeds `text` to a streamer in pieces of `size` characters; returns each call's name and
+    /// the concatenation of its streamed arguments.
+    fn streamed(choice: &ToolChoice, text: &str, size: usize) -> Vec<(String, String)> {
+        let mut streamer = CallStreamer::new(choice).unwrap();
+        let chars: Vec<char> = text.chars().collect();
+        let mut calls: Vec<(String, String)> = Vec::new();
+        for piece in chars.chunks(size) {
+            for entry in streamer.push(&piece.iter().collect::<String>()) {
+                let index = entry["index"].as_u64().unwrap() as usize;
+                if let Some(name) = entry["function"]["name"].as_str() {
+                    assert_eq!(index, calls.len(), "calls begin in order");
+                    assert!(entry["id"].is_string());
+                    calls.push((name.to_string(), String::new()));
+                }
+                calls[index].1 += entry["function"]["arguments"].as_str().unwrap();
+            }
+        }
+        calls
+    }
+
+    #[test]
+    fn constrained_calls_stream_their_arguments_piece_by_piece() {
+        let text = r#"[{"name": "get_weather", "parameters": {"city": "Pa\"ris", "n": [1, {"x": 2}]}},
+                       {"name":"get_time","parameters":{}} ]"#;
+        for size in [1, 2, 3, 7, 1000] {
+            let calls = streamed(&ToolChoice::Required, text, size);
+            assert_eq!(
+                calls,
+                [
+                    (
+                        "get_weather".to_string(),
+                        r#"{"city": "Pa\"ris", "n": [1, {"x": 2}]}"#.to_string()
+                    ),
+                    ("get_time".to_string(), "{}".to_string()),
+                ],
+                "pieces of {size}"
+            );
+        }
+        // Parameters before the name: they go out once the name is known.
+        let calls = streamed(
+            &ToolChoice::Required,
+            r#"[{"parameters": {"a": 1}, "name": "f"}]"#,
+            2,
+        );
+        assert_eq!(calls, [("f".to_string(), r#"{"a": 1}"#.to_string())]);
+        // A named function: the whole reply is its arguments.
+        let named = ToolChoice::Named("get_time".into());
+        let calls = streamed(&named, r#"{"zone": "UTC"}"#, 3);
+        assert_eq!(
+            calls,
+            [("get_time".to_string(), r#"{"zone": "UTC"}"#.to_string())]
+        );
+    }
+
     #[test]
     fn streamed_content_stops_at_the_marker_and_holds_back_its_beginning() {
         let mut s = ToolStream::new(ToolCallParser::Hermes);
@@ -641,5 +715,162 @@ mod tests {
         assert_eq!(s.push("a <b"), "a <b");
         assert_eq!(s.push("<"), "");
         assert_eq!(s.flush(), "<");
+    }
+}
+
+/// Streams the calls of a constrained reply (`required` or a named function) as OpenAI streams
+/// them: a call's first `delta.tool_calls` entry carries its `index`, `id`, `type` and name with
+/// empty arguments, the following ones the next pieces of its arguments' JSON text as the model
+/// writes them. The constraint guarantees the JSON's shape, so the text so far is scanned again
+/// at each piece (replies are short) and only what is new is sent.
+#[derive(Debug)]
+pub struct CallStreamer {
+    /// `Some(name)`: the whole reply is this function's arguments; `None`: a JSON array of
+    /// `{"name": …, "parameters": {…}}` (`required`).
+    named: Option<String>,
+    text: String,
+    /// Per call begun: its id and how much of its arguments text has gone out.
+    sent: Vec<(String, usize)>,
+}
+
+/// Where one call of a `required` reply is in its text.
+#[derive(Debug, Default, PartialEq)]
+struct CallSpan {
+    name: Option<String>,
+    /// The arguments value's byte range; the end is open while the value is being written.
+    args: Option<(usize, Option<usize>)>,
+}
+
+impl CallStreamer {
+    pub fn new(choice: &ToolChoice) -> Option<CallStreamer> {
+        let named = match choice {
+            ToolChoice::Named(name) => Some(name.clone()),
+            ToolChoice::Required => None,
+            ToolChoice::None | ToolChoice::Auto => return None,
+        };
+        Some(CallStreamer {
+            named,
+            text: String::new(),
+            sent: Vec::new(),
+        })
+    }
+
+    /// Whether any call has begun.
+    pub fn called(&self) -> bool {
+        !self.sent.is_empty()
+    }
+
+    /// The `delta.tool_calls` entries that `piece` (the reply's next text) adds.
+    pub fn push(&mut self, piece: &str) -> Vec<Value> {
+        self.text.push_str(piece);
+        let spans = match &self.named {
+            Some(name) => vec![CallSpan {
+                name: Some(name.clone()),
+                args: Some((0, None)),
+            }],
+            None => call_spans(&self.text),
+        };
+        let mut out = Vec::new();
+        for (index, span) in spans.iter().enumerate() {
+            let Some(name) = &span.name else { break };
+            if index == self.sent.len() {
+                let id = super::response_id("call");
+                out.push(json!({"index": index, "id": id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}));
+                self.sent.push((id, 0));
+            }
+            let Some((start, end)) = span.args else {
+                continue;
+            };
+            let end = end.unwrap_or(self.text.len());
+            let sent = &mut self.sent[index].1;
+            let from = start + *sent;
+            if end > from {
+                out.push(json!({"index": index, "function": {"arguments": &self.text[from..end]}}));
+                *sent = end - start;
+            }
+        }
+        out
+    }
+}
+
+/// The calls of a (possibly unfinished) `[{"name": …, "parameters": …}, …]` text.
+fn call_spans(text: &str) -> Vec<CallSpan> {
+    let mut spans: Vec<CallSpan> = Vec::new();
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    // Inside a call's object: the last key, whether a key (vs a value) comes next, and where
+    // the current string began.
+    let (mut key, mut key_next, mut string_start) = (String::new(), true, 0);
+    let mut value_start: Option<usize> = None;
+    for (i, c) in text.char_indices() {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    in_string = false;
+                    if depth == 2 && value_start.is_none() {
+                        let s = &text[string_start + 1..i];
+                        if key_next {
+                            key = s.to_string();
+                        } else if key == "name"
+                            && let Some(span) = spans.last_mut()
+                        {
+                            span.name = serde_json::from_str(&text[string_start..=i]).ok();
+                        }
+                    }
+                }
+                _ => {}
+            }
+            continue;
+        }
+        // A value at the call's level begins with its first character after the colon.
+        if depth == 2
+            && !key_next
+            && value_start.is_none()
+            && !c.is_whitespace()
+            && key == "parameters"
+        {
+            value_start = Some(i);
+            if let Some(span) = spans.last_mut() {
+                span.args = Some((i, None));
+            }
+        }
+        match c {
+            '"' => {
+                in_string = true;
+                string_start = i;
+            }
+            '{' | '[' => {
+                depth += 1;
+                if depth == 2 && c == '{' {
+                    spans.push(CallSpan::default());
+                    key_next = true;
+                }
+            }
+            '}' | ']' => {
+                if depth == 2 {
+                    close_value(&mut spans, &mut value_start, text, i);
+                }
+                depth = depth.saturating_sub(1);
+            }
+            ':' if depth == 2 => key_next = false,
+            ',' if depth == 2 => {
+                close_value(&mut spans, &mut value_start, text, i);
+                key_next = true;
+            }
+            _ => {}
+        }
+    }
+    spans
+}
+
+/// Ends the arguments value that was being written at byte `at` (trailing space left out).
+fn close_value(spans: &mut [CallSpan], value_start: &mut Option<usize>, text: &str, at: usize) {
+    if let Some(start) = value_start.take()
+        && let Some(span) = spans.last_mut()
+    {
+        let end = start + text[start..at].trim_end().len();
+        span.args = Some((start, Some(end)));
     }
 }
