@@ -316,7 +316,8 @@ pub struct Delta {
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
-    /// Each call whole, with its `index` (OpenAI's clients also take calls in one piece).
+    /// Calls as OpenAI streams them: a call's first entry has its `index`, `id` and name, the
+    /// later ones (with the same `index`) the next pieces of its arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<serde_json::Value>>,
 }
