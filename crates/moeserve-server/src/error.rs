@@ -234,6 +234,43 @@ pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
+/// The error responses of the POST routes that read a body and run the model, as
+/// [`ApiError::status`] decides them (for the OpenAPI document).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)] // Describes responses; never built.
+pub enum PostErrors {
+    /// A field cannot be served (named in `param`), or a prompt longer than the context.
+    #[response(status = 400)]
+    BadRequest(ErrorBody),
+    /// Missing or wrong API key.
+    #[response(status = 401)]
+    Unauthorized(ErrorBody),
+    /// Unknown model.
+    #[response(status = 404)]
+    NotFound(ErrorBody),
+    /// The body did not arrive within --request-read-timeout.
+    #[response(status = 408)]
+    BodyTimeout(ErrorBody),
+    /// The body is larger than --max-request-bytes.
+    #[response(status = 413)]
+    TooLarge(ErrorBody),
+    /// The body is not application/json.
+    #[response(status = 415)]
+    NotJson(ErrorBody),
+    /// Too many requests waiting (Retry-After).
+    #[response(status = 429)]
+    QueueFull(ErrorBody),
+    /// The request failed inside the engine.
+    #[response(status = 500)]
+    Internal(ErrorBody),
+    /// Loading or shutting down.
+    #[response(status = 503)]
+    Unavailable(ErrorBody),
+    /// --request-timeout ran out.
+    #[response(status = 504)]
+    Timeout(ErrorBody),
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), Json(ErrorBody { error: self.body() })).into_response();

@@ -138,6 +138,14 @@ mod tests {
             assert!(body.contains(part), "{body}");
         }
         assert!(schemas["SamplingFields"]["properties"]["logit_bias"].is_object());
+        // Every status ApiError gives a POST route is documented, in OpenAI's error shape.
+        let responses = &doc["paths"]["/v1/chat/completions"]["post"]["responses"];
+        for status in [
+            "400", "401", "404", "408", "413", "415", "429", "500", "503", "504",
+        ] {
+            let schema = &responses[status]["content"]["application/json"]["schema"]["$ref"];
+            assert_eq!(schema, "#/components/schemas/ErrorBody", "{status}");
+        }
         assert!(schemas["ChatRequest"]["properties"]["tools"].is_object());
     }
 }

@@ -19,7 +19,7 @@ use super::{
     JsonBody, MAX_CHOICES, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests,
     parse_json,
 };
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{ApiError, PostErrors};
 use crate::generation::{Generation, Target};
 use crate::state::AppState;
 
@@ -183,16 +183,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
     responses(
         (status = 200, description = "The completion, or with `stream` its chunks as server-sent events",
             content((Completion = "application/json"), (String = "text/event-stream"))),
-        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
-        (status = 404, description = "Unknown model", body = ErrorBody),
-        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
-        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
-        (status = 415, description = "The body is not application/json", body = ErrorBody),
-        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
-        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
-        (status = 503, description = "Loading or shutting down", body = ErrorBody),
-        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+        PostErrors,
     ))]
 pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Response, ApiError> {
     let ParsedCompletion {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::chat::ChatRequest;
 use super::{JsonBody, parse_json};
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{ApiError, PostErrors};
 use crate::state::AppState;
 
 /// `/tokenize`: `prompt`, or `messages` (with the chat fields that shape the rendering).
@@ -89,16 +89,7 @@ fn parse_tokenize(body: &[u8]) -> Result<(TokenizeRequest, Input), ApiError> {
     security((), ("api_key" = [])),
     responses(
         (status = 200, description = "The token ids (vLLM's shape)", body = TokenizeResponse),
-        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
-        (status = 404, description = "Unknown model", body = ErrorBody),
-        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
-        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
-        (status = 415, description = "The body is not application/json", body = ErrorBody),
-        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
-        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
-        (status = 503, description = "Loading or shutting down", body = ErrorBody),
-        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+        PostErrors,
     ))]
 pub async fn tokenize(
     State(state): State<AppState>,
@@ -155,16 +146,7 @@ pub async fn tokenize(
     security((), ("api_key" = [])),
     responses(
         (status = 200, description = "The text of the tokens", body = DetokenizeResponse),
-        (status = 400, description = "A field cannot be served (named in `param`), or a prompt longer than the context", body = ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
-        (status = 404, description = "Unknown model", body = ErrorBody),
-        (status = 408, description = "The body did not arrive within --request-read-timeout", body = ErrorBody),
-        (status = 413, description = "The body is larger than --max-request-bytes", body = ErrorBody),
-        (status = 415, description = "The body is not application/json", body = ErrorBody),
-        (status = 429, description = "Too many requests waiting (Retry-After)", body = ErrorBody),
-        (status = 500, description = "The request failed inside the engine", body = ErrorBody),
-        (status = 503, description = "Loading or shutting down", body = ErrorBody),
-        (status = 504, description = "--request-timeout ran out", body = ErrorBody),
+        PostErrors,
     ))]
 pub async fn detokenize(
     State(state): State<AppState>,
