@@ -78,21 +78,29 @@ impl ToolCallParser {
     }
 }
 
-fn parse_hermes(text: &str) -> Option<Vec<ToolCall>> {
-    let mut calls = Vec::new();
+/// The insides of `<tool_call>…</tool_call>` blocks, in order; the last one's closing tag may
+/// be missing (the reply ended at the call: eos or max_tokens).
+fn tool_call_blocks(text: &str) -> impl Iterator<Item = &str> {
     let mut rest = text;
-    while let Some(open) = rest.find("<tool_call>") {
+    std::iter::from_fn(move || {
+        let open = rest.find("<tool_call>")?;
         let body = &rest[open + "<tool_call>".len()..];
-        // The closing tag may be missing when the reply ended at the call (eos or max_tokens).
         let (inside, after) = match body.find("</tool_call>") {
             Some(end) => (&body[..end], &body[end + "</tool_call>".len()..]),
             None => (body, ""),
         };
-        let value: Value = serde_json::from_str(inside.trim()).ok()?;
-        calls.push(ToolCall::from_json(&value, "arguments")?);
         rest = after;
-    }
-    Some(calls)
+        Some(inside)
+    })
+}
+
+fn parse_hermes(text: &str) -> Option<Vec<ToolCall>> {
+    tool_call_blocks(text)
+        .map(|inside| {
+            let value: Value = serde_json::from_str(inside.trim()).ok()?;
+            ToolCall::from_json(&value, "arguments")
+        })
+        .collect()
 }
 
 const DEEPSEEK_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
@@ -118,13 +126,7 @@ fn parse_deepseek(text: &str) -> Option<Vec<ToolCall>> {
 
 fn parse_glm45(text: &str) -> Option<Vec<ToolCall>> {
     let mut calls = Vec::new();
-    let mut rest = text;
-    while let Some(open) = rest.find("<tool_call>") {
-        let body = &rest[open + "<tool_call>".len()..];
-        let (inside, after) = match body.find("</tool_call>") {
-            Some(end) => (&body[..end], &body[end + "</tool_call>".len()..]),
-            None => (body, ""),
-        };
+    for inside in tool_call_blocks(text) {
         let (name, mut args_text) = match inside.find("<arg_key>") {
             Some(at) => (inside[..at].trim(), &inside[at..]),
             None => (inside.trim(), ""),
@@ -145,7 +147,6 @@ fn parse_glm45(text: &str) -> Option<Vec<ToolCall>> {
             args_text = after_value;
         }
         calls.push(ToolCall::new(name, &Value::Object(arguments)));
-        rest = after;
     }
     Some(calls)
 }
@@ -186,7 +187,8 @@ pub struct FunctionCall {
 }
 
 impl ToolCall {
-    pub fn new(name: &str, arguments: &Value) -> ToolCall {
+    /// A call with a fresh id; `arguments` is its JSON text as sent.
+    pub fn with_text(name: &str, arguments: &str) -> ToolCall {
         ToolCall {
             id: super::response_id("call"),
             kind: "function",
@@ -195,6 +197,10 @@ impl ToolCall {
                 arguments: arguments.to_string(),
             },
         }
+    }
+
+    pub fn new(name: &str, arguments: &Value) -> ToolCall {
+        ToolCall::with_text(name, &arguments.to_string())
     }
 
     /// `{"name": …, <args_key>: {…}}`; arguments given as a JSON string are read as JSON.
@@ -210,14 +216,8 @@ impl ToolCall {
 
     /// A harmony message to `functions.NAME` (another recipient keeps its full name).
     pub fn from_harmony(call: &moeserve_text::harmony::HarmonyCall) -> ToolCall {
-        ToolCall {
-            id: super::response_id("call"),
-            kind: "function",
-            function: FunctionCall {
-                name: call.function_name().unwrap_or(&call.recipient).to_string(),
-                arguments: call.arguments.trim().to_string(),
-            },
-        }
+        let name = call.function_name().unwrap_or(&call.recipient);
+        ToolCall::with_text(name, call.arguments.trim())
     }
 
     /// The call with its index, as a streamed `delta.tool_calls` entry carries it.
@@ -405,14 +405,7 @@ impl ToolRequest {
     /// The calls in a constrained reply (`required` or named), their arguments the model's own
     /// text (as streamed); `None` for other choices, or when the reply was cut off.
     pub fn constrained_calls(&self, text: &str) -> Option<Vec<ToolCall>> {
-        let call = |name: &str, arguments: &str| ToolCall {
-            id: super::response_id("call"),
-            kind: "function",
-            function: FunctionCall {
-                name: name.to_string(),
-                arguments: arguments.to_string(),
-            },
-        };
+        let call = ToolCall::with_text;
         match &self.choice {
             ToolChoice::Named(name) => {
                 serde_json::from_str::<Value>(text).ok()?;
