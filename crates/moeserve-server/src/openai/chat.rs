@@ -14,15 +14,14 @@ use moeserve_engine::request::{ChatPrompt, FinishReason, GenerateOutput, Prompt}
 use moeserve_engine::sampler::SampleOutput;
 use moeserve_text::chat_template::{ChatMessage, ReasoningEffort};
 use moeserve_text::harmony::{ChannelText, HarmonyParser, HarmonyTokens};
-use moeserve_text::tokenizer::{SpecialTokens, Tokenizer};
+use moeserve_text::tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
 
 use super::logprobs::{ChatLogprobs, TokenLogprob, TokenStrings};
 use super::stream::{ChunkMaker, json_event, sse_response};
 use super::structured::{StructuredFields, StructuredRequest};
-use super::tools::{
-    CallStreamer, ToolCall, ToolCallParser, ToolChoice, ToolDef, ToolRequest, ToolStream,
-};
+use super::tool_reply::{CallReader, SpecialText, StreamedCalls, harmony_calls};
+use super::tools::{ToolCall, ToolCallParser, ToolChoice, ToolDef, ToolRequest};
 use super::unsupported::{Endpoint, refuse_unsupported};
 use super::{
     JsonBody, ResponseMeta, SamplingFields, StreamOptions, Usage, choice_requests, parse_json,
@@ -576,163 +575,8 @@ impl Reply<'_> {
     }
 }
 
-fn non_empty(text: String) -> Option<String> {
+pub(super) fn non_empty(text: String) -> Option<String> {
     (!text.is_empty()).then_some(text)
-}
-
-/// A harmony reply's calls as `tool_calls` when they are asked for; otherwise their text stays
-/// in the content, as it was before calls were told apart.
-fn harmony_calls(
-    mut content: String,
-    calls: &[moeserve_text::harmony::HarmonyCall],
-    as_tool_calls: bool,
-) -> (String, Vec<ToolCall>) {
-    if as_tool_calls {
-        return (content, calls.iter().map(ToolCall::from_harmony).collect());
-    }
-    calls.iter().for_each(|c| content.push_str(&c.arguments));
-    (content, Vec::new())
-}
-
-/// How a tool request's calls are read out of its reply.
-#[derive(Clone, Debug)]
-enum CallReader {
-    /// `required` or a named function: the reply is the calls' constrained JSON.
-    Constrained(ToolRequest),
-    /// `auto`: the parser finds the calls the model chose to make.
-    Parsed(ToolCallParser),
-}
-
-impl CallReader {
-    /// The content and the calls of a finished reply; `text` is its text, `with_specials` the
-    /// same with special tokens kept (Mistral's `[TOOL_CALLS]` is one).
-    fn read(&self, text: &str, with_specials: &str) -> (Option<String>, Vec<ToolCall>) {
-        match self {
-            CallReader::Constrained(tools) => match tools.constrained_calls(text) {
-                Some(calls) => (None, calls),
-                // Cut off by max_tokens before the JSON closed: it stays text.
-                None => (Some(text.to_string()), Vec::new()),
-            },
-            CallReader::Parsed(parser) => match parser.parse(with_specials) {
-                (_, calls) if calls.is_empty() => (Some(text.to_string()), calls),
-                (content, calls) => (non_empty(content), calls),
-            },
-        }
-    }
-}
-
-/// A reply's text with its special tokens, its end-of-sequence token left out.
-#[derive(Clone)]
-struct SpecialText {
-    tokenizer: Option<moeserve_text::tokenizer::Tokenizer>,
-    eos: Vec<u32>,
-}
-
-impl SpecialText {
-    fn new(assets: &moeserve_engine::assets::ModelAssets) -> SpecialText {
-        SpecialText {
-            tokenizer: assets.tokenizer.clone(),
-            eos: assets.generation_config.eos_token_ids.clone(),
-        }
-    }
-
-    fn text(&self, ids: &[u32]) -> String {
-        let ids = match ids.split_last() {
-            Some((last, rest)) if self.eos.contains(last) => rest,
-            _ => ids,
-        };
-        self.tokenizer
-            .as_ref()
-            .and_then(|t| t.decode(ids, SpecialTokens::Keep).ok())
-            .unwrap_or_default()
-    }
-
-    fn token_id(&self, token: &str) -> Option<u32> {
-        self.tokenizer.as_ref()?.token_to_id(token)
-    }
-}
-
-/// A tool request's reply while it streams. Under a constraint the reply is the calls: each
-/// goes out as it is written (its name, then its arguments piece by piece). Under `auto`,
-/// content goes out until the calls begin, and the calls go out whole in the last chunk.
-struct StreamedCalls {
-    reader: CallReader,
-    specials: SpecialText,
-    /// Under `auto`: what of the text may go out as content.
-    content: Option<ToolStream>,
-    /// Under a constraint: the calls as they are written.
-    constrained: Option<CallStreamer>,
-    /// The parser's marker as one token (Mistral's special `[TOOL_CALLS]`).
-    marker_token: Option<u32>,
-    ids: Vec<u32>,
-    /// The whole text so far, and how much of it went out as content.
-    text: String,
-    sent: usize,
-    /// Whether any call went out.
-    called: bool,
-}
-
-impl StreamedCalls {
-    fn new(reader: CallReader, specials: SpecialText) -> StreamedCalls {
-        let (content, constrained, marker_token) = match &reader {
-            CallReader::Parsed(parser) => (
-                Some(ToolStream::new(*parser)),
-                None,
-                specials.token_id(parser.marker()),
-            ),
-            CallReader::Constrained(tools) => (None, CallStreamer::new(&tools.choice), None),
-        };
-        StreamedCalls {
-            reader,
-            specials,
-            content,
-            constrained,
-            marker_token,
-            ids: Vec::new(),
-            text: String::new(),
-            sent: 0,
-            called: false,
-        }
-    }
-
-    /// The content to send for one token, and the `delta.tool_calls` entries.
-    fn push(&mut self, token_id: u32, text: &str, last: bool) -> (String, Vec<serde_json::Value>) {
-        self.ids.push(token_id);
-        self.text.push_str(text);
-        if let Some(streamer) = self.constrained.as_mut() {
-            let deltas = streamer.push(text);
-            self.called = streamer.called();
-            // Cut off (max_tokens) before any call began: the text is content after all.
-            let content = match last && !self.called {
-                true => std::mem::take(&mut self.text),
-                false => String::new(),
-            };
-            return (content, deltas);
-        }
-        let mut now = match self.content.as_mut() {
-            Some(stream) if Some(token_id) == self.marker_token => stream.begin_calls(),
-            Some(stream) => stream.push(text),
-            None => String::new(),
-        };
-        if !last {
-            self.sent += now.len();
-            return (now, Vec::new());
-        }
-        if let Some(stream) = self.content.as_mut()
-            && !stream.in_calls()
-        {
-            now.push_str(&stream.flush());
-            return (now, Vec::new());
-        }
-        let (_, calls) = self.reader.read(&self.text, &self.specials.text(&self.ids));
-        if calls.is_empty() {
-            // Nothing parsed: what was held back is content after all.
-            now = self.text[self.sent..].to_string();
-        }
-        self.called = !calls.is_empty();
-        let deltas = calls.iter().enumerate().map(|(i, c)| c.delta(i)).collect();
-        (now, deltas)
-    }
 }
 
 /// Streamed `chat.completion.chunk`s.
@@ -821,7 +665,7 @@ impl ChunkMaker for ChatChunks {
             (false, Some(calls)) => {
                 let (content, deltas) =
                     calls.push(sample.token_id, &text.content, update.finished.is_some());
-                self.called |= calls.called;
+                self.called |= calls.called();
                 let text = ChannelText {
                     reasoning: text.reasoning,
                     content,

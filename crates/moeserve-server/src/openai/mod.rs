@@ -13,6 +13,7 @@ pub mod models;
 pub mod stream;
 pub mod structured;
 pub mod tokenize;
+pub mod tool_reply;
 pub mod tools;
 pub mod unsupported;
 
