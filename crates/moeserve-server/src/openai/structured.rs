@@ -118,28 +118,14 @@ impl StructuredFields {
                     "structural tags are not supported; use json, regex, choice or grammar",
                 ));
             }
-            if let Some(json) = &so.json {
-                let schema = schema_value(json, "structured_outputs.json")?;
-                found.push((GrammarSpec::JsonSchema(schema), "structured_outputs.json"));
-            }
-            if let Some(regex) = &so.regex {
-                found.push((
-                    GrammarSpec::Regex(regex.clone()),
-                    "structured_outputs.regex",
-                ));
-            }
-            if let Some(choice) = &so.choice {
-                found.push((
-                    GrammarSpec::Choice(choice.clone()),
-                    "structured_outputs.choice",
-                ));
-            }
-            if let Some(grammar) = &so.grammar {
-                found.push((
-                    GrammarSpec::Grammar(grammar.clone()),
-                    "structured_outputs.grammar",
-                ));
-            }
+            let names = [
+                "structured_outputs.json",
+                "structured_outputs.regex",
+                "structured_outputs.choice",
+                "structured_outputs.grammar",
+            ];
+            let fields = (&so.json, &so.regex, &so.choice, &so.grammar);
+            push_constraints(&mut found, fields, names)?;
             if so.json_object == Some(true) {
                 found.push((GrammarSpec::JsonObject, "structured_outputs.json_object"));
             }
@@ -148,19 +134,19 @@ impl StructuredFields {
                 whitespace.pattern = so.whitespace_pattern.clone();
             }
         }
-        if let Some(json) = &self.guided_json {
-            let schema = schema_value(json, "guided_json")?;
-            found.push((GrammarSpec::JsonSchema(schema), "guided_json"));
-        }
-        if let Some(regex) = &self.guided_regex {
-            found.push((GrammarSpec::Regex(regex.clone()), "guided_regex"));
-        }
-        if let Some(choice) = &self.guided_choice {
-            found.push((GrammarSpec::Choice(choice.clone()), "guided_choice"));
-        }
-        if let Some(grammar) = &self.guided_grammar {
-            found.push((GrammarSpec::Grammar(grammar.clone()), "guided_grammar"));
-        }
+        let names = [
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        ];
+        let fields = (
+            &self.guided_json,
+            &self.guided_regex,
+            &self.guided_choice,
+            &self.guided_grammar,
+        );
+        push_constraints(&mut found, fields, names)?;
         if found.len() > 1 {
             let names: Vec<_> = found.iter().map(|(_, f)| format!("`{f}`")).collect();
             return Err(ApiError::invalid(
@@ -186,6 +172,38 @@ impl StructuredFields {
             field,
         }))
     }
+}
+
+/// The JSON schema, regex, choice and grammar fields of one family (vLLM's
+/// `structured_outputs.*` or its `guided_*`), each that is set with its field's name in `names`.
+type ConstraintFields<'a> = (
+    &'a Option<Value>,
+    &'a Option<String>,
+    &'a Option<Vec<String>>,
+    &'a Option<String>,
+);
+
+fn push_constraints(
+    found: &mut Vec<(GrammarSpec, &'static str)>,
+    (json, regex, choice, grammar): ConstraintFields<'_>,
+    names: [&'static str; 4],
+) -> Result<(), ApiError> {
+    if let Some(json) = json {
+        found.push((
+            GrammarSpec::JsonSchema(schema_value(json, names[0])?),
+            names[0],
+        ));
+    }
+    if let Some(regex) = regex {
+        found.push((GrammarSpec::Regex(regex.clone()), names[1]));
+    }
+    if let Some(choice) = choice {
+        found.push((GrammarSpec::Choice(choice.clone()), names[2]));
+    }
+    if let Some(grammar) = grammar {
+        found.push((GrammarSpec::Grammar(grammar.clone()), names[3]));
+    }
+    Ok(())
 }
 
 /// A schema given as an object (or `true` / `false`), or as a string holding one (vLLM takes
