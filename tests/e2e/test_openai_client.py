@@ -566,18 +566,24 @@ def _metric(server, name):
 def test_n_choices_share_the_prompt_and_come_back_indexed(demo_server):
     client = make_client(demo_server)
     model = DEMO_MODEL.name
-    # A prompt of several full 16-token blocks: choices 2 and 3 find them in the prefix cache.
+    # Choices 2 and 3 are forked from choice 1's KV blocks once it has computed the prompt.
     prompt = "Once upon a time, in a small village by the sea, there lived an old fisherman " \
              "who told stories to the children every evening about the " + "deep blue water " * 4
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    pairs_per_token = config["num_hidden_layers"] * config["num_experts_per_tok"]  # all sparse
     hits_before = _metric(demo_server, "moeserve:prefix_cache_hits_total")
+    pairs_before = _metric(demo_server, "moeserve:moe_pairs_total")
     reply = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=12,
                                       temperature=1.0, seed=7, extra_body={"ignore_eos": True})
     prompt_tokens = reply.usage.prompt_tokens
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert len({c.text for c in reply.choices}) > 1, "seeds seed, seed+1, seed+2 differ"
     assert reply.usage.completion_tokens == 36
+    # Tokens through the model: the prompt once (less what an earlier request left cached),
+    # then 11 fed-back tokens per choice.
     hits = _metric(demo_server, "moeserve:prefix_cache_hits_total") - hits_before
-    assert hits >= 2 * ((prompt_tokens - 1) // 16 * 16), (hits, prompt_tokens)
+    computed = (_metric(demo_server, "moeserve:moe_pairs_total") - pairs_before) / pairs_per_token
+    assert computed == prompt_tokens - hits + 3 * 11, (computed, prompt_tokens, hits)
     # Choice i is the same as a single request with seed + i.
     for i, choice in enumerate(reply.choices):
         alone = client.completions.create(model=model, prompt=prompt, max_tokens=12,

@@ -18,14 +18,14 @@ use moeserve_model::moe::MoeStepRecord;
 use moeserve_structured::Grammar;
 
 use crate::assets::ModelAssets;
-use crate::kv_cache::{KvCacheConfig, KvCacheManager};
+use crate::kv_cache::{BlockCopy, KvCacheConfig, KvCacheManager};
 use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
 use crate::request::{
     GenerateOutput, GenerateRequest, RequestTimings, RoutedExperts, RoutedExpertsMode,
 };
 use crate::sampler::{SampleOutput, SamplerState};
-use crate::scheduler::{Scheduler, SchedulerLimits, SchedulerOutput, Unservable};
+use crate::scheduler::{Forked, Scheduler, SchedulerLimits, SchedulerOutput, Unservable};
 use crate::stats::EngineStats;
 use crate::{EngineError, Result};
 
@@ -97,6 +97,18 @@ impl Executor {
     }
 }
 
+impl Executor {
+    /// Copies a block's keys and values into another (a forked choice's partial block).
+    fn copy_block(&mut self, copy: BlockCopy) -> Result<()> {
+        let (src, dst) = (copy.src.0 as usize, copy.dst.0 as usize);
+        match self {
+            Executor::Cpu { kv, .. } => kv.copy_block(src, dst),
+            Executor::Cuda(gpu) => gpu.copy_block(src, dst)?,
+        }
+        Ok(())
+    }
+}
+
 /// What happened to one request in a step.
 #[derive(Clone, Debug)]
 pub enum RequestEvent {
@@ -129,6 +141,7 @@ struct RequestState {
 }
 
 /// One request's routed experts, kept by position (a recomputed position overwrites itself).
+#[derive(Clone)]
 struct RoutingCapture {
     /// The first position kept: 0 with the prompt, else the last prompt position.
     first: usize,
@@ -337,6 +350,34 @@ impl EngineCore {
 
     /// Validates and queues a request; refuses it at once when it could never be served.
     pub fn add_request(&mut self, request: GenerateRequest) -> Result<RequestId> {
+        self.add_choice(request, None)
+    }
+
+    /// Queues the choices of one prompt (`n` > 1, `best_of`), all or none: the first as any
+    /// request, the others held and forked from its KV blocks in the step that computes its
+    /// prompt, each sampling its first token from the same logits. The prompt is computed once,
+    /// with or without prefix caching (a choice that cannot be forked then is queued instead,
+    /// and computes what the prefix cache does not give it).
+    pub fn add_group(&mut self, requests: Vec<GenerateRequest>) -> Result<Vec<RequestId>> {
+        let mut ids: Vec<RequestId> = Vec::with_capacity(requests.len());
+        for request in requests {
+            match self.add_choice(request, ids.first().copied()) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    ids.into_iter().for_each(|id| self.abort(id));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Queues `request`; with `fork_of`, held to be forked from that request's prompt.
+    fn add_choice(
+        &mut self,
+        request: GenerateRequest,
+        fork_of: Option<RequestId>,
+    ) -> Result<RequestId> {
         request.params.validate()?;
         self.assets.check_token_ids(&request.params)?;
         let max_model_len = self.scheduler.limits().max_model_len;
@@ -349,8 +390,13 @@ impl EngineCore {
             max_new_tokens: max_model_len.saturating_sub(prompt_ids.len()),
         };
         let output = SequenceOutput::new(prompt_ids.clone(), &request.params, &ctx)?;
-        self.scheduler
-            .add_request(id, prompt_ids, request.params.max_tokens)?;
+        let max_tokens = request.params.max_tokens;
+        match fork_of {
+            None => self.scheduler.add_request(id, prompt_ids, max_tokens)?,
+            Some(parent) => self
+                .scheduler
+                .add_fork(id, parent, prompt_ids, max_tokens)?,
+        }
         let sampler = SamplerState::new(&request.params);
         let routing = match request.routed_experts {
             RoutedExpertsMode::Off => None,
@@ -434,7 +480,8 @@ impl EngineCore {
         self.scheduler.update_from_output(&plan);
         let mut events = Vec::new();
         self.apply_masks(grammars, &mut logits, &mut events);
-        for (id, sampled) in self.sample_all(&plan, &logits) {
+        let forked = self.fork_choices(&plan)?;
+        for (id, sampled) in self.sample_all(&plan, &forked, &logits) {
             self.take_sample(id, sampled, &mut events);
         }
         self.logits = logits;
@@ -578,6 +625,33 @@ impl EngineCore {
         }
     }
 
+    /// Forks the choices held for each sequence whose prompt this step completed: their blocks
+    /// (the partial one copied on the device), their routing so far and their clocks come from
+    /// it. Returns each forked choice with its logits row (the sequence's).
+    fn fork_choices(&mut self, plan: &SchedulerOutput) -> Result<Vec<(RequestId, usize)>> {
+        let mut rows = Vec::new();
+        for (row, s) in plan.scheduled.iter().enumerate() {
+            if !s.samples || !self.states.contains_key(&s.id) {
+                continue;
+            }
+            for Forked { id, copy } in self.scheduler.fork_children(s.id) {
+                if let Some(copy) = copy {
+                    self.executor.copy_block(copy)?;
+                }
+                let parent = &self.states[&s.id];
+                let (first_scheduled, routing) =
+                    (parent.clock.first_scheduled, parent.routing.clone());
+                let child = self.states.get_mut(&id).expect("forked request has state");
+                child.clock.first_scheduled = first_scheduled;
+                if child.routing.is_some() {
+                    child.routing = routing;
+                }
+                rows.push((id, row));
+            }
+        }
+        Ok(rows)
+    }
+
     /// One forward pass over every scheduled token of the step; its logits go to `logits`.
     fn forward(
         &mut self,
@@ -627,17 +701,20 @@ impl EngineCore {
     fn sample_all(
         &mut self,
         plan: &SchedulerOutput,
+        forked: &[(RequestId, usize)],
         logits: &[f32],
     ) -> Vec<(RequestId, std::result::Result<SampleOutput, String>)> {
         use rayon::prelude::*;
         let vocab = self.assets.model.config().vocab_size;
-        // Logits rows are the scheduled sequences in plan order (less those failed already).
+        // Logits rows are the scheduled sequences in plan order (less those failed already);
+        // a choice forked this step samples its sibling's row.
         let rows: HashMap<RequestId, usize> = plan
             .scheduled
             .iter()
             .enumerate()
             .filter(|(_, s)| s.samples && self.states.contains_key(&s.id))
             .map(|(row, s)| (s.id, row))
+            .chain(forked.iter().copied())
             .collect();
         let mut jobs: Vec<(usize, RequestId, &mut RequestState)> = self
             .states
@@ -645,7 +722,7 @@ impl EngineCore {
             .filter_map(|(id, state)| rows.get(id).map(|row| (*row, *id, state)))
             .collect();
         debug_assert_eq!(jobs.len(), rows.len(), "every sampling request has state");
-        jobs.sort_unstable_by_key(|(row, ..)| *row);
+        jobs.sort_unstable_by_key(|(row, id, _)| (*row, *id));
         jobs.par_iter_mut()
             .map(|(row, id, state)| {
                 let sampled = state

@@ -22,11 +22,12 @@ use crate::request::GenerateRequest;
 use crate::stats::EngineStats;
 use crate::{EngineError, Result};
 
+/// Requests to queue together: one, or the choices of one prompt (forked from the first).
 enum Command {
     Add {
-        request: GenerateRequest,
-        events: mpsc::UnboundedSender<RequestEvent>,
-        reply: oneshot::Sender<Result<RequestId>>,
+        requests: Vec<GenerateRequest>,
+        events: Vec<mpsc::UnboundedSender<RequestEvent>>,
+        reply: oneshot::Sender<Result<Vec<RequestId>>>,
     },
 }
 
@@ -115,8 +116,13 @@ impl Engine {
 
     /// Queues a request; refused requests (bad params, too long) fail here.
     pub async fn submit(&self, request: GenerateRequest) -> Result<RequestStream> {
-        let (events, rx) = mpsc::unbounded_channel();
-        let (reply, answer) = oneshot::channel();
+        let mut streams = self.submit_group(vec![request]).await?;
+        Ok(streams.pop().expect("one request in, one stream out"))
+    }
+
+    /// Queues the choices of one prompt (`n` > 1) together, all or none: the first computes the
+    /// prompt and the others are forked from its KV blocks ([`EngineCore::add_group`]).
+    pub async fn submit_group(&self, requests: Vec<GenerateRequest>) -> Result<Vec<RequestStream>> {
         if let Some(message) = self.failure() {
             return Err(EngineError::Failed { message });
         }
@@ -124,15 +130,22 @@ impl Engine {
             Some(message) => EngineError::Failed { message },
             None => EngineError::RequestFailed("the engine has stopped".to_string()),
         };
+        let (events, receivers): (Vec<_>, Vec<_>) =
+            requests.iter().map(|_| mpsc::unbounded_channel()).unzip();
+        let (reply, answer) = oneshot::channel();
         self.commands
             .send(Command::Add {
-                request,
+                requests,
                 events,
                 reply,
             })
             .map_err(|_| stopped())?;
-        let id = answer.await.map_err(|_| stopped())??;
-        Ok(RequestStream { id, events: rx })
+        let ids = answer.await.map_err(|_| stopped())??;
+        Ok(ids
+            .into_iter()
+            .zip(receivers)
+            .map(|(id, events)| RequestStream { id, events })
+            .collect())
     }
 
     /// The latest statistics (updated after every step).
@@ -289,13 +302,13 @@ fn admit(
     command: Command,
 ) {
     let Command::Add {
-        request,
+        requests,
         events,
         reply,
     } = command;
-    let result = core.add_request(request);
-    if let Ok(id) = result {
-        streams.insert(id, events);
+    let result = core.add_group(requests);
+    if let Ok(ids) = &result {
+        streams.extend(ids.iter().copied().zip(events));
     }
     let _ = reply.send(result);
 }

@@ -32,29 +32,55 @@ impl LlmEngine {
     pub fn generate(
         &mut self,
         requests: Vec<GenerateRequest>,
-        mut on_finish: impl FnMut(usize, usize),
+        on_finish: impl FnMut(usize, usize),
     ) -> Vec<Result<GenerateOutput>> {
-        let total = requests.len();
-        let mut results: Vec<Option<Result<GenerateOutput>>> = (0..total).map(|_| None).collect();
-        let mut slot_of: std::collections::HashMap<RequestId, usize> = Default::default();
-        for (i, request) in requests.into_iter().enumerate() {
-            match self.core.add_request(request) {
-                Ok(id) => {
-                    slot_of.insert(id, i);
+        let groups = requests.into_iter().map(|r| vec![r]).collect();
+        self.generate_groups(groups, on_finish)
+            .into_iter()
+            .map(|mut outputs| outputs.pop().expect("one request in, one result out"))
+            .collect()
+    }
+
+    /// As [`Self::generate`], for groups of choices of one prompt each (`n` > 1: the first
+    /// computes the prompt, the others are forked from it, see [`EngineCore::add_group`]).
+    /// A refused group gets the error for each of its requests.
+    pub fn generate_groups(
+        &mut self,
+        groups: Vec<Vec<GenerateRequest>>,
+        mut on_finish: impl FnMut(usize, usize),
+    ) -> Vec<Vec<Result<GenerateOutput>>> {
+        let total = groups.iter().map(Vec::len).sum();
+        let mut results: Vec<Vec<Option<Result<GenerateOutput>>>> = groups
+            .iter()
+            .map(|g| (0..g.len()).map(|_| None).collect())
+            .collect();
+        let mut slot_of: std::collections::HashMap<RequestId, (usize, usize)> = Default::default();
+        for (g, group) in groups.into_iter().enumerate() {
+            match self.core.add_group(group) {
+                Ok(ids) => {
+                    for (c, id) in ids.into_iter().enumerate() {
+                        slot_of.insert(id, (g, c));
+                    }
                 }
-                Err(e) => results[i] = Some(Err(e)),
+                Err(e) => {
+                    let message = e.to_string();
+                    for slot in results[g].iter_mut().skip(1) {
+                        *slot = Some(Err(EngineError::RequestFailed(message.clone())));
+                    }
+                    results[g][0] = Some(Err(e));
+                }
             }
         }
-        let mut done = results.iter().filter(|r| r.is_some()).count();
+        let mut done = results.iter().flatten().filter(|r| r.is_some()).count();
         while self.core.has_unfinished() {
             let events = match self.core.step() {
                 Ok(events) => events,
                 Err(e) => {
                     // A failed forward pass fails every request still in flight.
                     let message = e.to_string();
-                    for (id, i) in slot_of.drain() {
+                    for (id, (g, c)) in slot_of.drain() {
                         self.core.abort(id);
-                        results[i] = Some(Err(EngineError::RequestFailed(message.clone())));
+                        results[g][c] = Some(Err(EngineError::RequestFailed(message.clone())));
                     }
                     break;
                 }
@@ -67,8 +93,8 @@ impl LlmEngine {
                         (id, Err(EngineError::RequestFailed(error)))
                     }
                 };
-                if let Some(i) = slot_of.remove(&id) {
-                    results[i] = Some(result);
+                if let Some((g, c)) = slot_of.remove(&id) {
+                    results[g][c] = Some(result);
                     done += 1;
                     on_finish(done, total);
                 }
@@ -76,7 +102,12 @@ impl LlmEngine {
         }
         results
             .into_iter()
-            .map(|r| r.expect("every request finished, failed or was refused"))
+            .map(|group| {
+                group
+                    .into_iter()
+                    .map(|r| r.expect("every request finished, failed or was refused"))
+                    .collect()
+            })
             .collect()
     }
 }

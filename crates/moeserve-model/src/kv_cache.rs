@@ -104,6 +104,22 @@ impl PagedKvCache {
         &self.v[r * d..(r + 1) * d]
     }
 
+    /// Copies every layer's rows of block `src` into block `dst` (a forked sequence's own copy
+    /// of a shared partial block).
+    pub fn copy_block(&mut self, src: usize, dst: usize) {
+        let (bs, n) = (self.layout.block_size, self.layout.num_blocks);
+        assert!(src < n && dst < n, "blocks {src} and {dst} of {n}");
+        for layer in 0..self.layout.num_layers {
+            let (from, to) = (self.row(layer, src * bs), self.row(layer, dst * bs));
+            for (rows, d) in [
+                (&mut self.k, self.layout.key_dim),
+                (&mut self.v, self.layout.value_dim),
+            ] {
+                rows.copy_within(from * d..(from + bs) * d, to * d);
+            }
+        }
+    }
+
     /// All key and value rows of `layer`: `[num_slots, key_dim]` and `[num_slots, value_dim]`.
     pub fn layer_rows(&self, layer: usize) -> (&[f32], &[f32]) {
         let (r, n) = (self.row(layer, 0), self.layout.num_slots());
@@ -136,6 +152,32 @@ mod tests {
         assert_eq!(cache.value(1, 5), &[3.0, 4.0]);
         assert_eq!(cache.key(0, 5), &[0.0, 0.0]);
         assert_eq!(layout.bytes_per_token(), 2 * 2 * 2 * 4);
+    }
+
+    #[test]
+    fn copying_a_block_copies_its_rows_in_every_layer_and_nothing_else() {
+        let layout = KvCacheLayout {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 2,
+            key_dim: 2,
+            value_dim: 1,
+        };
+        let mut cache = PagedKvCache::new(layout);
+        for layer in 0..2 {
+            for slot in 0..6 {
+                let x = (layer * 10 + slot) as f32;
+                cache.write(layer, slot, &[x, -x], &[x + 0.5]);
+            }
+        }
+        cache.copy_block(2, 0);
+        for layer in 0..2 {
+            let x = |slot: usize| (layer * 10 + slot) as f32;
+            for (dst, src) in [(0, 4), (1, 5), (2, 2), (3, 3), (4, 4), (5, 5)] {
+                assert_eq!(cache.key(layer, dst), &[x(src), -x(src)]);
+                assert_eq!(cache.value(layer, dst), &[x(src) + 0.5]);
+            }
+        }
     }
 
     #[test]

@@ -117,8 +117,9 @@ impl Target {
         Ok(all.pop().expect("one request in, one generation out"))
     }
 
-    /// Queues the choices of one request (`n` > 1), each holding its own place in the waiting
-    /// queue; if any is refused, those queued already are cancelled and the error returned.
+    /// Queues the choices of one request (`n` > 1) together, each holding its own place in
+    /// the waiting queue; the engine computes the prompt once and forks the others from it.
+    /// All or none are queued.
     pub async fn submit_all(
         self,
         requests: Vec<GenerateRequest>,
@@ -127,27 +128,31 @@ impl Target {
             self.state.metrics().observe_rejected();
             e
         };
-        let mut slot = Some(self.slot);
-        let mut in_flight = Some(self.in_flight);
-        let mut generations = Vec::with_capacity(requests.len());
-        for request in requests {
-            let slot = match slot.take() {
-                Some(slot) => slot,
-                None => self.state.reserve_waiting_slot().map_err(rejected)?,
-            };
-            let in_flight = in_flight
-                .take()
-                .unwrap_or_else(|| self.state.drain().enter());
-            let prompt_len = match &request.prompt {
+        let mut slots = vec![self.slot];
+        let mut in_flight = vec![self.in_flight];
+        for _ in 1..requests.len() {
+            slots.push(self.state.reserve_waiting_slot().map_err(rejected)?);
+            in_flight.push(self.state.drain().enter());
+        }
+        let prompt_lens: Vec<usize> = requests
+            .iter()
+            .map(|request| match &request.prompt {
                 Prompt::TokenIds(ids) => ids.len(),
                 Prompt::Text(_) | Prompt::Chat(_) => 0,
-            };
-            let stream = self
-                .engine
-                .submit(request)
-                .await
-                .map_err(|e| rejected(e.into()))?;
-            generations.push(Generation {
+            })
+            .collect();
+        let streams = self
+            .engine
+            .submit_group(requests)
+            .await
+            .map_err(|e| rejected(e.into()))?;
+        let parts = streams
+            .into_iter()
+            .zip(slots)
+            .zip(in_flight)
+            .zip(prompt_lens);
+        Ok(parts
+            .map(|(((stream, slot), in_flight), prompt_len)| Generation {
                 stream,
                 cancelled: self.state.drain().cancelled(),
                 state: self.state.clone(),
@@ -159,9 +164,8 @@ impl Target {
                 ended: None,
                 deadline: self.deadline,
                 _in_flight: in_flight,
-            });
-        }
-        Ok(generations)
+            })
+            .collect())
     }
 }
 

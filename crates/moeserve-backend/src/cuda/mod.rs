@@ -207,6 +207,35 @@ impl CudaBackend {
         Ok(self.stream.alloc_zeros(len)?)
     }
 
+    /// Copies `len` elements of `buf` from offset `from` to offset `to` on the device (the two
+    /// ranges must not overlap); queued on the stream like the kernels.
+    pub fn copy_within<T: DeviceRepr>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        assert!(
+            from.abs_diff(to) >= len && from.max(to) + len <= buf.len(),
+            "copy of {len} from {from} to {to} in {} elements",
+            buf.len()
+        );
+        if len == 0 {
+            return Ok(());
+        }
+        // Two views of one buffer: split it where the later range starts.
+        let (mut head, mut tail) = buf.split_at_mut(from.max(to));
+        if from < to {
+            self.stream
+                .memcpy_dtod(&head.slice(from..from + len), &mut tail.slice_mut(..len))?;
+        } else {
+            self.stream
+                .memcpy_dtod(&tail.slice(..len), &mut head.slice_mut(to..to + len))?;
+        }
+        Ok(())
+    }
+
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)

@@ -56,6 +56,14 @@ pub struct PrefixCacheStats {
     pub hits: u64,
 }
 
+/// A block whose first tokens a forked sequence takes as its own copy (the source's partial
+/// last block: both sequences write their next positions into it, so it cannot be shared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: BlockId,
+    pub dst: BlockId,
+}
+
 /// A request's block table; its first `num_cached_blocks` blocks are cached (full, keyed).
 #[derive(Debug, Default)]
 struct RequestBlocks {
@@ -217,6 +225,56 @@ impl KvCacheManager {
             }
         }
         Some(new_blocks)
+    }
+
+    /// Gives `child` the first `num_tokens` tokens of `parent`'s table without computing them
+    /// again (`n` > 1 choices of one prompt): the full blocks are shared (one more reference
+    /// each, so either may be freed first), and a partial last block is given to the child as a
+    /// fresh block whose contents the caller copies from the parent's ([`BlockCopy`]) before
+    /// either writes there. `None`, changing nothing, when that block cannot be had.
+    ///
+    /// # Panics
+    /// If `child` already holds blocks or `parent` holds fewer than `num_tokens` tokens' worth.
+    pub fn fork(
+        &mut self,
+        parent: RequestId,
+        child: RequestId,
+        num_tokens: usize,
+    ) -> Option<Option<BlockCopy>> {
+        assert!(
+            self.block_table(child).is_empty(),
+            "{child} is forked after its first allocation"
+        );
+        let source = self.requests.get(&parent)?;
+        assert!(
+            source.blocks.len() >= self.blocks_needed(num_tokens),
+            "{parent} holds fewer than {num_tokens} tokens"
+        );
+        let num_full = num_tokens / self.block_size;
+        let partial =
+            (!num_tokens.is_multiple_of(self.block_size)).then(|| source.blocks[num_full]);
+        if partial.is_some() && self.pool.num_free_blocks() == 0 {
+            return None;
+        }
+        let mut blocks = source.blocks[..num_full].to_vec();
+        let num_cached_blocks = source.num_cached_blocks.min(num_full);
+        self.pool.touch(&blocks);
+        let copy = partial.map(|src| {
+            let dst = self
+                .pool
+                .get_new_blocks(1)
+                .expect("a free block was counted")[0];
+            blocks.push(dst);
+            BlockCopy { src, dst }
+        });
+        self.requests.insert(
+            child,
+            RequestBlocks {
+                blocks,
+                num_cached_blocks,
+            },
+        );
+        Some(copy)
     }
 
     /// Releases every block of the request (finished, cancelled or preempted); its full blocks
@@ -465,6 +523,55 @@ mod tests {
         kv.free(RequestId(1));
         assert_eq!(admit(&mut kv, 2, &prompt(0, 9)), Some(0));
         assert_eq!(kv.stats(), PrefixCacheStats::default());
+    }
+
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_partial_one() {
+        for enable_prefix_caching in [true, false] {
+            let mut kv = KvCacheManager::new(KvCacheConfig {
+                num_blocks: 6,
+                block_size: BLOCK_SIZE,
+                enable_prefix_caching,
+            });
+            admit(&mut kv, 1, &prompt(0, 10)).expect("fits");
+            let parent = kv.block_table(RequestId(1)).to_vec();
+            let copy = kv
+                .fork(RequestId(1), RequestId(2), 10)
+                .expect("a block is free");
+            let child = kv.block_table(RequestId(2)).to_vec();
+            assert_eq!(child[..2], parent[..2], "full blocks are shared");
+            assert_eq!(
+                copy,
+                Some(BlockCopy {
+                    src: parent[2],
+                    dst: child[2]
+                })
+            );
+            assert_ne!(child[2], parent[2]);
+            assert_eq!(kv.num_free_blocks(), 6 - 4);
+            kv.check_invariants().expect("manager invariants hold");
+            // The parent leaves first: the child keeps the shared blocks.
+            kv.free(RequestId(1));
+            assert_eq!(kv.num_free_blocks(), 6 - 3);
+            kv.check_invariants().expect("manager invariants hold");
+            kv.free(RequestId(2));
+            assert_eq!(kv.num_free_blocks(), 6);
+        }
+    }
+
+    #[test]
+    fn a_fork_at_a_block_boundary_copies_nothing_and_a_full_pool_refuses_a_copy() {
+        let mut kv = manager(3);
+        admit(&mut kv, 1, &prompt(0, 8)).expect("fits");
+        assert_eq!(kv.fork(RequestId(1), RequestId(2), 8), Some(None));
+        assert_eq!(kv.block_table(RequestId(2)), kv.block_table(RequestId(1)));
+        kv.free(RequestId(2));
+        admit(&mut kv, 3, &prompt(100, 3)).expect("the last block");
+        assert_eq!(kv.num_free_blocks(), 0);
+        // Request 3 fits in one block, partial: its fork needs a fresh one and none is free.
+        assert_eq!(kv.fork(RequestId(3), RequestId(4), 3), None);
+        assert!(kv.block_table(RequestId(4)).is_empty());
+        kv.check_invariants().expect("manager invariants hold");
     }
 
     #[test]

@@ -16,4 +16,6 @@ mod kv_cache_manager;
 
 pub use block_hash::{BlockHash, BlockHashFn, BlockHasher, CacheEntryId, ParentLink};
 pub use block_pool::{BlockPool, PrefixCaching};
-pub use kv_cache_manager::{AllocationRequest, KvCacheConfig, KvCacheManager, PrefixCacheStats};
+pub use kv_cache_manager::{
+    AllocationRequest, BlockCopy, KvCacheConfig, KvCacheManager, PrefixCacheStats,
+};

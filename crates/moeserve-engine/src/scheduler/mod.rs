@@ -6,6 +6,11 @@
 //! preempted (its blocks freed, to be recomputed later) until it fits. Then waiting requests are
 //! admitted first-come first-served, reusing cached prefix blocks, while sequences, budget and
 //! blocks last. A request that can never fit is refused when it is added.
+//!
+//! The other choices of an `n` > 1 request are *held* beside the first: in neither queue until
+//! the first has computed the prompt, then forked from its blocks ([`Scheduler::fork_children`])
+//! and running at once; a choice that cannot be forked then (no free block for its copy of the
+//! partial last block, or no sequence left under `--max-num-seqs`) waits as any request does.
 
 mod output;
 mod request;
@@ -17,7 +22,7 @@ use moeserve_core::{BlockId, RequestId, SchedulerConfig};
 pub use output::{ScheduledRequest, SchedulerOutput};
 pub use request::SchedRequest;
 
-use crate::kv_cache::{AllocationRequest, KvCacheManager};
+use crate::kv_cache::{AllocationRequest, BlockCopy, KvCacheManager};
 
 /// Why a request was refused at admission.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -122,7 +127,18 @@ pub struct Scheduler {
     waiting: VecDeque<RequestId>,
     /// In admission order; the back is preempted first.
     running: Vec<RequestId>,
+    /// Requests held to be forked (see the module's note), in no queue.
+    num_held: usize,
     num_preemptions: u64,
+}
+
+/// A choice forked from its first sibling's prompt: it runs from the next step, its first token
+/// sampled from the sibling's logits of this one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Forked {
+    pub id: RequestId,
+    /// The partial last block to copy into the choice's own before the next step.
+    pub copy: Option<BlockCopy>,
 }
 
 impl Scheduler {
@@ -133,6 +149,7 @@ impl Scheduler {
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            num_held: 0,
             num_preemptions: 0,
         }
     }
@@ -144,10 +161,52 @@ impl Scheduler {
         prompt_ids: Vec<u32>,
         max_tokens: usize,
     ) -> Result<(), AdmissionError> {
+        self.check_admissible(id, prompt_ids.len(), max_tokens)?;
+        self.requests
+            .insert(id, SchedRequest::new(id, prompt_ids, max_tokens));
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Adds another choice of `parent`'s prompt, held until `parent` has computed it and then
+    /// forked from its blocks; queued as an ordinary request when `parent` is not waiting for
+    /// its prompt (unknown, already generating) or `prompt_ids` is not its prompt.
+    pub fn add_fork(
+        &mut self,
+        id: RequestId,
+        parent: RequestId,
+        prompt_ids: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<(), AdmissionError> {
+        let holdable = self.requests.get(&parent).is_some_and(|p| {
+            p.forked_from.is_none() && p.num_output_tokens() == 0 && p.token_ids == prompt_ids
+        });
+        if !holdable {
+            return self.add_request(id, prompt_ids, max_tokens);
+        }
+        self.check_admissible(id, prompt_ids.len(), max_tokens)?;
+        let mut child = SchedRequest::new(id, prompt_ids, max_tokens);
+        child.forked_from = Some(parent);
+        self.requests.insert(id, child);
+        self.requests
+            .get_mut(&parent)
+            .expect("checked above")
+            .forks
+            .push(id);
+        self.num_held += 1;
+        Ok(())
+    }
+
+    fn check_admissible(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        max_tokens: usize,
+    ) -> Result<(), AdmissionError> {
         if self.requests.contains_key(&id) {
             return Err(AdmissionError::DuplicateId(id));
         }
-        let (prompt_len, max_model_len) = (prompt_ids.len(), self.limits.max_model_len);
+        let max_model_len = self.limits.max_model_len;
         // Saturating: a client's `max_tokens` may be as large as usize::MAX.
         if prompt_len.saturating_add(max_tokens) > max_model_len {
             return Err(AdmissionError::ContextTooLong {
@@ -173,10 +232,49 @@ impl Scheduler {
                 available: self.kv.num_blocks(),
             });
         }
-        self.requests
-            .insert(id, SchedRequest::new(id, prompt_ids, max_tokens));
-        self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// Forks the choices held for `parent` once its prompt is computed (call after
+    /// [`Self::update_from_output`], before its first token is appended): each shares its
+    /// prompt blocks and runs from the next step. Those that cannot be forked now wait at the
+    /// front of the queue instead, in order. Empty when `parent` holds none or is not there.
+    pub fn fork_children(&mut self, parent: RequestId) -> Vec<Forked> {
+        let Some(req) = self.requests.get_mut(&parent) else {
+            return Vec::new();
+        };
+        let ready = req.num_output_tokens() == 0 && req.num_uncomputed_tokens() == 0;
+        if req.forks.is_empty() || !ready {
+            return Vec::new();
+        }
+        let children = std::mem::take(&mut req.forks);
+        let num_tokens = req.num_computed_tokens;
+        self.num_held -= children.len();
+        let mut forked = Vec::with_capacity(children.len());
+        let mut unforked = Vec::new();
+        for child in children {
+            let copy = match self.running.len() < self.limits.max_num_seqs {
+                true => self.kv.fork(parent, child, num_tokens),
+                false => None,
+            };
+            let req = self
+                .requests
+                .get_mut(&child)
+                .expect("held request is known");
+            req.forked_from = None;
+            match copy {
+                Some(copy) => {
+                    req.num_computed_tokens = num_tokens;
+                    self.running.push(child);
+                    forked.push(Forked { id: child, copy });
+                }
+                None => unforked.push(child),
+            }
+        }
+        for child in unforked.into_iter().rev() {
+            self.waiting.push_front(child);
+        }
+        forked
     }
 
     /// Decides the next step.
@@ -305,12 +403,25 @@ impl Scheduler {
         }
     }
 
-    /// Removes a request (finished or cancelled) and frees its blocks at once.
+    /// Removes a request (finished or cancelled) and frees its blocks at once. The choices
+    /// it held for forking wait as ordinary requests from then on.
     pub fn finish(&mut self, id: RequestId) -> Option<SchedRequest> {
-        let req = self.requests.remove(&id)?;
+        let mut req = self.requests.remove(&id)?;
         self.running.retain(|r| *r != id);
         self.waiting.retain(|r| *r != id);
         self.kv.free(id);
+        if let Some(parent) = req.forked_from.and_then(|p| self.requests.get_mut(&p)) {
+            parent.forks.retain(|c| *c != id);
+            self.num_held -= 1;
+        }
+        let held = std::mem::take(&mut req.forks);
+        self.num_held -= held.len();
+        for child in held.into_iter().rev() {
+            if let Some(c) = self.requests.get_mut(&child) {
+                c.forked_from = None;
+                self.waiting.push_front(child);
+            }
+        }
         Some(req)
     }
 
@@ -326,8 +437,9 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Requests not running: queued, and held to be forked.
     pub fn num_waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.num_held
     }
 
     pub fn has_unfinished(&self) -> bool {

@@ -18,6 +18,11 @@ pub struct SchedRequest {
     /// Whether its prompt may be taken from the prefix cache (off when the request wants what
     /// only computing the prompt itself gives, e.g. the prompt's routed experts).
     pub use_prefix_cache: bool,
+    /// Choices of the same prompt held back until this request's prompt is computed, then
+    /// forked from its blocks (`n` > 1); in the order they were added.
+    pub forks: Vec<RequestId>,
+    /// The request this one waits to be forked from, while it is held.
+    pub forked_from: Option<RequestId>,
 }
 
 impl SchedRequest {
@@ -30,6 +35,8 @@ impl SchedRequest {
             num_computed_tokens: 0,
             num_preemptions: 0,
             use_prefix_cache: true,
+            forks: Vec::new(),
+            forked_from: None,
         }
     }
 

@@ -242,15 +242,18 @@ fn every_admissible_mix_finishes_within_a_bounded_number_of_steps() {
         );
         let cache_tokens = num_blocks * block_size;
         let boundaries = [budget, block_size, max_model_len, cache_tokens, 1];
-        let num_requests = rng.range(1, 12);
-        let mut pending: Vec<(u64, usize, usize)> = (0..num_requests)
+        let num_groups = rng.range(1, 12);
+        // Some requests come with other choices of their prompt (`n` > 1), forked from them.
+        let mut pending: Vec<(u64, usize, usize, usize)> = (0..num_groups)
             .map(|i| {
                 let total = rng.length(&boundaries, max_model_len).max(2);
                 let max_tokens = rng.range(1, total - 1);
-                (i as u64, total - max_tokens, max_tokens)
+                let choices = [1, 1, 2, 3][rng.range(0, 3)];
+                (i as u64, total - max_tokens, max_tokens, choices)
             })
             .collect();
-        let work: usize = pending.iter().map(|(_, p, m)| p + m).sum();
+        let num_requests: usize = pending.iter().map(|p| p.3).sum();
+        let work: usize = pending.iter().map(|(_, p, m, c)| (p + m) * c).sum();
         let mut generated = std::collections::HashMap::new();
         let mut finished = 0;
         // Each token is computed at most once per preemption, and a request is preempted only
@@ -259,16 +262,24 @@ fn every_admissible_mix_finishes_within_a_bounded_number_of_steps() {
         let mut steps = 0;
         while finished < num_requests {
             // Requests arrive over the first steps, not all at once.
-            if let Some(&(id, prompt_len, max_tokens)) = pending.last()
+            if let Some(&(id, prompt_len, max_tokens, choices)) = pending.last()
                 && (steps % 3 == 0 || !s.has_unfinished())
             {
                 pending.pop();
-                let ids = (0..prompt_len as u32)
+                let ids: Vec<u32> = (0..prompt_len as u32)
                     .map(|t| t + id as u32 * 100)
                     .collect();
-                s.add_request(RequestId(id), ids, max_tokens)
-                    .unwrap_or_else(|e| panic!("seed {seed}: admissible request refused: {e}"));
-                generated.insert(RequestId(id), (0, max_tokens));
+                let first = RequestId(id * 8);
+                for c in 0..choices as u64 {
+                    let choice = RequestId(id * 8 + c);
+                    let added = match c {
+                        0 => s.add_request(choice, ids.clone(), max_tokens),
+                        _ => s.add_fork(choice, first, ids.clone(), max_tokens),
+                    };
+                    added
+                        .unwrap_or_else(|e| panic!("seed {seed}: admissible request refused: {e}"));
+                    generated.insert(choice, (0, max_tokens));
+                }
             }
             if !s.has_unfinished() {
                 continue;
@@ -284,14 +295,22 @@ fn every_admissible_mix_finishes_within_a_bounded_number_of_steps() {
                 s.num_running()
             );
             s.update_from_output(&out);
+            let mut sampled = Vec::new();
             for r in out.scheduled.iter().filter(|r| r.samples) {
-                let (done, want) = generated.get_mut(&r.id).expect("known request");
+                sampled.push(r.id);
+                sampled.extend(s.fork_children(r.id).iter().map(|f| f.id));
+            }
+            s.kv()
+                .check_invariants()
+                .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            for id in sampled {
+                let (done, want) = generated.get_mut(&id).expect("known request");
                 *done += 1;
                 if *done == *want {
-                    s.finish(r.id);
+                    s.finish(id);
                     finished += 1;
                 } else {
-                    s.append_token(r.id, 7);
+                    s.append_token(id, 7);
                 }
             }
             steps += 1;
@@ -309,6 +328,71 @@ fn every_admissible_mix_finishes_within_a_bounded_number_of_steps() {
     }
     // Both kinds of configuration were drawn.
     assert!(refused > 100, "{refused} refused of {seed}");
+}
+
+#[test]
+fn held_choices_are_forked_when_the_prompt_is_computed_or_queued_when_they_cannot_be() {
+    // Blocks of 4; a 10-token prompt: two shared blocks and a copied partial one per fork.
+    let mut s = scheduler(8, limits(3, 4));
+    s.add_request(RequestId(1), prompt(10, 0), 2).unwrap();
+    for c in 2..=4 {
+        s.add_fork(RequestId(c), RequestId(1), prompt(10, 0), 2)
+            .unwrap();
+    }
+    assert_eq!(s.num_waiting(), 4);
+    let out = s.schedule();
+    s.update_from_output(&out);
+    assert!(
+        s.fork_children(RequestId(1)).is_empty(),
+        "prompt not computed yet"
+    );
+    assert_eq!(s.num_waiting(), 3, "the first runs, the others are held");
+    for _ in 0..2 {
+        let out = s.schedule();
+        s.update_from_output(&out);
+    }
+    let forked = s.fork_children(RequestId(1));
+    // Three sequences at most: two choices are forked, the third waits at the queue's front.
+    assert_eq!(
+        forked.iter().map(|f| f.id).collect::<Vec<_>>(),
+        [RequestId(2), RequestId(3)]
+    );
+    let parent = s.block_table(RequestId(1)).to_vec();
+    for f in &forked {
+        let table = s.block_table(f.id);
+        assert_eq!(table[..2], parent[..2]);
+        assert_eq!(f.copy.map(|c| (c.src, c.dst)), Some((parent[2], table[2])));
+        assert_eq!(s.request(f.id).unwrap().num_computed_tokens, 10);
+    }
+    assert_eq!((s.num_running(), s.num_waiting()), (3, 1));
+    s.kv().check_invariants().unwrap();
+    // Forking happens once.
+    assert!(s.fork_children(RequestId(1)).is_empty());
+}
+
+#[test]
+fn finishing_a_request_queues_the_choices_it_held_and_a_held_choice_can_leave() {
+    let mut s = scheduler(16, limits(8, 64));
+    s.add_request(RequestId(1), prompt(6, 0), 2).unwrap();
+    s.add_fork(RequestId(2), RequestId(1), prompt(6, 0), 2)
+        .unwrap();
+    s.add_fork(RequestId(3), RequestId(1), prompt(6, 0), 2)
+        .unwrap();
+    // Another prompt is not held: it is queued as any request.
+    s.add_fork(RequestId(4), RequestId(1), prompt(6, 50), 2)
+        .unwrap();
+    assert_eq!(s.num_waiting(), 4);
+    s.finish(RequestId(3));
+    assert_eq!(s.num_waiting(), 3);
+    s.finish(RequestId(1));
+    assert_eq!(s.num_waiting(), 2);
+    let out = s.schedule();
+    let ids: Vec<_> = out.scheduled.iter().map(|r| r.id).collect();
+    assert_eq!(
+        ids,
+        [RequestId(2), RequestId(4)],
+        "the held choice now computes the prompt"
+    );
 }
 
 #[test]

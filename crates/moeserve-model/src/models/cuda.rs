@@ -138,6 +138,16 @@ impl CudaMoeModel {
             Typed::BF16(m) => m.forward(batch, opts),
         }
     }
+
+    /// Copies every layer's keys and values of block `src` into block `dst` (a forked
+    /// sequence's own copy of a shared partial block); queued before the next step's kernels.
+    pub fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
+        match &mut self.model {
+            Typed::F32(m) => m.copy_block(src, dst),
+            Typed::F16(m) => m.copy_block(src, dst),
+            Typed::BF16(m) => m.copy_block(src, dst),
+        }
+    }
 }
 
 fn backend(e: CudaError) -> ModelError {
@@ -392,6 +402,24 @@ impl<T: CudaElement> DeviceModel<T> {
             gpu,
             experts: None,
         })
+    }
+
+    fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
+        let (bs, n) = (self.layout.block_size, self.layout.num_blocks);
+        if src >= n || dst >= n {
+            return Err(ModelError::InvalidInput {
+                message: format!("KV block copy {src} → {dst} outside the cache's {n} blocks"),
+            });
+        }
+        let row = self.layout.key_dim * bs;
+        for cache in &mut self.kv {
+            for rows in [&mut cache.k, &mut cache.v] {
+                self.gpu
+                    .copy_within(rows, src * row, dst * row, row)
+                    .map_err(backend)?;
+            }
+        }
+        Ok(())
     }
 
     fn forward(&mut self, batch: &ForwardBatch<'_>, opts: ForwardOptions<'_>) -> Result<Vec<f32>> {

@@ -40,6 +40,10 @@ impl CudaMoeModel {
         match self.never {}
     }
 
+    pub fn copy_block(&mut self, _src: usize, _dst: usize) -> Result<()> {
+        match self.never {}
+    }
+
     pub fn forward(
         &mut self,
         _batch: &ForwardBatch<'_>,
