@@ -427,3 +427,21 @@ fn family_options_match_the_cpu<T: CudaElement>() {
     }
 }
 for_each_dtype!(family_options_match_the_cpu, family_options_match_the_cpu);
+
+/// A forked sequence's copy of a KV block: one range of a buffer into another, both ways.
+fn copy_within_moves_one_range_and_nothing_else<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let (values, values_f32) = rounded::<T>(&random(64, 9, 1.0));
+    let mut buf = upload(gpu, &values);
+    gpu.copy_within(&mut buf, 40, 8, 16).unwrap();
+    let mut want = values_f32.clone();
+    want.copy_within(40..56, 8);
+    assert_eq!(download_f32(gpu, &buf), want, "later range to an earlier one");
+    gpu.copy_within(&mut buf, 0, 48, 16).unwrap();
+    want.copy_within(0..16, 48);
+    assert_eq!(download_f32(gpu, &buf), want, "earlier range to a later one");
+}
+for_each_dtype!(
+    copy_within_moves_one_range_and_nothing_else,
+    copy_within_moves_one_range_and_nothing_else
+);
