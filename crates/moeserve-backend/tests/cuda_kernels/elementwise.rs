@@ -436,10 +436,18 @@ fn copy_within_moves_one_range_and_nothing_else<T: CudaElement>() {
     gpu.copy_within(&mut buf, 40, 8, 16).unwrap();
     let mut want = values_f32.clone();
     want.copy_within(40..56, 8);
-    assert_eq!(download_f32(gpu, &buf), want, "later range to an earlier one");
+    assert_eq!(
+        download_f32(gpu, &buf),
+        want,
+        "later range to an earlier one"
+    );
     gpu.copy_within(&mut buf, 0, 48, 16).unwrap();
     want.copy_within(0..16, 48);
-    assert_eq!(download_f32(gpu, &buf), want, "earlier range to a later one");
+    assert_eq!(
+        download_f32(gpu, &buf),
+        want,
+        "earlier range to a later one"
+    );
 }
 for_each_dtype!(
     copy_within_moves_one_range_and_nothing_else,
