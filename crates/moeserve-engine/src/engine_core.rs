@@ -95,9 +95,7 @@ impl Executor {
             }
         }
     }
-}
 
-impl Executor {
     /// Copies a block's keys and values into another (a forked choice's partial block).
     fn copy_block(&mut self, copy: BlockCopy) -> Result<()> {
         let (src, dst) = (copy.src.0 as usize, copy.dst.0 as usize);
