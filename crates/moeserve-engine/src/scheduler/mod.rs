@@ -127,8 +127,6 @@ pub struct Scheduler {
     waiting: VecDeque<RequestId>,
     /// In admission order; the back is preempted first.
     running: Vec<RequestId>,
-    /// Requests held to be forked (see the module's note), in no queue.
-    num_held: usize,
     num_preemptions: u64,
 }
 
@@ -149,7 +147,6 @@ impl Scheduler {
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            num_held: 0,
             num_preemptions: 0,
         }
     }
@@ -193,7 +190,6 @@ impl Scheduler {
             .expect("checked above")
             .forks
             .push(id);
-        self.num_held += 1;
         Ok(())
     }
 
@@ -249,7 +245,6 @@ impl Scheduler {
         }
         let children = std::mem::take(&mut req.forks);
         let num_tokens = req.num_computed_tokens;
-        self.num_held -= children.len();
         let mut forked = Vec::with_capacity(children.len());
         let mut unforked = Vec::new();
         for child in children {
@@ -412,10 +407,8 @@ impl Scheduler {
         self.kv.free(id);
         if let Some(parent) = req.forked_from.and_then(|p| self.requests.get_mut(&p)) {
             parent.forks.retain(|c| *c != id);
-            self.num_held -= 1;
         }
         let held = std::mem::take(&mut req.forks);
-        self.num_held -= held.len();
         for child in held.into_iter().rev() {
             if let Some(c) = self.requests.get_mut(&child) {
                 c.forked_from = None;
@@ -439,7 +432,8 @@ impl Scheduler {
 
     /// Requests not running: queued, and held to be forked.
     pub fn num_waiting(&self) -> usize {
-        self.waiting.len() + self.num_held
+        let held: usize = self.requests.values().map(|r| r.forks.len()).sum();
+        self.waiting.len() + held
     }
 
     pub fn has_unfinished(&self) -> bool {
