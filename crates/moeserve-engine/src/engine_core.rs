@@ -5,7 +5,6 @@
 //! from its own thread, the offline [`crate::offline::LlmEngine`] from the caller's.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,9 +20,8 @@ use crate::assets::ModelAssets;
 use crate::kv_cache::{BlockCopy, KvCacheConfig, KvCacheManager};
 use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
-use crate::request::{
-    GenerateOutput, GenerateRequest, RequestTimings, RoutedExperts, RoutedExpertsMode,
-};
+use crate::request::{GenerateOutput, GenerateRequest, RequestTimings, RoutedExpertsMode};
+use crate::routing_capture::RoutingCapture;
 use crate::sampler::{SampleOutput, SamplerState};
 use crate::scheduler::{Forked, Scheduler, SchedulerLimits, SchedulerOutput, Unservable};
 use crate::stats::EngineStats;
@@ -136,70 +134,6 @@ struct RequestState {
     grammar: Option<Grammar>,
     /// The routers' choices at its positions, when asked for.
     routing: Option<RoutingCapture>,
-}
-
-/// One request's routed experts, kept by position (a recomputed position overwrites itself).
-#[derive(Clone)]
-struct RoutingCapture {
-    /// The first position kept: 0 with the prompt, else the last prompt position.
-    first: usize,
-    /// Values per position: MoE layers × top_k.
-    stride: usize,
-    top_k: usize,
-    /// `[position - first][layer][k]`, flat.
-    flat: Vec<u32>,
-}
-
-impl RoutingCapture {
-    /// Copies the step's routing of positions `positions` (step rows from `row`).
-    fn record(&mut self, record: &MoeStepRecord, row: usize, positions: Range<usize>) {
-        for (i, position) in positions.enumerate() {
-            let Some(at) = position.checked_sub(self.first) else {
-                continue;
-            };
-            let end = (at + 1) * self.stride;
-            if self.flat.len() < end {
-                self.flat.resize(end, 0);
-            }
-            let k = self.top_k;
-            for (l, layer) in record
-                .layers
-                .iter()
-                .enumerate()
-                .take(self.stride / k.max(1))
-            {
-                // A backend that recorded no choices leaves zeros rather than failing the step.
-                let Some(chosen) = layer.chosen_experts.get((row + i) * k..(row + i + 1) * k)
-                else {
-                    continue;
-                };
-                let start = at * self.stride + l * k;
-                self.flat[start..start + k].copy_from_slice(chosen);
-            }
-        }
-    }
-
-    /// `[layer][k]` at `position`.
-    fn at(&self, position: usize) -> Vec<Vec<u32>> {
-        let at = position.saturating_sub(self.first);
-        self.flat
-            .get(at * self.stride..(at + 1) * self.stride)
-            .unwrap_or_default()
-            .chunks(self.top_k.max(1))
-            .map(<[u32]>::to_vec)
-            .collect()
-    }
-
-    /// The whole request's: the prompt's positions (when kept) and one per generated token.
-    fn finish(&self, prompt_len: usize, num_generated: usize) -> RoutedExperts {
-        let last_prompt = prompt_len - 1;
-        RoutedExperts {
-            prompt: (self.first == 0).then(|| (0..last_prompt).map(|p| self.at(p)).collect()),
-            generated: (0..num_generated)
-                .map(|i| self.at(last_prompt + i))
-                .collect(),
-        }
-    }
 }
 
 /// A constrained sequence's grammar, taken out of its state for the step's mask.

@@ -1,7 +1,7 @@
 //! The serving engine: turns requests into tokens with a loaded model.
 //!
 //! - `assets`: a model directory loaded (weights, tokenizer, chat template, eos ids).
-//! - `request`: prompts, requests and outputs.
+//! - `request`: prompts, requests and outputs; `routing_capture`: a request's routed experts.
 //! - `sampler`: per-request sampling (vLLM semantics).
 //! - `output`: per-sequence stop conditions and incremental text.
 //! - `kv_cache`: paged KV block bookkeeping with prefix caching.
@@ -23,6 +23,7 @@ pub mod offline;
 pub mod output;
 pub mod placement;
 pub mod request;
+mod routing_capture;
 pub mod sampler;
 pub mod scheduler;
 pub mod stats;
