@@ -1,5 +1,5 @@
-//! `moeserve serve` settings: the TOML file of `--config` (keys are the flag names in snake_case,
-//! as in `configs/*.toml`) and the resolved [`ServeConfig`] after flags override the file.
+//! `moeserve serve` settings: the resolved [`ServeConfig`] after flags override the `--config`
+//! file (`config_file`), and the value types of its flags.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -7,14 +7,11 @@ use std::time::Duration;
 use moeserve_core::DType;
 use moeserve_engine::engine_core::EngineConfig;
 use moeserve_model::config::ModelConfig;
-use serde::Deserialize;
 
 use crate::auth::ApiKey;
-use crate::cli::engine_args::parse_size;
 
 /// `--dtype`: the compute dtype. Only the checkpoint's own dtype is supported for now.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum DtypeChoice {
     /// The checkpoint's dtype.
     #[default]
@@ -56,8 +53,7 @@ impl DtypeChoice {
 }
 
 /// `--metrics-compat`: also export every series under another project's names.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum MetricsCompat {
     /// Only the `moeserve:` names.
     #[default]
@@ -67,8 +63,7 @@ pub enum MetricsCompat {
 }
 
 /// `--generation-config`: where requests' sampling defaults come from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum GenerationConfigMode {
     /// The model's `generation_config.json` (temperature, top_p, top_k, min_p,
     /// repetition_penalty, max_new_tokens), as vLLM's default.
@@ -76,71 +71,6 @@ pub enum GenerationConfigMode {
     Auto,
     /// vLLM's own defaults; the model's file is ignored.
     Vllm,
-}
-
-/// A size in the config file: bytes as a number, or text like `"4GiB"`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(untagged)]
-pub enum SizeValue {
-    Bytes(u64),
-    Text(String),
-}
-
-impl SizeValue {
-    pub fn bytes(&self) -> Result<u64, String> {
-        match self {
-            SizeValue::Bytes(b) => Ok(*b),
-            SizeValue::Text(t) => parse_size(t),
-        }
-    }
-}
-
-/// The `--config` file: every key optional, unknown keys refused (a typo must not pass).
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ServeFile {
-    pub model: Option<PathBuf>,
-    pub host: Option<String>,
-    pub port: Option<u16>,
-    pub served_model_name: Option<String>,
-    /// Checked with the flag's value (`ApiKey::from_secret`), never quoted in an error.
-    pub api_key: Option<String>,
-    pub dtype: Option<DtypeChoice>,
-    pub max_request_bytes: Option<SizeValue>,
-    pub max_waiting_requests: Option<usize>,
-    pub metrics_compat: Option<MetricsCompat>,
-    pub metrics_auth: Option<bool>,
-    pub generation_config: Option<GenerationConfigMode>,
-    pub tool_call_parser: Option<crate::openai::tools::ToolCallParser>,
-    pub enable_auto_tool_choice: Option<bool>,
-    pub allowed_hosts: Option<String>,
-    pub allowed_origins: Option<String>,
-    pub max_connections: Option<usize>,
-    pub max_header_bytes: Option<SizeValue>,
-    pub request_read_timeout: Option<f64>,
-    pub request_timeout: Option<f64>,
-    pub shutdown_timeout: Option<f64>,
-    pub max_num_seqs: Option<usize>,
-    pub max_num_batched_tokens: Option<usize>,
-    pub block_size: Option<usize>,
-    pub kv_cache_memory: Option<SizeValue>,
-    pub max_model_len: Option<usize>,
-    pub enable_chunked_prefill: Option<bool>,
-    pub enable_prefix_caching: Option<bool>,
-    /// The `[moe]` table: `MoeConfig`'s fields; MoE flags given on the command line win.
-    pub moe: Option<moeserve_core::MoeConfig>,
-}
-
-impl ServeFile {
-    pub fn load(path: &Path) -> Result<ServeFile, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        ServeFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
-    }
-
-    pub fn parse(text: &str) -> Result<ServeFile, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
-    }
 }
 
 /// Everything `serve` needs, resolved and checked.
@@ -225,34 +155,6 @@ pub fn default_served_model_name(model: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn config_file_takes_flag_names_and_sizes() {
-        let file = ServeFile::parse(
-            r#"
-            model = "models/smolmoe-8x135m"
-            port = 0
-            max_num_seqs = 8
-            kv_cache_memory = "512MiB"
-            max_request_bytes = 4096
-            enable_prefix_caching = false
-            metrics_compat = "vllm"
-            dtype = "bfloat16"
-            "#,
-        )
-        .unwrap();
-        assert_eq!(file.port, Some(0));
-        assert_eq!(file.kv_cache_memory.unwrap().bytes(), Ok(512 << 20));
-        assert_eq!(file.max_request_bytes.unwrap().bytes(), Ok(4096));
-        assert_eq!(file.metrics_compat, Some(MetricsCompat::Vllm));
-        assert_eq!(file.dtype, Some(DtypeChoice::Bfloat16));
-    }
-
-    #[test]
-    fn unknown_keys_in_the_config_file_are_refused() {
-        let err = ServeFile::parse("max_num_seq = 8").unwrap_err();
-        assert!(err.contains("max_num_seq"), "{err}");
-    }
 
     #[test]
     fn served_name_defaults_to_the_directory_name() {

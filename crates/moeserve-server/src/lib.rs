@@ -2,7 +2,8 @@
 //! This is the only crate that knows HTTP and JSON.
 //!
 //! - `cli`: subcommands (`generate`, `make-model`, `serve`) and their flags.
-//! - `config`: `serve` settings from flags and the `--config` TOML file.
+//! - `config`: the resolved `serve` settings; `config_file`: every `serve` flag as a key of the
+//!   `--config` TOML file, and `--print-config`.
 //! - `app`: [`app`] builds the router over an [`AppState`]; `server` binds, loads, shuts down.
 //! - `openai`: wire types and handlers, one module per endpoint, and SSE streaming.
 //! - `generation`: one request's trip through the engine (queue limit, events, metrics).
@@ -18,6 +19,7 @@ pub mod app;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod config_file;
 pub mod dashboard;
 pub mod drain;
 pub mod error;

@@ -40,6 +40,54 @@ async fn the_config_file_applies_and_flags_override_it() {
     assert_eq!(models.body["data"][0]["max_model_len"], 256);
 }
 
+/// `--print-config` prints the effective settings as a config file; served from that file, the
+/// server runs with the same settings, and printing it again gives the same text.
+#[tokio::test]
+async fn print_config_writes_a_file_that_serves_the_same_settings() {
+    let model = tiny_model(None);
+    let path = tiny_model_path(&model);
+    let config = model.path().join("serve.toml");
+    std::fs::write(&config, "max_num_seqs = 3\nmax_model_len = 384\n").unwrap();
+    let print = |args: &[&str]| {
+        let mut argv = vec!["serve", "--print-config"];
+        argv.extend(args);
+        let out = moeserve_e2e::run_with_output(&argv, Duration::from_secs(30));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let config_arg = config.to_str().unwrap();
+    let printed = print(&[
+        "--config",
+        config_arg,
+        "--model",
+        path.to_str().unwrap(),
+        "--served-model-name",
+        "p",
+        "--threads",
+        "1",
+    ]);
+    for line in [
+        "max_num_seqs = 3\n",
+        "max_model_len = 384\n",
+        "threads = 1\n",
+    ] {
+        assert!(printed.contains(line), "{line:?} in\n{printed}");
+    }
+    let again = model.path().join("printed.toml");
+    std::fs::write(&again, &printed).unwrap();
+    let again_arg = again.to_str().unwrap();
+    assert_eq!(print(&["--config", again_arg]), printed);
+    // `host` and `port` in the file are overridden by the harness's flags.
+    let server = Server::start(&["--config", again_arg]).await;
+    let models = send(client().get(server.url("/v1/models"))).await;
+    assert_eq!(models.body["data"][0]["id"], "p");
+    assert_eq!(models.body["data"][0]["max_model_len"], 384);
+}
+
 /// `--generation-config auto` (the default) takes the model's sampling defaults from its
 /// generation_config.json and says so at start-up; `vllm` ignores them.
 #[tokio::test]

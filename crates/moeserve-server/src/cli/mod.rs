@@ -66,11 +66,11 @@ pub fn run(cli: Cli, matches: &ArgMatches) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::MakeModel(args) => make_model::run(args),
         Command::Quantize(args) => quantize::run(args),
-        Command::Serve(args) => {
+        Command::Serve(_) => {
             let serve_matches = matches
                 .subcommand_matches("serve")
                 .expect("the serve subcommand was parsed from these matches");
-            serve::run(*args, serve_matches)
+            serve::run(serve_matches)
         }
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
         Command::Bench(BenchCommand::Plot(args)) => bench_serve::plot(args),

@@ -33,6 +33,13 @@ pub struct MoeArgs {
     /// At most one re-placement per this many steps (0 = never).
     #[arg(long, default_value_t = 1000)]
     pub rebalance_interval: u64,
+    /// Least relative imbalance improvement worth a re-placement, in [0, 1).
+    #[arg(long, default_value_t = 0.05)]
+    pub rebalance_min_gain: f64,
+    /// Assumed bandwidth of expert weight copies between devices (bytes/s), for the cost of a
+    /// move.
+    #[arg(long, default_value_t = 10e9)]
+    pub expert_copy_bytes_per_second: f64,
     /// Record every step's routing (JSONL) to this file.
     #[arg(long)]
     pub record_routing: Option<PathBuf>,
@@ -42,45 +49,22 @@ pub struct MoeArgs {
 }
 
 impl MoeArgs {
-    /// `base` with every flag applied for which `given(flag id)` is true.
-    pub fn apply(&self, base: MoeConfig, given: impl Fn(&str) -> bool) -> MoeConfig {
-        let mut c = base;
-        if given("capacity_factor") {
-            c.capacity_factor = self.capacity_factor;
-        }
-        if given("moe_overflow") {
-            c.moe_overflow = self.moe_overflow;
-        }
-        if given("expert_parallel_size") {
-            c.expert_parallel_size = self.expert_parallel_size;
-        }
-        if given("num_redundant_experts") {
-            c.num_redundant_experts = self.num_redundant_experts;
-        }
-        if given("expert_placement") {
-            c.expert_placement = self.expert_placement.clone();
-        }
-        if given("load_window") {
-            c.load_window = self.load_window;
-        }
-        if given("rebalance_threshold") {
-            c.rebalance_threshold = self.rebalance_threshold;
-        }
-        if given("rebalance_interval") {
-            c.rebalance_interval = self.rebalance_interval;
-        }
-        if given("record_routing") {
-            c.record_routing = self.record_routing.clone();
-        }
-        if given("expert_metrics") {
-            c.expert_metrics = self.expert_metrics;
-        }
-        c
-    }
-
-    /// The flags alone, over the defaults.
+    /// The MoE settings of these flags.
     pub fn to_config(&self) -> MoeConfig {
-        self.apply(MoeConfig::default(), |_| true)
+        MoeConfig {
+            capacity_factor: self.capacity_factor,
+            moe_overflow: self.moe_overflow,
+            expert_parallel_size: self.expert_parallel_size,
+            num_redundant_experts: self.num_redundant_experts,
+            expert_placement: self.expert_placement.clone(),
+            load_window: self.load_window,
+            rebalance_threshold: self.rebalance_threshold,
+            rebalance_interval: self.rebalance_interval,
+            rebalance_min_gain: self.rebalance_min_gain,
+            expert_copy_bytes_per_second: self.expert_copy_bytes_per_second,
+            record_routing: self.record_routing.clone(),
+            expert_metrics: self.expert_metrics,
+        }
     }
 }
 
@@ -114,13 +98,8 @@ mod tests {
     }
 
     #[test]
-    fn only_given_flags_override_the_base() {
-        let cli = Cli::parse_from(["x", "--load-window", "7"]);
-        let base = MoeConfig {
-            capacity_factor: Some(2.0),
-            ..MoeConfig::default()
-        };
-        let c = cli.moe.apply(base, |id| id == "load_window");
-        assert_eq!((c.capacity_factor, c.load_window), (Some(2.0), 7));
+    fn defaults_are_the_moe_configs() {
+        let c = Cli::parse_from(["x"]).moe.to_config();
+        assert_eq!(format!("{c:?}"), format!("{:?}", MoeConfig::default()));
     }
 }
