@@ -17,6 +17,6 @@ for _ in $(seq 600); do
     kill -0 $server 2> /dev/null || { cat "$log"; exit 1; }
     sleep 0.1
 done
-grep -E "kernels:" "$log" | sed 's/^moeserve: //'
+grep -E "kernels:" "$log" | sed 's/^.*INFO [^ ]* //'
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
 python3 bench/structured_outputs.py "http://127.0.0.1:$port" smolmoe-8x135m

@@ -34,7 +34,7 @@ trap cleanup EXIT
 server=$!
 base=""
 for _ in $(seq 300); do
-    base=$(sed -n 's/^moeserve: listening on //p' "$work/server.log" | head -n 1)
+    base=$(sed -n 's/.*listening on \(http:\/\/[^ "]*\).*/\1/p' "$work/server.log" | head -n 1)
     [[ -n "$base" ]] && grep -q "ready: serving" "$work/server.log" && break
     kill -0 "$server" 2> /dev/null || { cat "$work/server.log"; exit 1; }
     sleep 0.1

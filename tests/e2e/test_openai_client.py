@@ -51,9 +51,9 @@ class RunningServer:
     def _drain(self):
         for line in self.proc.stderr:
             self.lines.append(line.rstrip("\n"))
-            marker = "listening on "
-            if marker in line and not self.address.is_set():
-                self.base = line.split(marker, 1)[1].strip()
+            found = re.search(r"listening on (http://[^\s\"]+)", line)
+            if found and not self.address.is_set():
+                self.base = found.group(1)
                 self.address.set()
 
     def _wait_healthy(self):

@@ -48,6 +48,8 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             crate::origin::check_origin,
         ))
+        // Outermost: every response, refusals included, has its request id and log line.
+        .layer(middleware::from_fn(crate::access_log::layer))
         .with_state(state)
 }
 

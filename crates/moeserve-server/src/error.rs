@@ -273,7 +273,16 @@ pub enum PostErrors {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status(), Json(ErrorBody { error: self.body() })).into_response();
+        let (status, body) = (self.status(), self.body());
+        // In the request's span, so the line carries its id. Only a failure of the server is
+        // an error; refusals, 503 while loading and 504 are in the access line (debug here:
+        // they may quote the client's input).
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            tracing::error!(status = status.as_u16(), "{}", body.message);
+        } else {
+            tracing::debug!(status = status.as_u16(), "{}", body.message);
+        }
+        let mut response = (status, Json(ErrorBody { error: body })).into_response();
         if matches!(self, ApiError::QueueFull { .. }) {
             response
                 .headers_mut()

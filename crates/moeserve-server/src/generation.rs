@@ -20,6 +20,7 @@ use moeserve_engine::request::{GenerateOutput, GenerateRequest, Prompt};
 use moeserve_structured::Grammar;
 use tokio::sync::watch;
 
+use crate::access_log::RequestLog;
 use crate::drain::InFlight;
 use crate::error::ApiError;
 use crate::metrics::ErrorCause;
@@ -44,6 +45,8 @@ pub struct Target {
     arrived: Instant,
     /// When `--request-timeout` runs out for this request, and the timeout.
     deadline: Option<(Instant, Duration)>,
+    /// Its access-log record (none outside the HTTP stack).
+    log: Option<RequestLog>,
 }
 
 impl Target {
@@ -63,6 +66,7 @@ impl Target {
             slot,
             arrived,
             deadline,
+            log: RequestLog::current(),
         })
     }
 
@@ -84,6 +88,9 @@ impl Target {
         .map_err(|e| ApiError::Internal(format!("tokenization failed: {e}")))?
         // A prompt the template, the tokenizer or the context cannot take is refused here.
         .inspect_err(|_| self.state.metrics().observe_rejected())?;
+        if let Some(log) = &self.log {
+            log.prompt_tokens(ids.len());
+        }
         Ok(TokenizedPrompt {
             room: max_model_len.saturating_sub(ids.len()),
             ids,
@@ -159,6 +166,8 @@ impl Target {
                 slot,
                 prompt_len,
                 arrived: self.arrived,
+                log: self.log.clone(),
+                tokens: 0,
                 first_token_at: None,
                 last_token_at: None,
                 ended: None,
@@ -177,6 +186,9 @@ pub struct Generation {
     slot: WaitingSlot,
     prompt_len: usize,
     arrived: Instant,
+    log: Option<RequestLog>,
+    /// Tokens generated so far.
+    tokens: usize,
     first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
     /// How the request ended, once it has: `None` (finished normally) or the cause. A
@@ -224,9 +236,13 @@ impl Generation {
                     }
                 }
                 self.last_token_at = Some(now);
+                self.tokens += 1;
             }
             Some(RequestEvent::Finished { output, .. }) => {
                 metrics.observe_finished(output);
+                if let Some(log) = &self.log {
+                    log.finished(output);
+                }
                 self.ended.get_or_insert(None);
             }
             Some(RequestEvent::Failed { .. }) | None => {
@@ -269,11 +285,13 @@ impl Drop for Generation {
             None => ErrorCause::ClientDisconnect,
         };
         let since = |t: Instant| t.duration_since(self.arrived).as_secs_f64();
-        self.state.metrics().observe_aborted(
-            cause,
-            since(Instant::now()),
-            self.first_token_at.map(since),
-        );
+        let ttft = self.first_token_at.map(since);
+        self.state
+            .metrics()
+            .observe_aborted(cause, since(Instant::now()), ttft);
+        if let Some(log) = &self.log {
+            log.ended_early(cause, self.tokens, ttft);
+        }
     }
 }
 

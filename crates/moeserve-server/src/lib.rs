@@ -8,6 +8,8 @@
 //! - `openai`: wire types and handlers, one module per endpoint, and SSE streaming.
 //! - `generation`: one request's trip through the engine (queue limit, events, metrics).
 //! - `error`: [`ApiError`], the one HTTP error type; `auth`: the API key.
+//! - `access_log`: request ids and one log line per request; `logging`: `--log-level`,
+//!   `--log-format`.
 //! - `listener`: the accept loop (connection, header-size and header-time limits);
 //!   `length_guard`: the read-side filter that keeps hyper from answering 431 to a huge
 //!   `Content-Length`; `drain`: requests in flight, waited for or cancelled at shutdown.
@@ -15,6 +17,7 @@
 //!   `GET /v1/moe/load`; `dashboard`: `GET /dashboard` and its stats JSON `GET /v1/stats`;
 //!   `latency_window`: the recent latencies behind its percentiles.
 
+pub mod access_log;
 pub mod app;
 pub mod auth;
 pub mod cli;
@@ -27,6 +30,7 @@ pub mod generation;
 pub mod latency_window;
 pub mod length_guard;
 pub mod listener;
+pub mod logging;
 pub mod metrics;
 pub mod moe;
 pub mod openai;

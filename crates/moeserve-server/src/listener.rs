@@ -80,7 +80,7 @@ pub async fn accept(
                 Ok((socket, _)) => socket,
                 Err(e) => {
                     // Out of file descriptors and the like: wait instead of spinning.
-                    eprintln!("moeserve: cannot accept a connection: {e}");
+                    tracing::warn!("cannot accept a connection: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }

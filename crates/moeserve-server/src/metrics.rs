@@ -150,7 +150,7 @@ impl ErrorCause {
         ErrorCause::Rejected,
     ];
 
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             ErrorCause::Timeout => "timeout",
             ErrorCause::ClientDisconnect => "client_disconnect",

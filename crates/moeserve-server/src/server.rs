@@ -26,7 +26,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Start-up and shutdown progress, one line per stage, on stderr.
 fn log(message: impl std::fmt::Display) {
-    eprintln!("moeserve: {message}");
+    tracing::info!("{message}");
 }
 
 /// Runs the server until a signal, or until the model fails to load (that error is returned).

@@ -55,19 +55,20 @@ fn auto_runs_on_the_cpu_and_logs_why() {
     ]);
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
+    // The log line's message, after its level.
     let line = err
         .lines()
-        .find(|l| l.starts_with("moeserve: device: "))
+        .find_map(|l| {
+            l.split_once("INFO device: ")
+                .map(|(_, m)| format!("device: {m}"))
+        })
         .unwrap_or_else(|| panic!("no device line in:\n{err}"));
     match cuda_refusal() {
         Some(refusal) => {
-            assert!(
-                line.starts_with("moeserve: device: cpu (--device auto: "),
-                "{line}"
-            );
+            assert!(line.starts_with("device: cpu (--device auto: "), "{line}");
             assert!(line.contains(&refusal), "{line}");
         }
-        None => assert!(line.starts_with("moeserve: device: cuda:"), "{line}"),
+        None => assert!(line.starts_with("device: cuda:"), "{line}"),
     }
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["token_ids"].as_array().unwrap().len(), 2, "{json}");

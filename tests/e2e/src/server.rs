@@ -124,7 +124,10 @@ impl Server {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Some(at) = line.find("listening on http://") {
-                    let _ = address_tx.send(line[at + "listening on ".len()..].to_string());
+                    // The address ends where the text line or the JSON string does.
+                    let address = &line[at + "listening on ".len()..];
+                    let end = address.find(['"', ' ']).unwrap_or(address.len());
+                    let _ = address_tx.send(address[..end].to_string());
                 }
                 lines.lock().expect("log lock").push(line);
             }

@@ -115,7 +115,7 @@ pub fn run(args: BenchServeArgs) -> anyhow::Result<()> {
         let outcome = runtime.block_on(run_level(&endpoint, &prompts, config, &progress));
         progress.finish_and_clear();
         let level = LevelReport::new(&config, &outcome);
-        eprintln!(
+        tracing::info!(
             "concurrency {concurrency}: {}/{} ok in {:.1} s, {:.1} output tok/s, TPOT p50 {:.1} ms, TTFT p50 {:.0} ms",
             level.completed,
             level.num_requests,

@@ -9,7 +9,7 @@ use moeserve_backend::device::{Device, DeviceRequest, select_device};
 /// model.
 pub fn select(request: DeviceRequest) -> anyhow::Result<Device> {
     let selection = select_device(request).with_context(|| format!("--device {request}"))?;
-    eprintln!("moeserve: device: {}", selection.reason);
+    tracing::info!("device: {}", selection.reason);
     Ok(selection.device)
 }
 

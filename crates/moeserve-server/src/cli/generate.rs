@@ -100,7 +100,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let assets = ModelAssets::load_for(&args.model, &device)
         .with_context(|| format!("loading {}", args.model.display()))?;
-    eprintln!(
+    tracing::info!(
         "loaded {} in {:.2} s ({:.2} GB of weights, kernels: {}, quantization: {})",
         args.model.display(),
         start.elapsed().as_secs_f64(),
@@ -112,7 +112,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut engine = LlmEngine::new(Arc::new(assets), &args.engine.to_config(device))?;
     let stats = engine.core().stats();
     let tokens = (stats.num_kv_blocks * args.engine.block_size).max(1) as u64;
-    eprintln!(
+    tracing::info!(
         "KV cache: {} blocks of {} tokens ({:.2} GB; {} bytes per token: {}), max concurrency \
          at {} tokens: {:.1}",
         stats.num_kv_blocks,
@@ -132,7 +132,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     progress.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
     let generated: usize = results.iter().flatten().map(|o| o.token_ids.len()).sum();
-    eprintln!(
+    tracing::info!(
         "{} requests, {generated} generated tokens in {secs:.2} s ({:.1} tokens/s)",
         results.len(),
         generated as f64 / secs
@@ -147,7 +147,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 if args.json {
                     println!("{}", serde_json::json!({ "error": e.to_string() }));
                 } else {
-                    eprintln!("request {i}: error: {e}");
+                    tracing::error!("request {i}: {e}");
                 }
             }
         }
@@ -283,7 +283,7 @@ fn report_moe(moe: &moeserve_engine::moe::MoeStats) {
             )
         })
         .collect();
-    eprintln!(
+    tracing::info!(
         "moe: {pairs} pairs, {dropped} dropped, {rerouted} rerouted; windowed step imbalance {:.3}; {} rebalances [{}]",
         moe.step_imbalance,
         moe.num_rebalances,

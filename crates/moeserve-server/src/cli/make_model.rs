@@ -56,7 +56,7 @@ pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {
             expert_jitter: args.expert_jitter,
             dtype,
         })?;
-        eprintln!("{report}");
+        tracing::info!("{report}");
     } else if let Some(name) = args.preset {
         let preset = Preset::from_name(&name)
             .with_context(|| format!("unknown preset {name:?} (presets: {})", Preset::names()))?;
@@ -65,8 +65,8 @@ pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {
             out: args.out.clone(),
             seed: args.seed,
         })?;
-        eprintln!("{made}");
+        tracing::info!("{made}");
     }
-    eprintln!("done in {:.1} s", start.elapsed().as_secs_f64());
+    tracing::info!("done in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }

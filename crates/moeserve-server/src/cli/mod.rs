@@ -62,6 +62,10 @@ enum BenchCommand {
 /// Runs the chosen subcommand; `matches` tells which flags were given explicitly (the config
 /// file of `serve` fills in only the others).
 pub fn run(cli: Cli, matches: &ArgMatches) -> anyhow::Result<()> {
+    // `serve` starts its logging from its flags (`--log-level`, `--log-format`).
+    if !matches!(cli.command, Command::Serve(_)) {
+        crate::logging::init_for_tools();
+    }
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::MakeModel(args) => make_model::run(args),

@@ -51,16 +51,17 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         },
         max_hessian_bytes: args.max_hessian_memory,
     };
-    eprintln!(
+    tracing::info!(
         "quantizing {} to int8 with GPTQ ({threads} threads)",
         args.model.display()
     );
-    let mut progress = |what: &str| eprintln!("[{:6.1} s] {what}", start.elapsed().as_secs_f64());
+    let mut progress =
+        |what: &str| tracing::info!("[{:6.1} s] {what}", start.elapsed().as_secs_f64());
     let report = quantize_checkpoint(&args.model, &args.out, &opts, &mut progress)?;
     for (matrix, why) in &report.round_to_nearest {
-        eprintln!("rounded to nearest: {matrix}: {why}");
+        tracing::info!("rounded to nearest: {matrix}: {why}");
     }
-    eprintln!(
+    tracing::info!(
         "wrote {}: {} matrices, {} calibration tokens, {} calibration pass(es); sampling {:.1} s, \
          calibration {:.1} s, GPTQ {:.1} s ({} rounded to nearest)",
         args.out.display(),

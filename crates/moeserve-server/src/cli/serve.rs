@@ -17,6 +17,7 @@ use crate::config::{
     default_served_model_name, parse_seconds,
 };
 use crate::config_file;
+use crate::logging::{LogFormat, LogLevel};
 use crate::openai::tools::ToolCallParser;
 use crate::origin::{Allowed, OriginPolicy};
 
@@ -97,6 +98,13 @@ pub struct ServeArgs {
     /// cancelled (meanwhile new requests and /health get 503).
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     shutdown_timeout: Duration,
+    /// Log level: error, warn, info, debug or trace (default: `RUST_LOG` if set, a `tracing`
+    /// filter such as `info,moeserve_engine=debug`, else info).
+    #[arg(long, value_enum)]
+    log_level: Option<LogLevel>,
+    /// Log lines as text or as JSON objects (one per line, with the request id).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -153,7 +161,7 @@ pub fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
             let (key, trimmed) = ApiKey::from_secret(&raw)
                 .map_err(|why| anyhow::anyhow!("invalid API key (--api-key): {why}"))?;
             if trimmed {
-                eprintln!("moeserve: --api-key: removed the key's trailing newline");
+                tracing::warn!("--api-key: removed the key's trailing newline");
             }
             Some(key)
         }
@@ -210,6 +218,7 @@ pub fn run(matches: &ArgMatches) -> anyhow::Result<()> {
         print!("{}", config_file::print(&cmd, &matches, &["api_key"]));
         return Ok(());
     }
+    crate::logging::init(args.log_level, args.log_format);
     let request = args.engine.device;
     let engine_args = args.engine.clone();
     let mut config = resolve(args)?;
@@ -397,6 +406,8 @@ mod tests {
             "expert_copy_bytes_per_second" => "1000000",
             "record_routing" => "/tmp/routing.jsonl",
             "expert_metrics" => "off",
+            "log_level" => "debug",
+            "log_format" => "json",
             _ => return None,
         })
     }

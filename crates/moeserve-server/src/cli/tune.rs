@@ -204,7 +204,7 @@ fn replay_rows(
                 Some(run) => match run(alpha, policy) {
                     Ok(m) => Some(m),
                     Err(e) => {
-                        eprintln!("α = {alpha}, {policy}: {e:#}");
+                        tracing::warn!("α = {alpha}, {policy}: {e:#}");
                         None
                     }
                 },
@@ -246,7 +246,7 @@ fn run_prompts(
     base_config.scheduler.max_num_seqs = args.max_num_seqs.unwrap_or(requests.len());
     let mut dropless_config = base_config.clone();
     dropless_config.moe.record_routing = Some(trace_path.clone());
-    eprintln!("dropless: {} prompts", requests.len());
+    tracing::info!("dropless: {} prompts", requests.len());
     let (reference, dropless) = run_engine(&assets, &dropless_config, &requests, None)?;
     let records = read_trace(&trace_path, assets.model.config().num_experts_per_tok);
     if args.record_routing.is_none() {
@@ -254,7 +254,7 @@ fn run_prompts(
     }
     let records = records?;
     let mut measure = |alpha: f32, policy: OverflowPolicy| -> anyhow::Result<Measured> {
-        eprintln!("α = {alpha}, {policy}");
+        tracing::info!("α = {alpha}, {policy}");
         let mut config = base_config.clone();
         config.moe.capacity_factor = Some(alpha);
         config.moe.moe_overflow = policy;
