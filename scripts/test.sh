@@ -3,8 +3,9 @@
 # Chromium, ChromeDriver, Prometheus), prepares the demo model if it is missing (the demo-model
 # parity tests need it), builds the `moeserve` binary (the end-to-end tests in tests/e2e start
 # it), runs the whole cargo workspace, then the official `openai` Python client against the real server
-# (tests/e2e/test_openai_client.py, structured outputs checked with jsonschema) from a venv it
-# keeps under target/e2e-venv.
+# (tests/e2e/test_openai_client.py, structured outputs checked with jsonschema) and the hub-id
+# tests against huggingface_hub's cache scanner (tests/e2e/test_hf_hub.py), from a venv it keeps
+# under target/e2e-venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-test-tools.sh
@@ -21,23 +22,25 @@ fi
 OPENAI_VERSION="3.57.0"
 PYTEST_VERSION="9.2.0"
 JSONSCHEMA_VERSION="4.26.0"
+HF_HUB_VERSION="2.4.0"
 VENV=target/e2e-venv
 if ! "$VENV/bin/python" -c "import openai, pytest, sys; from importlib.metadata import version; \
 sys.exit(openai.__version__ != '$OPENAI_VERSION' or pytest.__version__ != '$PYTEST_VERSION' \
-or version('jsonschema') != '$JSONSCHEMA_VERSION')" \
+or version('jsonschema') != '$JSONSCHEMA_VERSION' or version('huggingface_hub') != '$HF_HUB_VERSION')" \
     2> /dev/null; then
-    echo "== preparing $VENV (openai==$OPENAI_VERSION, pytest==$PYTEST_VERSION, jsonschema==$JSONSCHEMA_VERSION)"
+    echo "== preparing $VENV (openai==$OPENAI_VERSION, pytest==$PYTEST_VERSION, jsonschema==$JSONSCHEMA_VERSION, huggingface_hub==$HF_HUB_VERSION)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION" "jsonschema==$JSONSCHEMA_VERSION"
+        "openai==$OPENAI_VERSION" "pytest==$PYTEST_VERSION" "jsonschema==$JSONSCHEMA_VERSION" \
+        "huggingface_hub==$HF_HUB_VERSION"
 fi
-echo "== openai client tests"
+echo "== openai client and Hugging Face cache tests"
 status=0
 MOESERVE_BIN="$PWD/target/release/moeserve" "$VENV/bin/python" -m pytest -q \
-    -p no:cacheprovider tests/e2e/test_openai_client.py || status=$?
+    -p no:cacheprovider tests/e2e/test_openai_client.py tests/e2e/test_hf_hub.py || status=$?
 # Any non-zero exit fails the run, 5 ("no tests collected") included.
 if [[ $status -ne 0 ]]; then
-    echo "error: the openai client tests failed (pytest exit status $status)" >&2
+    echo "error: the Python end-to-end tests failed (pytest exit status $status)" >&2
     exit "$status"
 fi
 

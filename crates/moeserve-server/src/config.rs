@@ -76,7 +76,11 @@ pub enum GenerationConfigMode {
 /// Everything `serve` needs, resolved and checked.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
+    /// The model directory, or a hub id until `cli::model_source` resolves it.
     pub model: PathBuf,
+    /// `--revision` and `--download-dir` of a hub id.
+    pub revision: String,
+    pub download_dir: Option<PathBuf>,
     pub host: String,
     pub port: u16,
     pub served_model_name: String,

@@ -7,6 +7,7 @@ pub(crate) mod device;
 pub mod engine_args;
 mod generate;
 mod make_model;
+pub mod model_source;
 pub mod moe_args;
 mod plan;
 mod quantize;

@@ -11,6 +11,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches};
 
 use super::engine_args::{EngineArgs, parse_size};
+use super::model_source;
 use crate::auth::ApiKey;
 use crate::config::{
     DtypeChoice, GenerationConfigMode, MetricsCompat, ServeConfig, ServerLimits,
@@ -23,9 +24,18 @@ use crate::origin::{Allowed, OriginPolicy};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Model directory in Hugging Face format (or `model` in the config file).
+    /// Model directory in Hugging Face format, or a hub id (`org/name`) found in the Hugging
+    /// Face cache or downloaded into it (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN,
+    /// HF_ENDPOINT are read as huggingface_hub reads them).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// The branch, tag or commit of a hub model.
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// The Hugging Face cache to look in and download to (default: HF_HUB_CACHE, else
+    /// HF_HOME/hub, else ~/.cache/huggingface/hub).
+    #[arg(long)]
+    download_dir: Option<PathBuf>,
     /// A TOML file with any of these settings (snake_case keys); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -37,7 +47,8 @@ pub struct ServeArgs {
     /// 0 picks a free port; the bound address is printed as `listening on http://ADDR`.
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// The model name clients send and see (default: the model directory's name).
+    /// The model name clients send and see (default: the hub id, or the model directory's
+    /// name).
     #[arg(long)]
     served_model_name: Option<String>,
     /// Host names requests may carry in `Host`, comma-separated, or `*` (default: localhost,
@@ -152,9 +163,13 @@ pub fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         .scheduler
         .validate()
         .context("invalid scheduler settings")?;
-    let served_model_name = args
-        .served_model_name
-        .unwrap_or_else(|| default_served_model_name(&model));
+    let served_model_name = args.served_model_name.unwrap_or_else(|| {
+        let text = model.to_string_lossy();
+        match !model.is_dir() && model_source::is_hub_id(&text) {
+            true => text.into_owned(),
+            false => default_served_model_name(&model),
+        }
+    });
     let api_key = match args.api_key {
         None => None,
         Some(raw) => {
@@ -206,6 +221,8 @@ pub fn resolve(args: ServeArgs) -> anyhow::Result<ServeConfig> {
         limits,
         served_model_name,
         model,
+        revision: args.revision,
+        download_dir: args.download_dir,
         engine,
     })
 }
@@ -223,6 +240,13 @@ pub fn run(matches: &ArgMatches) -> anyhow::Result<()> {
     let engine_args = args.engine.clone();
     let mut config = resolve(args)?;
     let device = super::device::select(request)?;
+    // A hub id becomes its snapshot directory in the cache (downloaded if need be).
+    config.model = model_source::resolve(
+        &config.model,
+        &config.revision,
+        config.download_dir.as_deref(),
+    )?
+    .dir;
     engine_args.init_kernels(&config.model)?;
     config.engine.device = device;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -368,6 +392,8 @@ mod tests {
     fn sample_value(id: &str) -> Option<&'static str> {
         Some(match id {
             "model" => "/models/m",
+            "revision" => "v2",
+            "download_dir" => "/tmp/hub",
             "host" => "0.0.0.0",
             "port" => "9001",
             "served_model_name" => "m2",
