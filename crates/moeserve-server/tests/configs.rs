@@ -30,3 +30,16 @@ fn every_example_serve_config_loads() {
         dir.display()
     );
 }
+
+#[test]
+fn the_kubernetes_serve_config_loads() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes/serve.toml");
+    let args = config_file::file_args(&serve::command(), &path, |_| false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let model = args
+        .iter()
+        .position(|a| a == "--model")
+        .expect("names a model");
+    assert_eq!(args[model + 1], "Qwen/Qwen3-30B-A3B");
+    assert!(args.iter().any(|a| a == "--shutdown-timeout"));
+}
