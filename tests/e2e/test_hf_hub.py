@@ -198,6 +198,15 @@ def test_a_hub_id_downloads_only_what_the_engine_reads_then_serves_offline(tmp_p
     finally:
         server.stop()
     assert any("from the Hugging Face cache" in line for line in server.lines), server.lines
+    # `generate` takes the id too.
+    out = subprocess.run(
+        [BIN, "generate", "--model", REPO_ID, "--prompt-ids", "1,2,3", "--max-tokens", "2",
+         "--ignore-eos", "--json"],
+        env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 2, out.stdout
 
     # A model the cache lacks, offline: the message names the id and the cache searched.
     code, log = Serve(["--model", "org/missing"],

@@ -21,9 +21,16 @@ use super::engine_args::EngineArgs;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// Model directory in Hugging Face format.
+    /// Model directory in Hugging Face format, or a hub id (`org/name`) in the Hugging Face
+    /// cache or downloaded into it (as `serve --model`).
     #[arg(long)]
     model: PathBuf,
+    /// The branch, tag or commit of a hub model.
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// The Hugging Face cache to look in and download to (default: as huggingface_hub finds it).
+    #[arg(long)]
+    download_dir: Option<PathBuf>,
     /// Prompt text (with --chat: the user message).
     #[arg(long, group = "input")]
     prompt: Option<String>,
@@ -94,8 +101,11 @@ struct JsonOutput<'a> {
     moe: Option<MoeRequestCounts>,
 }
 
-pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let device = super::device::select(args.engine.device)?;
+    args.model =
+        super::model_source::resolve(&args.model, &args.revision, args.download_dir.as_deref())?
+            .dir;
     args.engine.init_kernels(&args.model)?;
     let start = Instant::now();
     let assets = ModelAssets::load_for(&args.model, &device)
