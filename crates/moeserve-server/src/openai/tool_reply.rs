@@ -81,7 +81,10 @@ impl SpecialText {
 
 /// A tool request's reply while it streams. Under a constraint the reply is the calls: each
 /// goes out as it is written (its name, then its arguments piece by piece). Under `auto`,
-/// content goes out until the calls begin, and the calls go out whole in the last chunk.
+/// content goes out until the calls begin; then each call goes out whole as soon as it closes
+/// (`</tool_call>`, DeepSeek's call end; Mistral's list at the end of the reply). A later call
+/// that does not parse is dropped once earlier ones went out (unstreamed, such a reply is all
+/// content, as vLLM keeps it: a streamed call cannot be taken back).
 pub(super) struct StreamedCalls {
     reader: CallReader,
     specials: SpecialText,
@@ -91,6 +94,11 @@ pub(super) struct StreamedCalls {
     constrained: Option<CallStreamer>,
     /// The parser's marker as one token (Mistral's special `[TOOL_CALLS]`).
     marker_token: Option<u32>,
+    /// Under `auto`: the call end as one token (DeepSeek's), the ends seen in the text so
+    /// far, and how many calls went out.
+    end_token: Option<u32>,
+    ends_seen: usize,
+    emitted: usize,
     ids: Vec<u32>,
     /// The whole text so far, and how much of it went out as content.
     text: String,
@@ -101,13 +109,14 @@ pub(super) struct StreamedCalls {
 
 impl StreamedCalls {
     pub(super) fn new(reader: CallReader, specials: SpecialText) -> StreamedCalls {
-        let (content, constrained, marker_token) = match &reader {
+        let (content, constrained, marker_token, end_token) = match &reader {
             CallReader::Parsed(parser) => (
                 Some(ToolStream::new(*parser)),
                 None,
                 specials.token_id(parser.marker()),
+                parser.call_end().and_then(|end| specials.token_id(end)),
             ),
-            CallReader::Constrained(tools) => (None, CallStreamer::new(&tools.choice), None),
+            CallReader::Constrained(tools) => (None, CallStreamer::new(&tools.choice), None, None),
         };
         StreamedCalls {
             reader,
@@ -115,6 +124,9 @@ impl StreamedCalls {
             content,
             constrained,
             marker_token,
+            end_token,
+            ends_seen: 0,
+            emitted: 0,
             ids: Vec::new(),
             text: String::new(),
             sent: 0,
@@ -151,23 +163,125 @@ impl StreamedCalls {
             Some(stream) => stream.push(text),
             None => String::new(),
         };
+        let in_calls = self.content.as_ref().is_some_and(ToolStream::in_calls);
         if !last {
             self.sent += now.len();
-            return (now, Vec::new());
+            let deltas = match in_calls && self.call_closed(token_id) {
+                true => self.new_calls(),
+                false => Vec::new(),
+            };
+            return (now, deltas);
         }
         if let Some(stream) = self.content.as_mut()
-            && !stream.in_calls()
+            && !in_calls
         {
             now.push_str(&stream.flush());
             return (now, Vec::new());
         }
-        let (_, calls) = self.reader.read(&self.text, &self.specials.text(&self.ids));
-        if calls.is_empty() {
+        let deltas = self.new_calls();
+        if self.emitted == 0 {
             // Nothing parsed: what was held back is content after all.
             now = self.text[self.sent..].to_string();
         }
-        self.called = !calls.is_empty();
-        let deltas = calls.iter().enumerate().map(|(i, c)| c.delta(i)).collect();
         (now, deltas)
+    }
+
+    /// Whether `token_id` (just pushed) closed a call.
+    fn call_closed(&mut self, token_id: u32) -> bool {
+        if Some(token_id) == self.end_token {
+            return true;
+        }
+        let CallReader::Parsed(parser) = &self.reader else {
+            return false;
+        };
+        let Some(end) = parser.call_end() else {
+            return false;
+        };
+        let ends = self.text.matches(end).count();
+        let closed = ends > self.ends_seen;
+        self.ends_seen = ends;
+        closed
+    }
+
+    /// The calls that parse now and have not gone out, as `delta.tool_calls` entries.
+    fn new_calls(&mut self) -> Vec<serde_json::Value> {
+        let (_, calls) = self.reader.read(&self.text, &self.specials.text(&self.ids));
+        let deltas: Vec<_> = (self.emitted..calls.len())
+            .map(|i| calls[i].delta(i))
+            .collect();
+        self.emitted = self.emitted.max(calls.len());
+        self.called = self.emitted > 0;
+        deltas
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::tools::ToolCallParser;
+    use moeserve_formats::presets::{ChatFormat, byte_level_tokenizer};
+
+    /// A byte-level tokenizer (one token per byte, ChatML's specials).
+    fn specials() -> SpecialText {
+        let dir = tempfile::tempdir().unwrap();
+        let (tokenizer, _) = byte_level_tokenizer(1024, &ChatFormat::CHATML);
+        std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        SpecialText {
+            tokenizer: Some(Tokenizer::from_dir(dir.path()).unwrap()),
+            eos: Vec::new(),
+        }
+    }
+
+    /// Streams `reply` one byte-token at a time; returns the content and, per token, how many
+    /// `delta.tool_calls` entries it carried, with the entries.
+    fn stream(parser: ToolCallParser, reply: &str) -> (String, Vec<(usize, serde_json::Value)>) {
+        let specials = specials();
+        let ids = specials.tokenizer.as_ref().unwrap().encode(reply).unwrap();
+        let mut calls = StreamedCalls::new(CallReader::Parsed(parser), specials);
+        let (mut content, mut deltas) = (String::new(), Vec::new());
+        for (i, (id, byte)) in ids.iter().zip(reply.chars()).enumerate() {
+            let (text, out) = calls.push(*id, &byte.to_string(), i + 1 == ids.len());
+            content.push_str(&text);
+            deltas.extend(out.into_iter().map(|d| (i, d)));
+        }
+        (content, deltas)
+    }
+
+    #[test]
+    fn auto_calls_stream_one_by_one_as_each_closes() {
+        let first = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        let second = "\n<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
+        let reply = format!("Let me look.\n{first}{second}");
+        let (content, deltas) = stream(ToolCallParser::Hermes, &reply);
+        assert_eq!(content, "Let me look.\n");
+        assert_eq!(deltas.len(), 2, "{deltas:?}");
+        // The first call went out at the token closing it, before the second began.
+        let closes_first = "Let me look.\n".len() + first.len() - 1;
+        assert_eq!(deltas[0].0, closes_first);
+        assert_eq!(deltas[0].1["index"], 0);
+        assert_eq!(deltas[0].1["function"]["name"], "a");
+        assert_eq!(deltas[0].1["function"]["arguments"], "{\"x\":1}");
+        assert_eq!(
+            (deltas[1].0, &deltas[1].1["index"]),
+            (reply.len() - 1, &1.into())
+        );
+        assert_eq!(deltas[1].1["function"]["name"], "b");
+    }
+
+    #[test]
+    fn an_unclosed_last_call_goes_out_at_the_end_and_no_call_is_content() {
+        let reply = "<tool_call>{\"name\": \"a\", \"arguments\": {}}";
+        let (content, deltas) = stream(ToolCallParser::Hermes, reply);
+        assert_eq!((content.as_str(), deltas.len()), ("", 1));
+        assert_eq!(deltas[0].0, reply.len() - 1);
+        // A marker with nothing that parses: all of it is content, as unstreamed.
+        let reply = "So <tool_call> is a tag.";
+        let (content, deltas) = stream(ToolCallParser::Hermes, reply);
+        assert_eq!((content.as_str(), deltas.len()), (reply, 0));
+        // GLM-4.5's calls close with the same tag.
+        let reply = "<tool_call>get\n<arg_key>k</arg_key>\n<arg_value>1</arg_value>\n</tool_call>x";
+        let (_, deltas) = stream(ToolCallParser::Glm45, reply);
+        assert_eq!(deltas.len(), 1);
+        assert_eq!(deltas[0].0, reply.len() - 2, "{deltas:?}");
     }
 }

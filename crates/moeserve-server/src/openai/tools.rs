@@ -57,6 +57,16 @@ impl ToolCallParser {
         }
     }
 
+    /// The text that closes one call, after which the calls so far parse (none for Mistral's
+    /// JSON list, which closes only at its end, and for harmony's structure).
+    pub fn call_end(self) -> Option<&'static str> {
+        match self {
+            ToolCallParser::Hermes | ToolCallParser::Glm45 => Some("</tool_call>"),
+            ToolCallParser::DeepseekV3 => Some(DEEPSEEK_CALL_END),
+            ToolCallParser::Mistral | ToolCallParser::Openai => None,
+        }
+    }
+
     /// Splits a reply (decoded with its special tokens) into content and calls. Text that holds
     /// a marker but no call that parses stays content, as vLLM keeps it.
     pub fn parse(self, text: &str) -> (String, Vec<ToolCall>) {
