@@ -382,7 +382,9 @@ def test_json_object_and_invalid_schemas(demo_server):
 
 
 def test_random_weights_answer_valid_json_because_of_the_constraint(harmony_server):
-    """The GPT-OSS fixture's weights never make JSON on their own: the constraint does."""
+    """The GPT-OSS fixture's weights never make JSON on their own: the constraint does, from the
+    final channel on (the analysis channel before it stays free, as vLLM's reasoning parser
+    leaves it)."""
     client = make_client(harmony_server)
     messages = [{"role": "user", "content": "hello"}]
     free = client.chat.completions.create(model="gpt-oss-harmony", messages=messages,
@@ -395,6 +397,8 @@ def test_random_weights_answer_valid_json_because_of_the_constraint(harmony_serv
             max_tokens=300, response_format=JSON_SCHEMA_FORMAT)
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON_SCHEMA)
+        # The constraint applies from the final channel on: the reasoning before it is free.
+        assert reply.choices[0].message.reasoning_content, reply.choices[0].message
 
 
 def test_logit_bias_bans_and_forces_tokens(server):

@@ -278,6 +278,8 @@ impl GrammarCompiler {
             matcher,
             mask: None,
             vocab_size: self.vocab_size,
+            trigger: Vec::new(),
+            recent: Vec::new(),
         })
     }
 
@@ -292,6 +294,11 @@ pub struct Grammar {
     /// The allowed tokens of the next position, once computed.
     mask: Option<SimpleVob>,
     vocab_size: usize,
+    /// While not empty, the grammar sleeps until the sequence has generated these tokens in a
+    /// row (GPT-OSS's `<|channel|>final<|message|>`: the reasoning before it is free).
+    trigger: Vec<u32>,
+    /// The last tokens generated while asleep, at most the trigger's length.
+    recent: Vec<u32>,
 }
 
 impl Clone for Grammar {
@@ -301,6 +308,8 @@ impl Clone for Grammar {
             matcher: self.matcher.deep_clone(),
             mask: self.mask.clone(),
             vocab_size: self.vocab_size,
+            trigger: self.trigger.clone(),
+            recent: self.recent.clone(),
         }
     }
 }
@@ -315,8 +324,24 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
+    /// This grammar, applied only after the sequence has generated `trigger` (every token
+    /// allowed until then, the trigger's own included). An empty trigger applies it at once.
+    pub fn after(mut self, trigger: Vec<u32>) -> Grammar {
+        self.trigger = trigger;
+        self.recent.clear();
+        self
+    }
+
+    /// Whether the grammar is still waiting for its trigger.
+    pub fn is_asleep(&self) -> bool {
+        !self.trigger.is_empty()
+    }
+
     /// Computes the next position's mask (the costly part: run it off the forward's path).
     pub fn compute_mask(&mut self) -> Result<()> {
+        if self.is_asleep() {
+            return Ok(());
+        }
         let mask = self
             .matcher
             .compute_mask()
@@ -330,6 +355,9 @@ impl Grammar {
     /// Sets the logits of tokens the grammar forbids to -inf; computes the mask first when
     /// [`Grammar::compute_mask`] has not.
     pub fn apply_mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        if self.is_asleep() {
+            return Ok(());
+        }
         if self.mask.is_none() {
             self.compute_mask()?;
         }
@@ -346,6 +374,9 @@ impl Grammar {
 
     /// Whether the grammar allows `token` next (computes the mask when needed).
     pub fn allows(&mut self, token: u32) -> Result<bool> {
+        if self.is_asleep() {
+            return Ok(true);
+        }
         if self.mask.is_none() {
             self.compute_mask()?;
         }
@@ -357,6 +388,17 @@ impl Grammar {
 
     /// Advances by the sampled token; the next mask is stale until recomputed.
     pub fn accept(&mut self, token: u32) -> Result<()> {
+        if self.is_asleep() {
+            self.recent.push(token);
+            if self.recent.len() > self.trigger.len() {
+                self.recent.remove(0);
+            }
+            if self.recent == self.trigger {
+                self.trigger.clear();
+                self.recent.clear();
+            }
+            return Ok(());
+        }
         self.mask = None;
         self.matcher
             .consume_token(token)

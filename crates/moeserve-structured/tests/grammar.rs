@@ -217,3 +217,50 @@ fn invalid_constraints_are_errors_that_say_what() {
         }
     ));
 }
+
+/// A grammar applied `after` a trigger allows everything until the trigger has been generated
+/// (a near miss does not wake it), then constrains as it would from the start.
+#[test]
+fn a_grammar_after_a_trigger_sleeps_until_the_trigger_then_constrains() {
+    let (compiler, tok) = compiler();
+    let trigger = tok
+        .encode_with_special_tokens("<|channel|>final<|message|>")
+        .unwrap();
+    assert!(trigger.len() >= 3, "{trigger:?}");
+    let choice = StructuredOutput::new(GrammarSpec::Choice(vec!["yes".into(), "no".into()]));
+    let mut grammar = compiler.compile(&choice).unwrap().after(trigger.clone());
+    let vocab = compiler.vocab_size();
+    let allowed = |g: &mut moeserve_structured::Grammar| {
+        let mut logits = vec![0.0f32; vocab];
+        g.compute_mask().unwrap();
+        g.apply_mask(&mut logits).unwrap();
+        logits.iter().filter(|l| l.is_finite()).count()
+    };
+    // The reasoning first: free text, and a trigger broken off half-way.
+    let free = tok
+        .encode_with_special_tokens(
+            "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>",
+        )
+        .unwrap();
+    for &t in &free {
+        assert_eq!(allowed(&mut grammar), vocab);
+        assert!(grammar.allows(t).unwrap());
+        grammar.accept(t).unwrap();
+        assert!(!grammar.is_finished());
+    }
+    assert!(grammar.is_asleep());
+    for &t in &trigger[1..] {
+        grammar.accept(t).unwrap();
+    }
+    // Woken: only a choice's tokens now, and it ends with one.
+    assert!(!grammar.is_asleep());
+    assert!(allowed(&mut grammar) < vocab / 4);
+    for t in tok.encode("yes").unwrap() {
+        assert!(grammar.allows(t).unwrap());
+        grammar.accept(t).unwrap();
+    }
+    assert!(grammar.is_finished());
+    let no = tok.encode("n").unwrap()[0];
+    let mut fresh = compiler.compile(&choice).unwrap().after(trigger);
+    assert!(fresh.allows(no).unwrap() && fresh.clone().is_asleep());
+}

@@ -30,6 +30,9 @@ use crate::error::{ApiError, PostErrors};
 use crate::generation::{Generation, Target};
 use crate::state::AppState;
 
+/// Where GPT-OSS's answer begins: a response format constrains the reply from here.
+const FINAL_CHANNEL: &str = "<|channel|>final<|message|>";
+
 /// One message as sent: `content` is text or a list of text parts.
 #[derive(Clone, Debug, Deserialize, utoipa::ToSchema)]
 pub struct WireMessage {
@@ -426,7 +429,7 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     };
     let target = Target::new(&state)?;
     let tokenized = target.tokenize(Prompt::Chat(chat)).await?;
-    let grammar = target.compile_grammar(structured).await?;
+    let mut grammar = target.compile_grammar(structured).await?;
     // With no limit the answer may fill the context; a full prompt is refused by the engine.
     let max_tokens = request
         .max_completion_tokens
@@ -435,13 +438,21 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
     let defaults = state.sampling_defaults(target.assets());
     let params = fields.to_params_with(max_tokens, num_logprobs, &defaults)?;
     let strings = TokenStrings::new(target.assets().tokenizer.clone());
-    // A constrained reply is the constraint's text from its first token, without harmony's
-    // channel headers: it is all content.
+    // GPT-OSS reasons first: a response format applies from its final channel on (as vLLM's
+    // reasoning parser has it), and the reply is split by channels as any other. A tool
+    // constraint is the reply's text from its first token, without channel headers.
+    let tool_constrained = matches!(calls, Some(CallReader::Constrained(_)));
     let harmony = target
         .assets()
         .harmony
         .zip(target.assets().tokenizer.clone())
-        .filter(|_| grammar.is_none());
+        .filter(|_| grammar.is_none() || !tool_constrained);
+    if let (Some((_, tokenizer)), Some(g)) = (&harmony, grammar.take()) {
+        let trigger = tokenizer
+            .encode_with_special_tokens(FINAL_CHANNEL)
+            .map_err(|e| ApiError::Internal(format!("encoding {FINAL_CHANNEL}: {e}")))?;
+        grammar = Some(g.after(trigger));
+    }
     // GPT-OSS's calls are harmony messages, which only the harmony parser reads; the text
     // parsers read the other families' replies.
     let harmony_calls = matches!(calls, Some(CallReader::Parsed(ToolCallParser::Openai)));
