@@ -8,7 +8,9 @@ use std::ffi::{OsStr, OsString};
 use std::path::Path;
 
 use clap::parser::ValueSource;
-use clap::{Arg, ArgAction, ArgMatches, Command};
+use clap::{Arg, ArgAction, ArgMatches, Args, Command};
+
+use crate::cli::moe_args::MoeArgs;
 
 /// Flags that are about the file itself, not settings.
 const NOT_SETTINGS: [&str; 4] = ["config", "print_config", "help", "version"];
@@ -54,41 +56,35 @@ pub fn table_args(
     given: impl Fn(&str) -> bool,
 ) -> Result<Vec<OsString>, String> {
     let table: toml::Table = text.parse().map_err(|e: toml::de::Error| e.to_string())?;
-    let mut args = Vec::new();
+    // The MoE flags may also sit in a `[moe]` table, as older files have them.
+    let moe_flags = MoeArgs::augment_args(Command::new(MOE_TABLE));
+    let is_moe = |key: &str| moe_flags.get_arguments().any(|a| a.get_id() == key);
+    let mut entries = Vec::new();
     for (key, value) in &table {
         match value {
             toml::Value::Table(moe) if key == MOE_TABLE => {
                 for (key, value) in moe {
-                    let arg = setting(cmd, key)?;
-                    if !MOE_FLAGS.contains(&key.as_str()) {
+                    if !is_moe(key) {
                         return Err(format!(
                             "`{key}` is not a MoE setting: move it out of [moe]"
                         ));
                     }
-                    push_setting(cmd, arg, value, &given, &mut args)?;
+                    entries.push((key, value));
                 }
             }
-            _ => push_setting(cmd, setting(cmd, key)?, value, &given, &mut args)?,
+            _ => entries.push((key, value)),
         }
+    }
+    let mut args = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (key, value) in entries {
+        if !seen.insert(key.as_str()) {
+            return Err(format!("`{key}` is set twice (at the top and in [moe])"));
+        }
+        push_setting(cmd, setting(cmd, key)?, value, &given, &mut args)?;
     }
     Ok(args)
 }
-
-/// The MoE flags (`cli::moe_args`), accepted in a `[moe]` table too.
-const MOE_FLAGS: [&str; 12] = [
-    "capacity_factor",
-    "moe_overflow",
-    "expert_parallel_size",
-    "num_redundant_experts",
-    "expert_placement",
-    "load_window",
-    "rebalance_threshold",
-    "rebalance_interval",
-    "rebalance_min_gain",
-    "expert_copy_bytes_per_second",
-    "record_routing",
-    "expert_metrics",
-];
 
 fn setting<'c>(cmd: &'c Command, key: &str) -> Result<&'c Arg, String> {
     settings(cmd)

@@ -133,18 +133,17 @@ pub fn cached_snapshot(cache: &Path, id: &str, revision: &str) -> Option<PathBuf
             dir.join("config.json").is_file().then_some(dir)?
         }
     };
-    let weights = weight_files(&dir, |name| Some(dir.join(name)))?;
+    let weights = weight_files(&dir)?;
     weights.iter().all(|w| dir.join(w).is_file()).then_some(dir)
 }
 
-/// The safetensors files a model has: the index's shards (the index read through `fetch`),
-/// or the single file.
-fn weight_files(dir: &Path, fetch: impl Fn(&str) -> Option<PathBuf>) -> Option<Vec<String>> {
-    if !dir.join(INDEX).is_file() && dir.join(SINGLE).is_file() {
-        return Some(vec![SINGLE.to_string()]);
+/// The safetensors files a snapshot needs: its index and the index's shards, or the single
+/// file; `None` when it has neither.
+fn weight_files(dir: &Path) -> Option<Vec<String>> {
+    if dir.join(INDEX).is_file() {
+        return shards_of(&dir.join(INDEX)).ok();
     }
-    let index = fetch(INDEX)?;
-    shards_of(&index).ok()
+    dir.join(SINGLE).is_file().then(|| vec![SINGLE.to_string()])
 }
 
 /// The shard names of a `model.safetensors.index.json` (its `weight_map` values, sorted).

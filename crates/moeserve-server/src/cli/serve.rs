@@ -564,5 +564,8 @@ mod tests {
         let file = temp_config("[moe]\nport = 1");
         let err = resolve_args(&["x", "--config", file.path().to_str().unwrap()]).unwrap_err();
         assert!(err.to_string().contains("not a MoE setting"), "{err}");
+        let file = temp_config("capacity_factor = 1.5\n[moe]\ncapacity_factor = 2.0");
+        let err = resolve_args(&["x", "--config", file.path().to_str().unwrap()]).unwrap_err();
+        assert!(err.to_string().contains("set twice"), "{err}");
     }
 }
