@@ -6,6 +6,7 @@
 //! refused ([`unsupported`]). Each body is read twice, once as the endpoint's
 //! own fields and once as [`SamplingFields`], so both keep exact field paths in their errors.
 
+pub mod call_stream;
 pub mod chat;
 pub mod completions;
 pub mod logprobs;

@@ -4,8 +4,9 @@
 use moeserve_text::harmony::HarmonyCall;
 use moeserve_text::tokenizer::{SpecialTokens, Tokenizer};
 
+use super::call_stream::{CallStreamer, HermesStreamer};
 use super::chat::non_empty;
-use super::tools::{CallStreamer, ToolCall, ToolCallParser, ToolRequest, ToolStream};
+use super::tools::{ToolCall, ToolCallParser, ToolRequest, ToolStream};
 
 /// A harmony reply's calls as `tool_calls` when they are asked for; otherwise their text stays
 /// in the content, as it was before calls were told apart.
@@ -81,10 +82,11 @@ impl SpecialText {
 
 /// A tool request's reply while it streams. Under a constraint the reply is the calls: each
 /// goes out as it is written (its name, then its arguments piece by piece). Under `auto`,
-/// content goes out until the calls begin; then each call goes out whole as soon as it closes
-/// (`</tool_call>`, DeepSeek's call end; Mistral's list at the end of the reply). A later call
-/// that does not parse is dropped once earlier ones went out (unstreamed, such a reply is all
-/// content, as vLLM keeps it: a streamed call cannot be taken back).
+/// content goes out until the calls begin; then Hermes's calls stream as the constrained ones
+/// do (name, then arguments piece by piece), the other formats' each whole as soon as it
+/// closes (GLM-4.5's `</tool_call>`, DeepSeek's call end; Mistral's list at the end of the
+/// reply). A later call that does not parse is dropped once earlier ones went out (unstreamed,
+/// such a reply is all content, as vLLM keeps it: a streamed call cannot be taken back).
 pub(super) struct StreamedCalls {
     reader: CallReader,
     specials: SpecialText,
@@ -94,8 +96,10 @@ pub(super) struct StreamedCalls {
     constrained: Option<CallStreamer>,
     /// The parser's marker as one token (Mistral's special `[TOOL_CALLS]`).
     marker_token: Option<u32>,
-    /// Under `auto`: the call end as one token (DeepSeek's), the ends seen in the text so
-    /// far, and how many calls went out.
+    /// Under `auto` with Hermes's format: its calls as they are written.
+    hermes: Option<HermesStreamer>,
+    /// Under `auto` otherwise: the call end as one token (DeepSeek's), the ends seen in the
+    /// text so far, and how many calls went out.
     end_token: Option<u32>,
     ends_seen: usize,
     emitted: usize,
@@ -118,12 +122,15 @@ impl StreamedCalls {
             ),
             CallReader::Constrained(tools) => (None, CallStreamer::new(&tools.choice), None, None),
         };
+        let hermes = matches!(reader, CallReader::Parsed(ToolCallParser::Hermes))
+            .then(HermesStreamer::default);
         StreamedCalls {
             reader,
             specials,
             content,
             constrained,
             marker_token,
+            hermes,
             end_token,
             ends_seen: 0,
             emitted: 0,
@@ -164,6 +171,24 @@ impl StreamedCalls {
             None => String::new(),
         };
         let in_calls = self.content.as_ref().is_some_and(ToolStream::in_calls);
+        if let Some(hermes) = self.hermes.as_mut() {
+            let deltas = match self.text.find(ToolCallParser::Hermes.marker()) {
+                Some(at) if in_calls => hermes.push(&self.text[at..]),
+                _ => Vec::new(),
+            };
+            self.called = hermes.called();
+            if !last {
+                self.sent += now.len();
+                return (now, deltas);
+            }
+            match self.content.as_mut() {
+                Some(stream) if !in_calls => now.push_str(&stream.flush()),
+                // Nothing parsed: what was held back is content after all.
+                _ if !self.called => now = self.text[self.sent..].to_string(),
+                _ => {}
+            }
+            return (now, deltas);
+        }
         if !last {
             self.sent += now.len();
             let deltas = match in_calls && self.call_closed(token_id) {
@@ -247,41 +272,75 @@ mod tests {
         (content, deltas)
     }
 
+    /// Per call index: its name, its arguments put together, and the tokens of its first
+    /// and last entries.
+    fn calls_of(deltas: &[(usize, serde_json::Value)]) -> Vec<(String, String, usize, usize)> {
+        let mut calls: Vec<(String, String, usize, usize)> = Vec::new();
+        for (token, d) in deltas {
+            let index = d["index"].as_u64().unwrap() as usize;
+            if index == calls.len() {
+                let name = d["function"]["name"].as_str().unwrap().to_string();
+                assert!(d["id"].is_string(), "{d}");
+                calls.push((name, String::new(), *token, *token));
+            }
+            let call = &mut calls[index];
+            call.1
+                .push_str(d["function"]["arguments"].as_str().unwrap());
+            call.3 = *token;
+        }
+        calls
+    }
+
     #[test]
-    fn auto_calls_stream_one_by_one_as_each_closes() {
+    fn hermes_auto_calls_stream_their_name_then_their_arguments_piece_by_piece() {
         let first = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>";
         let second = "\n<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
         let reply = format!("Let me look.\n{first}{second}");
         let (content, deltas) = stream(ToolCallParser::Hermes, &reply);
         assert_eq!(content, "Let me look.\n");
+        let calls = calls_of(&deltas);
+        assert_eq!(calls.len(), 2, "{deltas:?}");
+        assert_eq!(
+            (calls[0].0.as_str(), calls[0].1.as_str()),
+            ("a", "{\"x\": 1}")
+        );
+        assert_eq!((calls[1].0.as_str(), calls[1].1.as_str()), ("b", "{}"));
+        // Piece by piece: the arguments took several entries, all before the second call.
+        let pieces = deltas.iter().filter(|(_, d)| d["index"] == 0).count();
+        assert!(pieces > 3, "{deltas:?}");
+        assert!(calls[0].3 < calls[1].2, "{calls:?}");
+        // The name went out as soon as it was written, long before the block closed.
+        let name_written = "Let me look.\n<tool_call>\n{\"name\": \"a\"".len() - 1;
+        assert_eq!(calls[0].2, name_written);
+    }
+
+    #[test]
+    fn glm_auto_calls_go_out_whole_as_each_closes() {
+        let first = "<tool_call>a\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>";
+        let second = "\n<tool_call>b\n</tool_call>";
+        let reply = format!("Let me look.\n{first}{second}");
+        let (content, deltas) = stream(ToolCallParser::Glm45, &reply);
+        assert_eq!(content, "Let me look.\n");
         assert_eq!(deltas.len(), 2, "{deltas:?}");
         // The first call went out at the token closing it, before the second began.
-        let closes_first = "Let me look.\n".len() + first.len() - 1;
-        assert_eq!(deltas[0].0, closes_first);
-        assert_eq!(deltas[0].1["index"], 0);
+        assert_eq!(deltas[0].0, "Let me look.\n".len() + first.len() - 1);
         assert_eq!(deltas[0].1["function"]["name"], "a");
         assert_eq!(deltas[0].1["function"]["arguments"], "{\"x\":1}");
         assert_eq!(
             (deltas[1].0, &deltas[1].1["index"]),
             (reply.len() - 1, &1.into())
         );
-        assert_eq!(deltas[1].1["function"]["name"], "b");
     }
 
     #[test]
-    fn an_unclosed_last_call_goes_out_at_the_end_and_no_call_is_content() {
+    fn an_unclosed_last_call_still_goes_out_and_no_call_is_content() {
         let reply = "<tool_call>{\"name\": \"a\", \"arguments\": {}}";
         let (content, deltas) = stream(ToolCallParser::Hermes, reply);
-        assert_eq!((content.as_str(), deltas.len()), ("", 1));
-        assert_eq!(deltas[0].0, reply.len() - 1);
+        assert_eq!(content, "");
+        assert_eq!(calls_of(&deltas)[0].1, "{}");
         // A marker with nothing that parses: all of it is content, as unstreamed.
         let reply = "So <tool_call> is a tag.";
         let (content, deltas) = stream(ToolCallParser::Hermes, reply);
         assert_eq!((content.as_str(), deltas.len()), (reply, 0));
-        // GLM-4.5's calls close with the same tag.
-        let reply = "<tool_call>get\n<arg_key>k</arg_key>\n<arg_value>1</arg_value>\n</tool_call>x";
-        let (_, deltas) = stream(ToolCallParser::Glm45, reply);
-        assert_eq!(deltas.len(), 1);
-        assert_eq!(deltas[0].0, reply.len() - 2, "{deltas:?}");
     }
 }

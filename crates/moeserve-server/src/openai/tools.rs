@@ -21,6 +21,7 @@ use moeserve_structured::{GrammarSpec, StructuredOutput};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::call_stream::call_spans;
 use crate::error::ApiError;
 
 /// `--tool-call-parser`.
@@ -423,7 +424,7 @@ impl ToolRequest {
             }
             ToolChoice::Required => {
                 let list: Vec<Value> = serde_json::from_str(text).ok()?;
-                let spans = call_spans(text);
+                let spans = call_spans(text, "parameters");
                 if spans.len() != list.len() {
                     return None;
                 }
@@ -511,6 +512,7 @@ impl ToolStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::openai::call_stream::CallStreamer;
 
     fn tools() -> Vec<ToolDef> {
         serde_json::from_value(json!([
@@ -718,162 +720,5 @@ mod tests {
         assert_eq!(s.push("a <b"), "a <b");
         assert_eq!(s.push("<"), "");
         assert_eq!(s.flush(), "<");
-    }
-}
-
-/// Streams the calls of a constrained reply (`required` or a named function) as OpenAI streams
-/// them: a call's first `delta.tool_calls` entry carries its `index`, `id`, `type` and name with
-/// empty arguments, the following ones the next pieces of its arguments' JSON text as the model
-/// writes them. The constraint guarantees the JSON's shape, so the text so far is scanned again
-/// at each piece (replies are short) and only what is new is sent.
-#[derive(Debug)]
-pub struct CallStreamer {
-    /// `Some(name)`: the whole reply is this function's arguments; `None`: a JSON array of
-    /// `{"name": …, "parameters": {…}}` (`required`).
-    named: Option<String>,
-    text: String,
-    /// Per call begun: its id and how much of its arguments text has gone out.
-    sent: Vec<(String, usize)>,
-}
-
-/// Where one call of a `required` reply is in its text.
-#[derive(Debug, Default, PartialEq)]
-struct CallSpan {
-    name: Option<String>,
-    /// The arguments value's byte range; the end is open while the value is being written.
-    args: Option<(usize, Option<usize>)>,
-}
-
-impl CallStreamer {
-    pub fn new(choice: &ToolChoice) -> Option<CallStreamer> {
-        let named = match choice {
-            ToolChoice::Named(name) => Some(name.clone()),
-            ToolChoice::Required => None,
-            ToolChoice::None | ToolChoice::Auto => return None,
-        };
-        Some(CallStreamer {
-            named,
-            text: String::new(),
-            sent: Vec::new(),
-        })
-    }
-
-    /// Whether any call has begun.
-    pub fn called(&self) -> bool {
-        !self.sent.is_empty()
-    }
-
-    /// The `delta.tool_calls` entries that `piece` (the reply's next text) adds.
-    pub fn push(&mut self, piece: &str) -> Vec<Value> {
-        self.text.push_str(piece);
-        let spans = match &self.named {
-            Some(name) => vec![CallSpan {
-                name: Some(name.clone()),
-                args: Some((0, None)),
-            }],
-            None => call_spans(&self.text),
-        };
-        let mut out = Vec::new();
-        for (index, span) in spans.iter().enumerate() {
-            let Some(name) = &span.name else { break };
-            if index == self.sent.len() {
-                let id = super::response_id("call");
-                out.push(json!({"index": index, "id": id, "type": "function",
-                                "function": {"name": name, "arguments": ""}}));
-                self.sent.push((id, 0));
-            }
-            let Some((start, end)) = span.args else {
-                continue;
-            };
-            let end = end.unwrap_or(self.text.len());
-            let sent = &mut self.sent[index].1;
-            let from = start + *sent;
-            if end > from {
-                out.push(json!({"index": index, "function": {"arguments": &self.text[from..end]}}));
-                *sent = end - start;
-            }
-        }
-        out
-    }
-}
-
-/// The calls of a (possibly unfinished) `[{"name": …, "parameters": …}, …]` text.
-fn call_spans(text: &str) -> Vec<CallSpan> {
-    let mut spans: Vec<CallSpan> = Vec::new();
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    // Inside a call's object: the last key, whether a key (vs a value) comes next, and where
-    // the current string began.
-    let (mut key, mut key_next, mut string_start) = (String::new(), true, 0);
-    let mut value_start: Option<usize> = None;
-    for (i, c) in text.char_indices() {
-        if in_string {
-            match (escaped, c) {
-                (true, _) => escaped = false,
-                (false, '\\') => escaped = true,
-                (false, '"') => {
-                    in_string = false;
-                    if depth == 2 && value_start.is_none() {
-                        let s = &text[string_start + 1..i];
-                        if key_next {
-                            key = s.to_string();
-                        } else if key == "name"
-                            && let Some(span) = spans.last_mut()
-                        {
-                            span.name = serde_json::from_str(&text[string_start..=i]).ok();
-                        }
-                    }
-                }
-                _ => {}
-            }
-            continue;
-        }
-        // A value at the call's level begins with its first character after the colon.
-        if depth == 2
-            && !key_next
-            && value_start.is_none()
-            && !c.is_whitespace()
-            && key == "parameters"
-        {
-            value_start = Some(i);
-            if let Some(span) = spans.last_mut() {
-                span.args = Some((i, None));
-            }
-        }
-        match c {
-            '"' => {
-                in_string = true;
-                string_start = i;
-            }
-            '{' | '[' => {
-                depth += 1;
-                if depth == 2 && c == '{' {
-                    spans.push(CallSpan::default());
-                    key_next = true;
-                }
-            }
-            '}' | ']' => {
-                if depth == 2 {
-                    close_value(&mut spans, &mut value_start, text, i);
-                }
-                depth = depth.saturating_sub(1);
-            }
-            ':' if depth == 2 => key_next = false,
-            ',' if depth == 2 => {
-                close_value(&mut spans, &mut value_start, text, i);
-                key_next = true;
-            }
-            _ => {}
-        }
-    }
-    spans
-}
-
-/// Ends the arguments value that was being written at byte `at` (trailing space left out).
-fn close_value(spans: &mut [CallSpan], value_start: &mut Option<usize>, text: &str, at: usize) {
-    if let Some(start) = value_start.take()
-        && let Some(span) = spans.last_mut()
-    {
-        let end = start + text[start..at].trim_end().len();
-        span.args = Some((start, Some(end)));
     }
 }
