@@ -171,8 +171,14 @@ impl StreamedCalls {
             None => String::new(),
         };
         let in_calls = self.content.as_ref().is_some_and(ToolStream::in_calls);
+        let marker_at = self.text.find(ToolCallParser::Hermes.marker());
+        if in_calls && marker_at.is_none() {
+            // The tags are special tokens of this tokenizer, absent from the text: each call
+            // goes out whole as it closes, read from the text with its special tokens.
+            self.hermes = None;
+        }
         if let Some(hermes) = self.hermes.as_mut() {
-            let deltas = match self.text.find(ToolCallParser::Hermes.marker()) {
+            let deltas = match marker_at {
                 Some(at) if in_calls => hermes.push(&self.text[at..]),
                 _ => Vec::new(),
             };
