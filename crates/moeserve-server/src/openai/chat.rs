@@ -447,7 +447,10 @@ pub async fn create(State(state): State<AppState>, body: JsonBody) -> Result<Res
         .harmony
         .zip(target.assets().tokenizer.clone())
         .filter(|_| grammar.is_none() || !tool_constrained);
-    if let (Some((_, tokenizer)), Some(g)) = (&harmony, grammar.take()) {
+    // (A let chain: the grammar is taken only for a harmony reply.)
+    if let Some((_, tokenizer)) = &harmony
+        && let Some(g) = grammar.take()
+    {
         let trigger = tokenizer
             .encode_with_special_tokens(FINAL_CHANNEL)
             .map_err(|e| ApiError::Internal(format!("encoding {FINAL_CHANNEL}: {e}")))?;
