@@ -13,7 +13,10 @@
 # Environment: PEER_PYTHON — a python with llama_cpp, gguf and numpy (default: a venv made under
 # target/peer-venv with llama-cpp-python==0.3.36, which compiles llama.cpp: needs cmake and a
 # C++ compiler, about 10 minutes on 2 cores); THREADS (default: all cores); QUANT=int8 compares
-# moeserve's `--quantization int8` with llama.cpp's Q8_0 instead of bf16 with bf16.
+# moeserve's `--quantization int8` with llama.cpp's Q8_0 instead of bf16 with bf16; QUANT=q4
+# compares a GPTQ int4 checkpoint that `moeserve quantize --bits 4 --group-size 128` makes of
+# the preset (kept as models/PRESET-gptq-int4) with llama.cpp's Q4_K_M of the same bf16 weights
+# (bench/peers/quantize_gguf.py: llama.cpp's own quantizer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prompt_len=${1:-128}; output_len=${2:-64}; rounds=${3:-3}
@@ -28,7 +31,8 @@ fi
 case ${QUANT:-bf16} in
     bf16) gguf_type=bf16; ours=(--quantization none) ;;
     int8) gguf_type=q8_0; ours=(--quantization int8) ;;
-    *) echo "QUANT must be bf16 or int8" >&2; exit 2 ;;
+    q4) gguf_type=q4_k_m; ours=(--quantization none) ;;
+    *) echo "QUANT must be bf16, int8 or q4" >&2; exit 2 ;;
 esac
 mkdir -p target/peers
 if [[ $preset = gpt-oss-* ]]; then
@@ -47,6 +51,19 @@ if [[ $preset = gpt-oss-* ]]; then
             "$gguf.tmp"
         mv "$gguf.tmp" "$gguf"
     fi
+elif [[ $gguf_type = q4_k_m ]]; then
+    weights="moeserve GPTQ int4 (group 128) / llama.cpp Q4_K_M"
+    gguf=target/peers/$preset-q4_k_m.gguf
+    if [[ ! -f $gguf ]]; then
+        bf16=target/peers/$preset-bf16.gguf
+        [[ -f $bf16 ]] || { "$py" bench/peers/export_gguf.py "$model" "$bf16.tmp" && mv "$bf16.tmp" "$bf16"; }
+        "$py" bench/peers/quantize_gguf.py "$bf16" "$gguf.tmp" q4_k_m "$threads"
+        mv "$gguf.tmp" "$gguf"
+    fi
+    quantized=models/$preset-gptq-int4
+    [[ -f $quantized/config.json ]] || "$bin" quantize --model "$model" --out "$quantized" \
+        --bits 4 --group-size 128 --threads "$threads"
+    model=$quantized
 else
     weights=$([[ $gguf_type = bf16 ]] && echo bf16 || echo "moeserve int8 / llama.cpp Q8_0")
     gguf=target/peers/$preset-$gguf_type.gguf

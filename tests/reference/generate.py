@@ -21,7 +21,9 @@ What it makes (the file formats are a contract with the Rust tests):
      explicit head_dim, dense + sparse layers; qwen3-moe-fused stores the experts as the
      fused 3-D module tensors), Qwen2-MoE (q/k/v biases, gated shared expert, dense layer)
      and OLMoE (q/k norm over the flat projections, clip_qkv) checkpoints, in set A's layout
-     with the dense layers and term ablations in manifest.json. See moe_family_cases.py.
+     with the dense layers and term ablations in manifest.json; GLM-4.5, DeepSeek-V2/V3 (and
+     V3 as FP8 blocks), Qwen3-MoE as a GPTQ int4 checkpoint (act-order, asymmetric, groups of
+     32) and Qwen2-MoE as an AWQ one (int4_formats.py). See moe_family_cases.py.
   G. gpt-oss/  a tiny random GPT-OSS (attention sinks, alternating sliding and full layers,
      YaRN, biased router and experts with the clamped SwiGLU), and gpt-oss-mxfp4/, the same
      weights with MXFP4 experts as released. See gpt_oss_cases.py. And gpt-oss-harmony/, a
@@ -33,6 +35,7 @@ How to run (from the repository root, CPU only, ~5 minutes):
     python -m venv .venv-ref && .venv-ref/bin/pip install -r tests/reference/requirements.txt
     .venv-ref/bin/python tests/reference/generate.py            # everything
     .venv-ref/bin/python tests/reference/generate.py --only mixtral gguf-blocks moe-families
+    .venv-ref/bin/python tests/reference/generate.py --only moe-families --cases qwen3-moe-gptq
 
 Determinism: every RNG is seeded, torch runs single-threaded with
 torch.use_deterministic_algorithms(True), JSON is written with a stable layout
@@ -60,6 +63,9 @@ SECTIONS = ("mixtral", "llama-tiny-gguf", "gguf-blocks", "smolmoe-demo", "smolmo
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to regenerate")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="NAME", help="within moe-families, only these fixtures (the others stay as made)"
+    )
     return parser.parse_args(argv)
 
 
@@ -101,7 +107,8 @@ def main(argv: list[str]) -> int:
             import moe_family_cases  # noqa: PLC0415
 
             for case in moe_family_cases.CASES:
-                moe_family_cases.generate_case(case, FIXTURES_DIR, provenance)
+                if args.cases is None or case.name in args.cases:
+                    moe_family_cases.generate_case(case, FIXTURES_DIR, provenance)
         elif section == "gpt-oss":
             import gpt_oss_cases  # noqa: PLC0415
 

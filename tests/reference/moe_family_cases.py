@@ -2,7 +2,7 @@
 float32 references.
 
 Owns fixture set F: tests/fixtures/{qwen3-moe,qwen3-moe-fused,qwen2-moe,olmoe,qwen3-moe-yarn,glm4-moe,
-deepseek-v2-lite,deepseek-v2,deepseek-v3}/, each in
+deepseek-v2-lite,deepseek-v2,deepseek-v3,deepseek-v3-fp8,qwen3-moe-gptq,qwen2-moe-awq}/, each in
 the mixtral-* layout (config.json, generation_config.json, model.safetensors,
 reference.json, expected.safetensors, manifest.json; see mixtral_cases.py, whose
 helpers it reuses). Follows transformers 5.24's
@@ -39,6 +39,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from int4_formats import Int4Scheme, int4_checkpoint, int4_config, int4_dequantized, int4_worst_error
 from mixtral_cases import (
     capture_forward,
     EOS_TOKEN_ID,
@@ -133,6 +134,10 @@ class FamilyCase:
     # embeddings, lm_head and the routers stored as float8_e4m3fn with a float32
     # `weight_scale_inv` per (rows, cols) block; the reference runs on the dequantised weights.
     fp8_block: tuple[int, int] | None = None
+    # GPTQ / AWQ int4 checkpoints (int4_formats.py): the decoder layers' linear weights stored as
+    # packed 4-bit words with per-group scales and zero points; the reference runs on the
+    # dequantised weights.
+    int4: Int4Scheme | None = None
 
     @property
     def mla(self) -> bool:
@@ -245,6 +250,23 @@ CASES = (
         norm_topk_prob=True, tied=False, config_style="legacy", rms_norm_eps=1e-6, base_seed=13000,
         first_k_dense=1, n_shared=1, n_group=4, topk_group=2, routed_scaling=2.5, q_lora_rank=48,
         kv_lora_rank=32, qk_nope=16, qk_rope=16, v_head=24, rope_interleave=True, fp8_block=(32, 32),
+    ),
+    FamilyCase(
+        # Qwen3-MoE as its GPTQ-Int4 releases ship: attention and experts in int4, asymmetric,
+        # groups of 32 (down_proj's 48 inputs end in a partial group) over act-order's permuted
+        # inputs (g_idx), v1 zero points; routers, embeddings and lm_head in f16.
+        name="qwen3-moe-gptq", family="qwen3_moe", dtype=torch.float16, hidden=64, heads=4, kv_heads=2,
+        head_dim=24, layers=3, experts=8, top_k=2, expert_intermediate=48, dense_intermediate=128,
+        mlp_only_layers=(1,), norm_topk_prob=True, tied=False, config_style="legacy", rms_norm_eps=1e-6,
+        base_seed=14000, int4=Int4Scheme("gptq", 32, desc_act=True, sym=False),
+    ),
+    FamilyCase(
+        # Qwen2-MoE in AWQ's GEMM packing, groups of 32: the shared expert too; its one-output
+        # gate, the routers, embeddings and lm_head stay f16.
+        name="qwen2-moe-awq", family="qwen2_moe", dtype=torch.float16, hidden=64, heads=4, kv_heads=2,
+        head_dim=24, layers=3, experts=12, top_k=3, expert_intermediate=32, dense_intermediate=128,
+        shared_intermediate=96, mlp_only_layers=(0,), norm_topk_prob=False, tied=False, config_style="legacy",
+        rms_norm_eps=1e-6, base_seed=15000, int4=Int4Scheme("awq", 32),
     ),
 )
 
@@ -474,7 +496,9 @@ def fp8_checkpoint(case: FamilyCase, hub: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def dequantized(case: FamilyCase, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The float weights an FP8 checkpoint stands for (the stored tensors otherwise)."""
+    """The float weights an FP8 or int4 checkpoint stands for (the stored tensors otherwise)."""
+    if case.int4 is not None:
+        return int4_dequantized(case.int4, stored)
     if case.fp8_block is None:
         return stored
     return {
@@ -510,6 +534,8 @@ def attempt(case: FamilyCase, seed: int):
     stored = fuse_experts(case, hub) if case.fused_experts else hub
     if case.fp8_block is not None:
         stored = fp8_checkpoint(case, stored)
+    if case.int4 is not None:
+        stored = int4_checkpoint(case.int4, stored, seed)
     model = build_model(case, stored)
     results, greedy_margin, router_gap = run_references(model, seed, case.top_k)
     if case.family in SIGMOID_ROUTER or case.topk_method == "group_limited_greedy":
@@ -536,6 +562,8 @@ def config_json(case: FamilyCase) -> dict:
             "quant_method": "fp8",
             "weight_block_size": list(case.fp8_block),
         }
+    if case.int4 is not None:  # as GPTQModel / optimum and AutoAWQ write it
+        config["quantization_config"] = int4_config(case.int4)
     if case.mla and case.config_style != "parameters" and case.rope is not None:
         # The hub's DeepSeek configs say YaRN as `rope_scaling` with "type".
         scaling = {k: v for k, v in case.rope.items() if k != "rope_type"}
@@ -598,6 +626,14 @@ def verify_checkpoint(case: FamilyCase, out: Path, stored, model, results, *, hu
         )
         if worst > 1 / 16:  # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of a value
             raise RuntimeError(f"{case.name}: FP8 dequantisation is off by {worst} of a block's range")
+        return False
+    if case.int4 is not None:
+        # transformers loads GPTQ / AWQ through gptqmodel / autoawq, which need an accelerator
+        # or a kernel build; the reference model was built from the dequantised weights above,
+        # checked here to be within a step of the float ones.
+        worst = int4_worst_error(case.int4, stored, hub)
+        if worst > 1.0:
+            raise RuntimeError(f"{case.name}: int4 dequantisation is off by {worst} steps")
         return False
     model_cls = FAMILIES[case.family][1]
     reloaded, info = model_cls.from_pretrained(
@@ -1065,7 +1101,7 @@ def generate_case(case: FamilyCase, fixtures: Path, provenance: dict) -> dict:
         raise RuntimeError(f"{case.name}: no seed gave decisive margins")
     write_checkpoint(case, out, stored)
     names_match = verify_checkpoint(case, out, stored, model, results, hub=hub)
-    if not names_match and not case.fused_experts and case.fp8_block is None:
+    if not names_match and not case.fused_experts and case.fp8_block is None and case.int4 is None:
         raise RuntimeError(f"{case.name}: save_pretrained does not write the checkpoint's names")
     write_json(out / "reference.json", {"case": case.name, "prompts": [r.as_reference() for r in results]})
     expected_ids = results[EXPECTED_PROMPT_INDEX].prompt_ids
@@ -1086,11 +1122,17 @@ def generate_case(case: FamilyCase, fixtures: Path, provenance: dict) -> dict:
         "experts_implementation": model.config._experts_implementation,  # noqa: SLF001 - transformers' default
         "expert_layout": "fused module names" if case.fused_experts else "per-expert hub names",
         "save_pretrained_names_equal_checkpoint": names_match,
-        "from_pretrained_logits_identical": case.fp8_block is None,  # FP8: not reloadable on a CPU
+        # FP8, GPTQ and AWQ: not reloadable through transformers on a CPU without their kernels
+        "from_pretrained_logits_identical": case.fp8_block is None and case.int4 is None,
         **({} if case.fp8_block is None else {
             "fp8_weight_block_size": list(case.fp8_block),
             "fp8_matrices": sum(t.dtype == torch.float8_e4m3fn for t in stored.values()),
             "reference_weights": "the FP8 values times their block scales, in float32",
+        }),
+        **({} if case.int4 is None else {
+            "int4": dataclasses.asdict(case.int4),
+            "int4_matrices": sum(name.endswith(".qweight") for name in stored),
+            "reference_weights": "(q - zero) * scale of the unpacked words, in float32",
         }),
         "dense_layers": case.dense_layers,
         "sparse_layers": [i for i in range(case.layers) if i not in case.dense_layers],

@@ -6,10 +6,13 @@
 //!
 //! `STREAM_BYTES=N` sets the total size of the matrices (default 1 GiB); `STREAM_BYTES=1` runs
 //! one matrix over and over (7 MiB, from the caches): the kernel's speed without DRAM.
+//! `STREAM_DTYPE=int4` streams GPTQ-style int4 matrices (groups of 128) of the same total size
+//! in their own bytes instead of bf16.
 
 use std::time::Instant;
 
 use half::bf16;
+use moeserve_backend::cpu::int4::{GroupOf, Int4Panels, Int4Source};
 use moeserve_backend::cpu::{matmul_wt, probe};
 use moeserve_backend::{Weight, WeightBytes};
 use moeserve_core::DType;
@@ -24,18 +27,29 @@ fn main() {
     let total: usize = std::env::var("STREAM_BYTES")
         .ok()
         .map_or(1 << 30, |v| v.parse().unwrap());
-    let count = (total / (n * k * 2)).max(1);
+    let int4 = std::env::var("STREAM_DTYPE").is_ok_and(|d| d == "int4");
+    let count = (total / (n * k * if int4 { 1 } else { 4 } / 2)).max(1);
     let weights: Vec<Weight> = (0..count)
         .map(|j| {
-            let bytes: Vec<u8> = (0..n * k)
-                .flat_map(|i| bf16::from_f32(((i + j) % 251) as f32 * 1e-3).to_le_bytes())
-                .collect();
-            let w = Weight::new(DType::BF16, vec![n, k], WeightBytes::owned(&bytes)).unwrap();
+            let w = if int4 {
+                let src = Int4Source {
+                    code: |r: usize, p: usize| ((r + p + j) % 16) as u8,
+                    scale: |g: usize, r: usize| ((g + r) % 7) as f32 * 1e-3,
+                    zero: |_: usize, _: usize| 8,
+                };
+                let groups = k / 128;
+                Weight::int4(Int4Panels::new((n, k), groups, GroupOf::Runs(128), src).unwrap())
+            } else {
+                let bytes: Vec<u8> = (0..n * k)
+                    .flat_map(|i| bf16::from_f32(((i + j) % 251) as f32 * 1e-3).to_le_bytes())
+                    .collect();
+                Weight::new(DType::BF16, vec![n, k], WeightBytes::owned(&bytes)).unwrap()
+            };
             w.packed();
             w
         })
         .collect();
-    let bytes = (count * n * k * 2) as f64;
+    let bytes = weights.iter().map(Weight::kernel_bytes).sum::<usize>() as f64;
     for m in ms {
         let x = vec![0.01f32; m * k];
         let mut out = vec![0.0f32; m * n];

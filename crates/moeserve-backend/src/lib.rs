@@ -35,6 +35,9 @@ pub enum BackendError {
     Fp8Scales { message: String },
     #[error("MXFP4 weight: {message}")]
     Mxfp4 { message: String },
+    /// An int4 (GPTQ / AWQ) weight that is not whole.
+    #[error("int4 weight: {message}")]
+    Int4 { message: String },
     /// A weight whose panels are its only copy asked for what needs its rows.
     #[error("prepacked weight: {message}")]
     Prepacked { message: String },

@@ -12,6 +12,7 @@ use moeserve_core::DType;
 
 use crate::cpu::WeightQuantization;
 use crate::cpu::fp8::{BlockScales, E4m3};
+use crate::cpu::int4::Int4Panels;
 use crate::cpu::mxfp4::Mxfp4Panels;
 use crate::cpu::packed::PackedWeight;
 use crate::cpu::quant::Int8Rows;
@@ -67,6 +68,8 @@ pub struct Weight {
     /// An MXFP4 matrix's panels, its only copy (set exactly when the dtype is `Mxfp4`; the
     /// bytes are then empty and `packed` holds the same panels).
     mxfp4: Option<Arc<Mxfp4Panels>>,
+    /// A GPTQ / AWQ int4 matrix's panels, likewise its only copy (dtype `Int4`).
+    int4: Option<Arc<Int4Panels>>,
     /// Packed at load from a layout the kernels cannot read ([`Weight::prepacked`]): the
     /// bytes are empty and the panels are the only copy.
     prepacked: bool,
@@ -89,6 +92,11 @@ impl Weight {
         if dtype == DType::Mxfp4 {
             return Err(BackendError::Mxfp4 {
                 message: format!("an MXFP4 tensor {shape:?} is made by Weight::mxfp4"),
+            });
+        }
+        if dtype == DType::Int4 {
+            return Err(BackendError::Int4 {
+                message: format!("an int4 tensor {shape:?} is made by Weight::int4"),
             });
         }
         Self::new_unchecked(dtype, shape, bytes)
@@ -131,6 +139,26 @@ impl Weight {
             int8: None,
             block_scales: None,
             mxfp4: Some(panels),
+            int4: None,
+            prepacked: false,
+        }
+    }
+
+    /// A GPTQ or AWQ int4 matrix, already in its panels (unpacked from the checkpoint's words
+    /// at load): 4 bits per weight plus its groups' scales, and no other copy. `--quantization`
+    /// leaves it as it is.
+    pub fn int4(panels: Int4Panels) -> Self {
+        let panels = Arc::new(panels);
+        Weight {
+            dtype: DType::Int4,
+            shape: panels.shape().to_vec(),
+            bytes: WeightBytes::owned(&[]),
+            packed: Arc::new(OnceLock::from(PackedWeight::Int4(panels.clone()))),
+            quantizable: false,
+            int8: None,
+            block_scales: None,
+            mxfp4: None,
+            int4: Some(panels),
             prepacked: false,
         }
     }
@@ -159,6 +187,7 @@ impl Weight {
             int8: None,
             block_scales: None,
             mxfp4: None,
+            int4: None,
             prepacked: true,
         })
     }
@@ -195,6 +224,7 @@ impl Weight {
             int8: None,
             block_scales: None,
             mxfp4: None,
+            int4: None,
             prepacked: false,
         })
     }
@@ -222,6 +252,9 @@ impl Weight {
 
     /// The stored bytes (an MXFP4 matrix's: its panels' codes and scales).
     pub fn size_in_bytes(&self) -> usize {
+        if let Some(p) = &self.int4 {
+            return p.size_in_bytes();
+        }
         match &self.mxfp4 {
             Some(p) => p.size_in_bytes(),
             None if self.prepacked => self.packed().size_in_bytes(),
@@ -255,6 +288,9 @@ impl Weight {
             DType::Mxfp4 => {
                 WeightData::Mxfp4(self.mxfp4.as_deref().expect("MXFP4 weights have panels"))
             }
+            DType::Int4 => {
+                WeightData::Int4(self.int4.as_deref().expect("int4 weights have panels"))
+            }
         }
     }
 
@@ -264,6 +300,9 @@ impl Weight {
     pub fn deep_copy(&self) -> Self {
         if let Some(p) = &self.mxfp4 {
             return Weight::mxfp4((**p).clone());
+        }
+        if let Some(p) = &self.int4 {
+            return Weight::int4((**p).clone());
         }
         if self.prepacked {
             return Weight {
@@ -360,6 +399,7 @@ impl Weight {
             WeightData::BF16(v) => v[i].to_f32(),
             WeightData::F8E4M3(v, s) => v[i].to_f32() * s.at(i / s.k, i % s.k),
             WeightData::Mxfp4(p) => p.value(i / p.shape()[1], i % p.shape()[1]),
+            WeightData::Int4(p) => p.value(i / p.shape()[1], i % p.shape()[1]),
         }
     }
 
@@ -396,6 +436,8 @@ pub enum WeightData<'a> {
     F8E4M3(&'a [E4m3], &'a BlockScales),
     /// MXFP4 matrix, in its panels.
     Mxfp4(&'a Mxfp4Panels),
+    /// GPTQ / AWQ int4 matrix, in its panels.
+    Int4(&'a Int4Panels),
 }
 
 impl WeightData<'_> {
@@ -406,6 +448,7 @@ impl WeightData<'_> {
             WeightData::BF16(v) => v.len(),
             WeightData::F8E4M3(v, _) => v.len(),
             WeightData::Mxfp4(p) => p.shape().iter().product(),
+            WeightData::Int4(p) => p.shape().iter().product(),
         }
     }
 

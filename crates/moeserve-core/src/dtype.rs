@@ -16,10 +16,15 @@ pub enum DType {
     /// gpt-oss release's experts). Never a plain tensor's type: checkpoints store it as u8
     /// blocks and scales, and the weights hold it in the kernels' panels.
     Mxfp4,
+    /// 4-bit integers with a scale and zero point per group of input positions (GPTQ and AWQ
+    /// checkpoints). Never a plain tensor's type: checkpoints pack it into i32 words beside
+    /// its scales and zeros, and the weights hold it in the kernels' panels.
+    Int4,
 }
 
 impl DType {
-    /// Bytes per element, for the types plain tensors have (not [`DType::Mxfp4`]).
+    /// Bytes per element, for the types plain tensors have (not [`DType::Mxfp4`] or
+    /// [`DType::Int4`]).
     pub fn size_in_bytes(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -28,6 +33,10 @@ impl DType {
             DType::Mxfp4 => unreachable!(
                 "MXFP4 elements are half a byte and their scales lie apart: size such a weight \
                  by its blocks (Weight::size_in_bytes)"
+            ),
+            DType::Int4 => unreachable!(
+                "int4 elements are half a byte and their group scales lie apart: size such a \
+                 weight by its panels (Weight::size_in_bytes)"
             ),
         }
     }
@@ -41,6 +50,8 @@ impl DType {
             DType::F8E4M3 => "F8_E4M3",
             // As its blocks are stored.
             DType::Mxfp4 => "U8",
+            // As GPTQ and AWQ pack it.
+            DType::Int4 => "I32",
         }
     }
 
@@ -65,6 +76,7 @@ impl std::fmt::Display for DType {
             DType::BF16 => "bfloat16",
             DType::F8E4M3 => "float8_e4m3fn",
             DType::Mxfp4 => "mxfp4",
+            DType::Int4 => "int4",
         })
     }
 }

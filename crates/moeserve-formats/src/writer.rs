@@ -297,6 +297,8 @@ fn safetensors_dtype(dtype: DType) -> Dtype {
         DType::F8E4M3 => Dtype::F8_E4M3,
         // Its `*_blocks` and `*_scales` tensors ([`encode`]).
         DType::Mxfp4 => Dtype::U8,
+        // GPTQ's and AWQ's packed words.
+        DType::Int4 => Dtype::I32,
     }
 }
 
@@ -396,6 +398,7 @@ fn scaled(mut value: f64, units: &[&str]) -> String {
 pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     let width = match dtype {
         DType::Mxfp4 => 1,
+        DType::Int4 => unreachable!("int4 weights are not written from f32 values"),
         other => other.size_in_bytes(),
     };
     let mut out = vec![0u8; values.len() * width];
@@ -428,6 +431,7 @@ pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
                 *d = v as u8;
             }
         }
+        DType::Int4 => unreachable!("int4 weights are not written from f32 values"),
     };
     if values.len() <= CHUNK {
         encode_chunk(values, &mut out);

@@ -8,6 +8,11 @@
 //! [rows, cols]}`, DeepSeek-V3/R1 and the Qwen3 FP8 releases) store a matrix as `F8_E4M3`
 //! `{name}.weight` beside its f32 `{name}.weight_scale_inv` (one scale per block, the factor to
 //! multiply by); such a matrix loads as an FP8 [`Weight`] that the kernels widen as they go.
+//!
+//! GPTQ and AWQ int4 checkpoints store a quantized layer as packed words, zero points and
+//! scales instead of `{name}.weight`; such a matrix loads as int4 panels (`int4.rs`).
+
+mod int4;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -23,6 +28,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::{ModelError, Result};
+pub use int4::Int4Format;
 
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -46,6 +52,8 @@ pub struct Checkpoint {
     as_stored: bool,
     /// `quantization_config.weight_block_size` of an FP8 checkpoint's config.json.
     fp8_block: Option<[usize; 2]>,
+    /// The int4 format of a GPTQ or AWQ checkpoint's config.json.
+    int4: Option<Int4Format>,
 }
 
 impl Checkpoint {
@@ -68,6 +76,7 @@ impl Checkpoint {
             tensors: HashMap::new(),
             as_stored: false,
             fp8_block: fp8_block_size(dir)?,
+            int4: int4_format(dir)?,
         };
         for name in file_names {
             checkpoint.add_file(&dir.join(name))?;
@@ -126,7 +135,8 @@ impl Checkpoint {
     /// `[n, k / 64]`); `None` when the checkpoint has no `{prefix}.qweight`.
     pub fn int8_rows(&self, prefix: &str, n: usize, k: usize) -> Result<Option<Int8Rows>> {
         let qweight = format!("{prefix}.qweight");
-        if self.as_stored || !self.tensors.contains_key(&qweight) {
+        // A GPTQ / AWQ checkpoint's `qweight` is its int4 words, not these rows.
+        if self.as_stored || self.int4.is_some() || !self.tensors.contains_key(&qweight) {
             return Ok(None);
         }
         let groups = k.div_ceil(GROUP);
@@ -184,8 +194,14 @@ impl Checkpoint {
         Ok(&self.files[entry.file].1[entry.start..entry.end])
     }
 
+    /// Whether the checkpoint has tensor `name`, or (`{prefix}.weight` of a GPTQ or AWQ
+    /// checkpoint) the int4 layer that stands for it.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+            || (self.int4.is_some()
+                && name
+                    .strip_suffix(".weight")
+                    .is_some_and(|prefix| self.tensors.contains_key(&format!("{prefix}.qweight"))))
     }
 
     pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
@@ -197,8 +213,12 @@ impl Checkpoint {
         self.tensors.get(name).map(|t| t.shape.as_slice())
     }
 
-    /// The tensor `name`, checked to have `expected_shape` and a float dtype; zero-copy.
+    /// The tensor `name`, checked to have `expected_shape` and a float dtype; zero-copy. In a
+    /// GPTQ or AWQ checkpoint, a quantized layer's `{prefix}.weight` is its int4 matrix.
     pub fn weight(&self, name: &str, expected_shape: &[usize]) -> Result<Weight> {
+        if let Some(weight) = self.int4_weight(name, expected_shape)? {
+            return Ok(weight);
+        }
         let int8_prefix = name.strip_suffix(".weight");
         self.weight_view(name, expected_shape, (0, expected_shape), int8_prefix)
     }
@@ -500,6 +520,18 @@ fn fp8_block_size(dir: &Path) -> Result<Option<[usize; 2]>> {
             "quantization_config.weight_block_size must be [rows, cols] (per-tensor FP8 is not \
              supported; the block checkpoints of DeepSeek-V3 and Qwen3 are)",
         ),
+    }
+}
+
+/// The int4 format `dir/config.json` names (GPTQ, AWQ), if any.
+fn int4_format(dir: &Path) -> Result<Option<Int4Format>> {
+    let path = dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    match serde_json::from_str::<Value>(&text) {
+        Ok(config) => Int4Format::from_config(&path, &config),
+        Err(_) => Ok(None),
     }
 }
 

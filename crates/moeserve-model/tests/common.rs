@@ -24,8 +24,9 @@ pub const MIXTRAL_CASES: [&str; 4] = [
 /// YaRN, DeepSeek-V3's sigmoid router on GQA (GLM-4.5), multi-head latent attention with
 /// DeepSeek-V2's and V3's routers, V3 as an FP8 block checkpoint, and GPT-OSS (attention
 /// sinks, alternating sliding and full layers, biased router and clamped, biased experts), in
-/// bf16 and with the release's MXFP4 experts.
-pub const FAMILY_CASES: [&str; 12] = [
+/// bf16 and with the release's MXFP4 experts, and int4 checkpoints: Qwen3-MoE in GPTQ's format
+/// (act-order, asymmetric) and Qwen2-MoE in AWQ's.
+pub const FAMILY_CASES: [&str; 14] = [
     "qwen3-moe",
     "qwen3-moe-fused",
     "qwen3-moe-yarn",
@@ -38,6 +39,8 @@ pub const FAMILY_CASES: [&str; 12] = [
     "deepseek-v3-fp8",
     "gpt-oss",
     "gpt-oss-mxfp4",
+    "qwen3-moe-gptq",
+    "qwen2-moe-awq",
 ];
 
 /// Every transformers fixture of a sparse model.

@@ -116,6 +116,16 @@ fn each_family_fixture_loads_as_its_family() {
             vec![false, true, false, true],
         ),
         ("qwen2-moe", Architecture::Qwen2Moe, vec![false, true, true]),
+        (
+            "qwen3-moe-gptq",
+            Architecture::Qwen3Moe,
+            vec![true, false, true],
+        ),
+        (
+            "qwen2-moe-awq",
+            Architecture::Qwen2Moe,
+            vec![false, true, true],
+        ),
         ("olmoe", Architecture::Olmoe, vec![true, true, true]),
         ("glm4-moe", Architecture::Glm4Moe, vec![false, true, true]),
         (
@@ -154,6 +164,7 @@ fn each_family_fixture_loads_as_its_family() {
         let shared = model.moe_layers().iter().all(|m| m.shared.is_some());
         let with_shared = [
             "qwen2-moe",
+            "qwen2-moe-awq",
             "glm4-moe",
             "deepseek-v2-lite",
             "deepseek-v2",
@@ -205,6 +216,41 @@ fn fp8_matrices_stay_one_byte_per_weight() {
     // The same shapes: an expert's packed matrices are half the bf16 bytes, plus the scales.
     let (e8, e16) = (fp8.expert_bytes(0, 0), bf16.expert_bytes(0, 0));
     assert!(e8 * 100 < e16 * 55, "FP8 expert {e8} bytes vs bf16 {e16}");
+}
+
+/// GPTQ and AWQ checkpoints keep their quantized layers 4-bit in the kernels' layout (the
+/// experts' and the attention's matrices), and the layers they left in float (routers,
+/// lm_head, Qwen2-MoE's shared-expert gate) as stored.
+#[test]
+fn gptq_and_awq_layers_stay_4_bit() {
+    use moeserve_core::DType;
+    for (case, float_twin) in [
+        ("qwen3-moe-gptq", "qwen3-moe"),
+        ("qwen2-moe-awq", "qwen2-moe"),
+    ] {
+        let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
+        let twin = MoeModel::load(&fixtures_dir().join(float_twin)).unwrap();
+        let layer = model.moe_layers()[0];
+        for e in &layer.experts {
+            for w in [&e.w1, &e.w2, &e.w3] {
+                assert_eq!(w.dtype(), DType::Int4, "{case}");
+            }
+        }
+        assert_eq!(layer.gate.dtype(), DType::F16, "{case}: the router");
+        if let Some(shared) = &layer.shared {
+            assert_eq!(
+                shared.mlp.w2.dtype(),
+                DType::Int4,
+                "{case}: the shared expert"
+            );
+            let gate = shared.gate.as_ref().map(|g| g.dtype());
+            assert_eq!(gate, Some(DType::F16), "{case}: its one-output gate");
+        }
+        // The same shapes as the float twin (bf16 or f16): under 0.6 of its bytes even with
+        // these tiny matrices' padded panels and groups of 32.
+        let (e4, e16) = (model.expert_bytes(1, 0), twin.expert_bytes(1, 0));
+        assert!(e4 * 10 < e16 * 6, "{case}: int4 expert {e4} bytes vs {e16}");
+    }
 }
 
 /// GPT-OSS as released, MXFP4 experts: they load as 4-bit panels (17/64 of the bf16 copy's

@@ -1,4 +1,4 @@
-//! Widening of stored element types to f32 (FP8 and MXFP4 weights: times their blocks' scales).
+//! Widening of stored element types to f32 (FP8, MXFP4 and int4 weights: dequantised).
 
 use crate::WeightData;
 
@@ -19,6 +19,11 @@ pub fn widen_into(src: WeightData<'_>, dst: &mut [f32]) {
                 p.row_into(row, out);
             }
         }
+        WeightData::Int4(p) => {
+            for (row, out) in dst.chunks_exact_mut(p.shape()[1]).enumerate() {
+                p.row_into(row, out);
+            }
+        }
     }
 }
 
@@ -32,5 +37,6 @@ pub fn widen_row(src: WeightData<'_>, row: usize, dst: &mut [f32]) {
         WeightData::BF16(v) => widen_into(WeightData::BF16(&v[range]), dst),
         WeightData::F8E4M3(v, scales) => scales.dequantize_row(v, row, dst),
         WeightData::Mxfp4(p) => p.row_into(row, dst),
+        WeightData::Int4(p) => p.row_into(row, dst),
     }
 }

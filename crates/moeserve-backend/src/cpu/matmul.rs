@@ -7,7 +7,6 @@
 use rayon::prelude::*;
 
 use super::fp8::{BlockScales, E4m3};
-use super::mxfp4::Mxfp4Panels;
 use super::packed::{Int8Groups, PANEL, PackedPanels, PackedWeight};
 use super::quant::GROUP;
 use super::{Isa, isa};
@@ -96,7 +95,12 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
                 PackedWeight::I8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
                 PackedWeight::F8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
                 PackedWeight::Mxfp4(p) => run_panels(p.num_panels(), d, out, |q, acc| {
-                    mxfp4_panel_product(isa, x, d, p, q, acc)
+                    widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
+                        p.widen_block(isa, q, k0, kc, dst)
+                    })
+                }),
+                PackedWeight::Int4(p) => run_panels(p.num_panels(), d, out, |q, acc| {
+                    int4_panel_product(isa, x, d, p, q, acc)
                 }),
             }
         }
@@ -105,7 +109,8 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
             WeightData::F16(v) => run_scalar(x, v, d, out),
             WeightData::BF16(v) => run_scalar(x, v, d, out),
             WeightData::F8E4M3(v, blocks) => run_scalar_fp8(x, v, blocks, d, out),
-            WeightData::Mxfp4(p) => run_scalar_mxfp4(x, p, d, out),
+            WeightData::Mxfp4(p) => run_scalar_rows(x, d, out, |j, row| p.row_into(j, row)),
+            WeightData::Int4(p) => run_scalar_rows(x, d, out, |j, row| p.row_into(j, row)),
         },
     }
 }
@@ -150,12 +155,17 @@ fn run_scalar_fp8(x: &[f32], w: &[E4m3], blocks: &BlockScales, d: Dims, out: Out
     });
 }
 
-/// [`run_scalar`] of an MXFP4 weight, a row widened at a time.
-fn run_scalar_mxfp4(x: &[f32], w: &Mxfp4Panels, d: Dims, out: OutPtr) {
+/// [`run_scalar`] of a 4-bit weight (MXFP4, int4), a row widened at a time by `row_into`.
+fn run_scalar_rows(
+    x: &[f32],
+    d: Dims,
+    out: OutPtr,
+    row_into: impl Fn(usize, &mut [f32]) + Sync + Send,
+) {
     for_each_task(d.n.div_ceil(ROWS_PER_TASK), d, |t| {
         let mut wr = vec![0.0; d.k];
         for j in t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(d.n) {
-            w.row_into(j, &mut wr);
+            row_into(j, &mut wr);
             for i in 0..d.m {
                 let xr = &x[i * d.k..(i + 1) * d.k];
                 let v: f32 = wr.iter().zip(xr).map(|(a, b)| a * b).sum();
@@ -188,7 +198,8 @@ impl<'a> PanelScales<'a> {
             PackedWeight::F32(_)
             | PackedWeight::F16(_)
             | PackedWeight::BF16(_)
-            | PackedWeight::Mxfp4(_) => PanelScales::None,
+            | PackedWeight::Mxfp4(_)
+            | PackedWeight::Int4(_) => PanelScales::None,
             PackedWeight::I8 { groups, .. } => PanelScales::Int8(groups),
             PackedWeight::F8 {
                 scales, block_cols, ..
@@ -340,7 +351,10 @@ pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc
         PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, scales, acc),
         PackedWeight::I8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
         PackedWeight::F8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
-        PackedWeight::Mxfp4(p) => mxfp4_panel_product(isa, x, d, p, q, acc),
+        PackedWeight::Mxfp4(p) => widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
+            p.widen_block(isa, q, k0, kc, dst)
+        }),
+        PackedWeight::Int4(p) => int4_panel_product(isa, x, d, p, q, acc),
     }
 }
 
@@ -518,25 +532,27 @@ fn panel_product<T: Element>(
     })
 }
 
-/// Panel `q` of `x · Wᵀ` for an MXFP4 weight into `acc: [m, PANEL]`: each `KC` block of
-/// positions (whole MXFP4 blocks: `k` is a multiple of 32) widened to the f32 of the
-/// dequantised weights, then every row tile through it as through an f32 panel — the same FMA
-/// chain, so the same bits as the dequantised weights give, whatever the batch.
+/// Panel `q` of `x · Wᵀ` for a 4-bit weight (MXFP4, int4) into `acc: [m, PANEL]`: each `KC`
+/// block of positions widened by `widen(k0, kc, dst)` to the f32 of the dequantised weights,
+/// then every row tile through it as through an f32 panel — the same FMA chain, so the same
+/// bits as the dequantised weights give, whatever the batch.
 #[cfg(target_arch = "x86_64")]
-fn mxfp4_panel_product(
+fn widened_panel_product(
     isa: Isa,
     x: TiledRows<'_>,
     d: Dims,
-    w: &Mxfp4Panels,
     q: usize,
     acc: &mut [f32],
+    widen: impl Fn(usize, usize, &mut [f32]),
 ) {
+    // MXFP4's blocks of 32 never straddle a KC block.
     const _: () = assert!(KC.is_multiple_of(super::mxfp4::BLOCK));
+    debug_assert!(q < d.n.div_ceil(PANEL));
     BLOCK_SCRATCH.with_borrow_mut(|s| {
         for k0 in (0..d.k).step_by(KC) {
             let kc = KC.min(d.k - k0);
             s.wide.resize(kc * PANEL, 0.0);
-            w.widen_block(isa, q, k0, kc, &mut s.wide);
+            widen(k0, kc, &mut s.wide);
             let b = Block {
                 x,
                 d,
@@ -546,6 +562,27 @@ fn mxfp4_panel_product(
             };
             b.run_tiles(isa, &s.wide, false, acc);
         }
+    })
+}
+
+/// Panel `q` of `x · Wᵀ` for an int4 weight into `acc: [m, PANEL]`: a decode batch (one tile of
+/// few rows) widens each position in registers as it multiplies; more rows widen a block once
+/// for all their tiles. The same bits either way.
+#[cfg(target_arch = "x86_64")]
+fn int4_panel_product(
+    isa: Isa,
+    x: TiledRows<'_>,
+    d: Dims,
+    w: &super::int4::Int4Panels,
+    q: usize,
+    acc: &mut [f32],
+) {
+    if d.m <= super::int4::fused_rows(isa).min(x.max_mr) {
+        // One tile: rows 0..m, tile order from position 0.
+        return w.tile_product(isa, q, x.data, d.m, acc);
+    }
+    widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
+        w.widen_block(isa, q, k0, kc, dst)
     })
 }
 
@@ -755,6 +792,7 @@ mod tests {
             DType::BF16,
             DType::F8E4M3,
             DType::Mxfp4,
+            DType::Int4,
         ] {
             for (m, n, k) in [(1, 70, 300usize), (4, 33, 257), (13, 64, 600), (40, 45, 96)] {
                 // MXFP4 rows are whole blocks of 32.
@@ -898,6 +936,51 @@ mod tests {
             if block[0] % PANEL == 0 {
                 assert!(w.kernel_bytes() < n.div_ceil(PANEL) * PANEL * k * 2);
             }
+        }
+    }
+
+    #[test]
+    fn int4_equals_the_dequantized_weights_in_f32_bit_for_bit_whatever_the_batch() {
+        use crate::cpu::reference::int4_weight_of;
+        // Groups of 32 (several per KC block), 128 (= KC), a whole row (k = 700, partial
+        // blocks), and act-order's shuffled groups; 45 rows pad a panel.
+        for (m, n, k, group, act_order) in [
+            (1, 70, 256, 32, false),
+            (3, 45, 700, 700, false),
+            (13, 64, 384, 128, false),
+            (30, 33, 96, 32, true),
+            (2, 40, 160, 32, true),
+        ] {
+            let x = pseudo_random(m * k, 15);
+            let w = int4_weight_of(vec![n, k], group, act_order, &pseudo_random(n * k, 16));
+            let deq = weight_of(DType::F32, vec![n, k], &w.to_f32_vec());
+            let run = |w: &Weight, x: &[f32], m: usize| {
+                let mut out = vec![0.0; m * n];
+                matmul_wt_on(isa(), x, m, w, &mut out, &mut Vec::new());
+                out
+            };
+            let what = format!("{m}x{n}x{k} group {group} act-order {act_order}");
+            let got = run(&w, &x, m);
+            if isa().packs_weights() {
+                assert_eq!(got, run(&deq, &x, m), "{what}");
+            } else {
+                assert_close(&got, &run(&deq, &x, m), &what);
+            }
+            for i in 0..m {
+                assert_eq!(
+                    &got[i * n..(i + 1) * n],
+                    &run(&w, &x[i * k..(i + 1) * k], 1)[..],
+                    "{what}: row {i} alone"
+                );
+            }
+            // Half a byte per weight, plus 8 bytes per group and row (and act-order's index).
+            let groups = k.div_ceil(group);
+            let index = if act_order { 4 * k } else { 0 };
+            let padded = n.div_ceil(PANEL) * PANEL;
+            assert_eq!(
+                w.kernel_bytes(),
+                padded * k / 2 + padded * groups * 8 + index
+            );
         }
     }
 

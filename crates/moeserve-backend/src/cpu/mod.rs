@@ -11,6 +11,7 @@ mod avx512;
 pub mod convert;
 pub mod fp8;
 mod grouped;
+pub mod int4;
 mod matmul;
 pub mod mxfp4;
 mod ops;

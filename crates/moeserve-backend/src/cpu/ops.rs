@@ -12,8 +12,8 @@ pub fn rms_norm(x: &[f32], w: &Weight, eps: f32, out: &mut [f32]) {
         WeightData::F32(g) => rms_norm_rows(x, g, eps, out),
         WeightData::F16(g) => rms_norm_rows(x, g, eps, out),
         WeightData::BF16(g) => rms_norm_rows(x, g, eps, out),
-        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) => {
-            unreachable!("FP8 and MXFP4 weights are matrices, never vectors")
+        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) | WeightData::Int4(_) => {
+            unreachable!("FP8, MXFP4 and int4 weights are matrices, never vectors")
         }
     }
 }
@@ -51,8 +51,8 @@ pub fn rms_norm_in_place(x: &mut [f32], w: &Weight, eps: f32) {
         WeightData::F32(g) => rows(x, g, eps),
         WeightData::F16(g) => rows(x, g, eps),
         WeightData::BF16(g) => rows(x, g, eps),
-        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) => {
-            unreachable!("FP8 and MXFP4 weights are matrices, never vectors")
+        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) | WeightData::Int4(_) => {
+            unreachable!("FP8, MXFP4 and int4 weights are matrices, never vectors")
         }
     }
 }
@@ -68,8 +68,8 @@ pub fn add_bias(x: &mut [f32], b: &Weight) {
         WeightData::F32(g) => rows(x, g),
         WeightData::F16(g) => rows(x, g),
         WeightData::BF16(g) => rows(x, g),
-        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) => {
-            unreachable!("FP8 and MXFP4 weights are matrices, never vectors")
+        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) | WeightData::Int4(_) => {
+            unreachable!("FP8, MXFP4 and int4 weights are matrices, never vectors")
         }
     }
 }
@@ -97,8 +97,8 @@ pub fn add_rms_norm(x: &mut [f32], delta: &[f32], w: &Weight, eps: f32, out: &mu
         WeightData::F32(g) => rows(x, delta, g, eps, out),
         WeightData::F16(g) => rows(x, delta, g, eps, out),
         WeightData::BF16(g) => rows(x, delta, g, eps, out),
-        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) => {
-            unreachable!("FP8 and MXFP4 weights are matrices, never vectors")
+        WeightData::F8E4M3(..) | WeightData::Mxfp4(_) | WeightData::Int4(_) => {
+            unreachable!("FP8, MXFP4 and int4 weights are matrices, never vectors")
         }
     }
 }

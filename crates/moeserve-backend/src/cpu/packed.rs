@@ -13,6 +13,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 
 use super::fp8::E4m3;
+use super::int4::Int4Panels;
 use super::mxfp4::Mxfp4Panels;
 use crate::WeightData;
 
@@ -45,6 +46,9 @@ pub enum PackedWeight {
     /// MXFP4, packed at load into its own 4-bit panels (see `mxfp4.rs`): the weight's only
     /// copy, shared with [`crate::WeightData::Mxfp4`].
     Mxfp4(Arc<Mxfp4Panels>),
+    /// GPTQ / AWQ int4, packed at load into its own 4-bit panels (see `int4.rs`): the weight's
+    /// only copy, shared with [`crate::WeightData::Int4`].
+    Int4(Arc<Int4Panels>),
 }
 
 /// The scales and offsets of an int8 weight's groups, each in panel layout
@@ -214,6 +218,7 @@ impl PackedWeight {
             }
             PackedWeight::F8 { panels, scales, .. } => panels.data.len() + scales.len() * 4,
             PackedWeight::Mxfp4(p) => p.size_in_bytes(),
+            PackedWeight::Int4(p) => p.size_in_bytes(),
         }
     }
 
@@ -222,6 +227,7 @@ impl PackedWeight {
         match data {
             // Already in panels: made so at load.
             WeightData::Mxfp4(p) => PackedWeight::Mxfp4(Arc::new(p.clone())),
+            WeightData::Int4(p) => PackedWeight::Int4(Arc::new(p.clone())),
             WeightData::F32(v) => PackedWeight::F32(PackedPanels::pack(v, n, k)),
             WeightData::F16(v) => PackedWeight::F16(PackedPanels::pack(v, n, k)),
             WeightData::BF16(v) => PackedWeight::BF16(PackedPanels::pack(v, n, k)),

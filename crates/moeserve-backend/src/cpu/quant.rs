@@ -121,6 +121,7 @@ pub fn quantize_rows_int8(data: WeightData<'_>, n: usize, k: usize) -> Int8Rows 
                 .for_each(|(d, s)| *d = s.to_f32()),
             WeightData::F8E4M3(v, blocks) => blocks.dequantize_row(v, r, &mut row),
             WeightData::Mxfp4(p) => p.row_into(r, &mut row),
+            WeightData::Int4(p) => p.row_into(r, &mut row),
         }
         for group in row.chunks(GROUP) {
             let (lo, hi) = group

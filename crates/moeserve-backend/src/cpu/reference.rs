@@ -45,6 +45,7 @@ pub(crate) fn weight_of(
             .collect(),
         DType::F8E4M3 => return fp8_weight_of(shape, [128, 128], values),
         DType::Mxfp4 => return mxfp4_weight_of(shape, values),
+        DType::Int4 => return int4_weight_of(shape, 32, false, values),
     };
     crate::Weight::new(dtype, shape, crate::WeightBytes::owned(&bytes)).unwrap()
 }
@@ -104,4 +105,56 @@ pub(crate) fn mxfp4_weight_of(shape: Vec<usize>, values: &[f32]) -> crate::Weigh
         )
     };
     crate::Weight::mxfp4(Mxfp4Panels::from_rows(n, k, row).unwrap())
+}
+
+/// A test int4 weight standing for `values` (`[n, k]`), quantised as GPTQ's round-to-nearest
+/// quantizer does per group and row (range widened to include 0, 15 steps, zero point
+/// `round(−min / scale)`, f16 scales). `act_order`: position `p` belongs to group
+/// `((p · 37) mod k) / group`, groups scattered along the row as act-order's `g_idx` are.
+#[cfg(test)]
+pub(crate) fn int4_weight_of(
+    shape: Vec<usize>,
+    group: usize,
+    act_order: bool,
+    values: &[f32],
+) -> crate::Weight {
+    use crate::cpu::int4::{GroupOf, Int4Panels, Int4Source};
+    let [n, k] = shape[..] else {
+        panic!("int4 weights are matrices")
+    };
+    let groups = k.div_ceil(group);
+    let group_of = |p: usize| {
+        if act_order {
+            (p * 37) % k / group
+        } else {
+            p / group
+        }
+    };
+    let (mut scales, mut zeros) = (vec![0.0f32; groups * n], vec![0u32; groups * n]);
+    for r in 0..n {
+        for g in 0..groups {
+            let members = (0..k)
+                .filter(|&p| group_of(p) == g)
+                .map(|p| values[r * k + p]);
+            let (lo, hi) = members.fold((0.0f32, 0.0f32), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            let scale = half::f16::from_f32(((hi - lo) / 15.0).max(1e-6)).to_f32();
+            scales[g * n + r] = scale;
+            zeros[g * n + r] = (-lo / scale).round().clamp(0.0, 15.0) as u32;
+        }
+    }
+    let code = |r: usize, p: usize| {
+        let g = group_of(p) * n + r;
+        ((values[r * k + p] / scales[g]).round() + zeros[g] as f32).clamp(0.0, 15.0) as u8
+    };
+    let group_of = if act_order {
+        GroupOf::Index((0..k).map(|p| group_of(p) as u32).collect())
+    } else {
+        GroupOf::Runs(group)
+    };
+    let src = Int4Source {
+        code,
+        scale: |g: usize, r: usize| scales[g * n + r],
+        zero: |g: usize, r: usize| zeros[g * n + r],
+    };
+    crate::Weight::int4(Int4Panels::new((n, k), groups, group_of, src).unwrap())
 }

@@ -33,7 +33,9 @@ pub fn tolerance(dtype: DType) -> f64 {
         DType::F32 => 1e-10,
         DType::F16 => 1e-6,
         DType::BF16 => 3e-5,
-        DType::F8E4M3 | DType::Mxfp4 => unreachable!("no device element is FP8 or MXFP4"),
+        DType::F8E4M3 | DType::Mxfp4 | DType::Int4 => {
+            unreachable!("no device element is FP8, MXFP4 or int4")
+        }
     }
 }
 
@@ -43,7 +45,9 @@ pub fn chained_tolerance(dtype: DType) -> f64 {
         DType::F32 => 1e-8,
         DType::F16 => 1e-5,
         DType::BF16 => 3e-4,
-        DType::F8E4M3 | DType::Mxfp4 => unreachable!("no device element is FP8 or MXFP4"),
+        DType::F8E4M3 | DType::Mxfp4 | DType::Int4 => {
+            unreachable!("no device element is FP8, MXFP4 or int4")
+        }
     }
 }
 
@@ -111,7 +115,9 @@ pub fn weight_of<T: CudaElement>(shape: Vec<usize>, values: &[f32]) -> Weight {
             .iter()
             .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
             .collect(),
-        DType::F8E4M3 | DType::Mxfp4 => unreachable!("no device element is FP8 or MXFP4"),
+        DType::F8E4M3 | DType::Mxfp4 | DType::Int4 => {
+            unreachable!("no device element is FP8, MXFP4 or int4")
+        }
     };
     Weight::new(T::DTYPE, shape, WeightBytes::owned(&bytes)).expect("weight")
 }

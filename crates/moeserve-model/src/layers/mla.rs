@@ -358,15 +358,15 @@ pub struct MlaScratch {
 }
 
 /// `kv_b_proj: [heads · (nope + v), r]` → per head `W_uk[h]ᵀ: [r, nope]` and `W_uv[h]: [v, r]`,
-/// in its stored dtype (an FP8 one dequantised to f32: its blocks do not survive the cut, and
-/// the matrix is a small one).
+/// in its stored dtype (an FP8 or int4 one dequantised to f32: its blocks and groups do not
+/// survive the cut, and the matrix is a small one).
 fn split_kv_b(
     kv_b: &Weight,
     heads: usize,
     nope: usize,
     v: usize,
 ) -> Result<(Vec<Weight>, Vec<Weight>)> {
-    if kv_b.dtype() == DType::F8E4M3 {
+    if matches!(kv_b.dtype(), DType::F8E4M3 | DType::Int4) {
         let widened = Weight::from_f32(kv_b.shape().to_vec(), &kv_b.to_f32_vec())?;
         return split_kv_b(&widened, heads, nope, v);
     }

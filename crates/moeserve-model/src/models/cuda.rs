@@ -84,7 +84,7 @@ impl CudaMoeModel {
             DType::F32 => Typed::F32(DeviceModel::build(gpu, c, layout, &mut host)?),
             DType::F16 => Typed::F16(DeviceModel::build(gpu, c, layout, &mut host)?),
             DType::BF16 => Typed::BF16(DeviceModel::build(gpu, c, layout, &mut host)?),
-            DType::F8E4M3 | DType::Mxfp4 => {
+            DType::F8E4M3 | DType::Mxfp4 | DType::Int4 => {
                 return Err(ModelError::InvalidInput {
                     message: format!("the device computes in f32, f16 or bf16, not {dtype}"),
                 });

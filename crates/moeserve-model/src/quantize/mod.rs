@@ -14,13 +14,23 @@
 //!    `quantization_config` in `config.json`. Loading it runs int8 with these integers unless
 //!    `--quantization none` asks for the stored weights.
 //!
+//! With `--bits 4` ([`QuantFormat::GptqInt4`]) the integers go on GPTQ's 4-bit grid in groups
+//! of `group_size` inputs ([`int4`]) and the output is a GPTQ checkpoint as AutoGPTQ, GPTQModel
+//! and optimum write one (`quant_method: "gptq"`, `checkpoint_format: "gptq"`): each quantized
+//! layer's `{matrix}.qweight`, `.qzeros`, `.scales` and `.g_idx` in `model-gptq-*.safetensors`
+//! instead of its `.weight`, the source's shards rewritten without those, everything else
+//! linked. lm_head stays in float there, as GPTQ releases keep it, and so do matrices whose
+//! sides are not multiples of 8 (the format packs 8 per word).
+//!
 //! Steps 2–4 run for a group of layers at a time, as many as `max_hessian_bytes` of Hessians
 //! allow (4·k² bytes per matrix input; 2.6 GB for the whole demo model, ≈ 6.6 GB per layer of
 //! Mixtral-8x7B), each group its own calibration pass and int8 file.
 
 pub mod calibrate;
 pub mod gptq;
+pub mod int4;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -30,12 +40,13 @@ use moeserve_backend::cpu::quant::{GROUP, Int8Rows, quantize_rows_int8};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use safetensors::Dtype;
 use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};
 
 pub use calibrate::{Hessian, Hessians, LayerHessians};
-pub use gptq::{Fallback, GptqOptions, gptq_int8};
+pub use gptq::{Fallback, GptqOptions, gptq_int4, gptq_int8};
+pub use int4::Int4Rows;
 
 use crate::batch::{ForwardBatch, SequenceSlice};
 use crate::kv_cache::PagedKvCache;
@@ -55,6 +66,18 @@ pub const QUANT_METHOD: &str = "moeserve-int8";
 pub const SOURCE_QUANTIZATION: &str = "source_quantization_config";
 /// The start of the int8 files' names ([`int8_file`]).
 pub const INT8_PREFIX: &str = "model-int8";
+/// The start of a GPTQ int4 checkpoint's quantized files' names.
+pub const GPTQ_PREFIX: &str = "model-gptq";
+
+/// What `moeserve quantize` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QuantFormat {
+    /// int8 rows beside the source's tensors, in `--quantization int8`'s format.
+    #[default]
+    Int8,
+    /// A GPTQ int4 checkpoint, groups of `group_size` inputs.
+    GptqInt4 { group_size: usize },
+}
 
 /// What `moeserve quantize` does.
 #[derive(Clone, Debug)]
@@ -68,6 +91,7 @@ pub struct QuantizeOptions {
     /// Most bytes of Hessians held at once: the layers are calibrated and quantized in groups
     /// that fit (one calibration pass each).
     pub max_hessian_bytes: u64,
+    pub format: QuantFormat,
 }
 
 impl Default for QuantizeOptions {
@@ -78,6 +102,7 @@ impl Default for QuantizeOptions {
             seed: 0,
             gptq: GptqOptions::default(),
             max_hessian_bytes: 8 << 30,
+            format: QuantFormat::Int8,
         }
     }
 }
@@ -92,6 +117,8 @@ pub struct QuantizeReport {
     /// Matrices rounded to nearest instead, with the reason (no calibration input reached
     /// them, or their Hessian could not be factored).
     pub round_to_nearest: Vec<(String, String)>,
+    /// Matrices a GPTQ int4 checkpoint keeps in float (sides not multiples of 8).
+    pub kept_in_float: Vec<String>,
     pub sample_seconds: f64,
     pub calibrate_seconds: f64,
     pub gptq_seconds: f64,
@@ -123,6 +150,9 @@ pub fn quantize_checkpoint(
             dst,
             "the output directory is the model directory",
         ));
+    }
+    if let QuantFormat::GptqInt4 { group_size } = opts.format {
+        gptq_int4_source_check(src, group_size)?;
     }
     let model = MoeModel::load_as_stored(src)?;
     let generation = GenerationConfig::from_dir(src)?;
@@ -158,25 +188,44 @@ pub fn quantize_checkpoint(
         report.calibrate_seconds += clock.elapsed().as_secs_f64();
 
         let clock = std::time::Instant::now();
-        let jobs = jobs(&model, &hessians, last);
+        let int4 = match opts.format {
+            QuantFormat::GptqInt4 { group_size } => Some(group_size),
+            QuantFormat::Int8 => None,
+        };
+        // GPTQ releases keep lm_head in float; the format packs 8 values per word.
+        let (jobs, float): (Vec<_>, Vec<_>) = jobs(&model, &hessians, last && int4.is_none())
+            .into_iter()
+            .partition(|job| int4.is_none() || job.weight.shape().iter().all(|s| s % 8 == 0));
+        report
+            .kept_in_float
+            .extend(float.into_iter().map(|job| job.prefix));
         progress(&format!("GPTQ on {} matrices", jobs.len()));
-        let results: Vec<(Int8Rows, Option<String>)> = jobs
+        let results: Vec<(Quantized, Option<String>)> = jobs
             .par_iter()
-            .map(|job| quantize_one(job, opts.gptq))
+            .map(|job| quantize_one(job, opts.gptq, int4))
             .collect();
         report.gptq_seconds += clock.elapsed().as_secs_f64();
         report.matrices += jobs.len();
-        let file = int8_file(i + 1, groups.len());
-        let mut tensors = Vec::with_capacity(jobs.len());
-        for (job, (rows, why)) in jobs.iter().zip(&results) {
+        for (job, (_, why)) in jobs.iter().zip(&results) {
             if let Some(why) = why {
-                let matrix = job.prefix.clone();
-                report.round_to_nearest.push((matrix, why.clone()));
+                report
+                    .round_to_nearest
+                    .push((job.prefix.clone(), why.clone()));
             }
-            let s = job.weight.shape();
-            tensors.push((job.prefix.as_str(), rows, [s[0], s[1]]));
         }
-        write_int8_tensors(&out.join(&file), &tensors, &mut weight_map)?;
+        let tensors = jobs.iter().zip(&results).map(|(job, (q, _))| {
+            let s = job.weight.shape();
+            (job.prefix.as_str(), q, [s[0], s[1]])
+        });
+        let path = out.join(match int4 {
+            None => int8_file(i + 1, groups.len()),
+            Some(_) => gptq_file(i + 1, groups.len()),
+        });
+        write_quantized_tensors(&path, tensors, &mut weight_map)?;
+    }
+    if matches!(opts.format, QuantFormat::GptqInt4 { .. }) {
+        progress("writing the source's other tensors");
+        drop_quantized_weights(src, out, &mut weight_map)?;
     }
     progress(&format!("writing {}", dst.display()));
     write_index_and_config(src, out, weight_map, opts, &report)?;
@@ -187,6 +236,55 @@ pub fn quantize_checkpoint(
 /// `model-int8-00001-of-00003.safetensors`: the int8 tensors of the `i`-th of `n` layer groups.
 pub fn int8_file(i: usize, n: usize) -> String {
     format!("{INT8_PREFIX}-{i:05}-of-{n:05}.safetensors")
+}
+
+/// `model-gptq-00001-of-00003.safetensors`: the GPTQ tensors of the `i`-th of `n` layer groups.
+fn gptq_file(i: usize, n: usize) -> String {
+    format!("{GPTQ_PREFIX}-{i:05}-of-{n:05}.safetensors")
+}
+
+/// A GPTQ int4 checkpoint replaces per-matrix `.weight` tensors: refused for sources that
+/// store their experts fused ([E, …] tensors, GPT-OSS's MXFP4 blocks), for FP8 and already
+/// quantized sources, and for group sizes the format cannot hold.
+fn gptq_int4_source_check(src: &Path, group_size: usize) -> Result<()> {
+    if group_size == 0 || !group_size.is_multiple_of(8) {
+        return Err(ModelError::InvalidInput {
+            message: format!("--group-size {group_size}: GPTQ groups are a positive multiple of 8"),
+        });
+    }
+    let source = crate::checkpoint::Checkpoint::open(src)?;
+    let fused = source.tensor_names().find(|n| {
+        n.ends_with("experts.gate_up_proj")
+            || n.ends_with("experts.down_proj")
+            || n.ends_with("_blocks")
+    });
+    if let Some(name) = fused {
+        return Err(ModelError::config(
+            src,
+            format!(
+                "`{name}`: a GPTQ checkpoint stores each expert's matrices apart, and this one \
+                 fuses them (--bits 8 quantizes it)"
+            ),
+        ));
+    }
+    let path = src.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let config: Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::config(&path, e.to_string()))?;
+    if let Some(method) = config
+        .get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(Value::as_str)
+    {
+        return Err(ModelError::config(
+            &path,
+            format!(
+                "the source is already quantized (`quant_method: {method:?}`); --bits 4 starts \
+                 from bf16, f16 or f32 weights"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Consecutive layers whose Hessians (with lm_head's in the last group) fit in `budget` bytes
@@ -229,24 +327,47 @@ fn same_dir(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// GPTQ for one matrix; round-to-nearest (and why) when no calibration row reached it or its
-/// Hessian cannot be factored.
-fn quantize_one(job: &Job<'_>, opts: GptqOptions) -> (Int8Rows, Option<String>) {
+/// A matrix on the int8 or the 4-bit grid.
+enum Quantized {
+    Int8(Int8Rows),
+    Int4(Int4Rows),
+}
+
+/// GPTQ for one matrix (onto 4-bit groups of `int4` inputs, else int8); round-to-nearest (and
+/// why) when no calibration row reached it or its Hessian cannot be factored.
+fn quantize_one(
+    job: &Job<'_>,
+    opts: GptqOptions,
+    int4: Option<usize>,
+) -> (Quantized, Option<String>) {
     let (n, k) = (job.weight.shape()[0], job.weight.shape()[1]);
     let w = job.weight.to_f32_vec();
     if job.hessian.rows == 0 {
-        let rows = quantize_rows_int8(moeserve_backend::WeightData::F32(&w), n, k);
+        let rows = match int4 {
+            Some(group) => Quantized::Int4(Int4Rows::round_to_nearest(&w, (n, k), group)),
+            None => Quantized::Int8(quantize_rows_int8(
+                moeserve_backend::WeightData::F32(&w),
+                n,
+                k,
+            )),
+        };
         return (rows, Some("no calibration token reached it".into()));
     }
-    match gptq_int8(&w, n, k, job.hessian.sum.clone(), opts) {
-        (rows, None) => (rows, None),
-        (rows, Some(Fallback::NotPositiveDefinite { column })) => (
-            rows,
-            Some(format!(
-                "its damped Hessian is not positive definite (column {column})"
-            )),
-        ),
-    }
+    let h = job.hessian.sum.clone();
+    let (rows, fallback) = match int4 {
+        Some(group) => {
+            let (rows, fallback) = gptq_int4(&w, (n, k), group, h, opts);
+            (Quantized::Int4(rows), fallback)
+        }
+        None => {
+            let (rows, fallback) = gptq_int8(&w, n, k, h, opts);
+            (Quantized::Int8(rows), fallback)
+        }
+    };
+    let why = fallback.map(|Fallback::NotPositiveDefinite { column }| {
+        format!("its damped Hessian is not positive definite (column {column})")
+    });
+    (rows, why)
 }
 
 /// The matrices `--quantization int8` quantizes (routers stay as stored) in the layers
@@ -485,53 +606,159 @@ fn link_source_files(src: &Path, dst: &Path) -> Result<BTreeMap<String, Value>> 
     Ok(weight_map)
 }
 
-/// Writes `{prefix}.qweight`, `.scales` and `.offsets` of every matrix to `path` and names the
-/// file in `weight_map`.
-fn write_int8_tensors(
+/// Writes every matrix's quantized tensors to `path` and names the file in `weight_map`: int8
+/// rows as `{prefix}.qweight` (i8 `[n, k]`), `.scales` and `.offsets` (f32 `[n, k / 64]`);
+/// 4-bit ones as GPTQ's `qweight`, `qzeros`, `scales` and `g_idx` ([`Int4Rows::gptq_tensors`]).
+fn write_quantized_tensors<'a>(
     path: &Path,
-    tensors: &[(&str, &Int8Rows, [usize; 2])],
+    tensors: impl Iterator<Item = (&'a str, &'a Quantized, [usize; 2])>,
     weight_map: &mut BTreeMap<String, Value>,
 ) -> Result<()> {
+    // The int8 rows are written from views of themselves: no second copy of the model's int8
+    // form; the GPTQ words are packed per matrix.
+    let mut named: Vec<(String, Dtype, Vec<usize>, Cow<'a, [u8]>)> = Vec::new();
+    for (prefix, quantized, [n, k]) in tensors {
+        match quantized {
+            Quantized::Int8(rows) => {
+                let groups = vec![n, k.div_ceil(GROUP)];
+                named.extend(
+                    [
+                        (
+                            "qweight",
+                            Dtype::I8,
+                            vec![n, k],
+                            bytemuck::cast_slice(&rows.q),
+                        ),
+                        (
+                            "scales",
+                            Dtype::F32,
+                            groups.clone(),
+                            bytemuck::cast_slice(&rows.scales),
+                        ),
+                        (
+                            "offsets",
+                            Dtype::F32,
+                            groups,
+                            bytemuck::cast_slice(&rows.offsets),
+                        ),
+                    ]
+                    .map(|(suffix, dtype, shape, data)| {
+                        (
+                            format!("{prefix}.{suffix}"),
+                            dtype,
+                            shape,
+                            Cow::Borrowed(data),
+                        )
+                    }),
+                );
+            }
+            Quantized::Int4(rows) => {
+                for (suffix, shape, data) in rows.gptq_tensors() {
+                    let dtype = if suffix == "scales" {
+                        Dtype::F16
+                    } else {
+                        Dtype::I32
+                    };
+                    named.push((format!("{prefix}.{suffix}"), dtype, shape, Cow::Owned(data)));
+                }
+            }
+        }
+    }
     let file = path
         .file_name()
         .and_then(|f| f.to_str())
         .unwrap_or_default();
+    for (name, ..) in &named {
+        weight_map.insert(name.clone(), Value::String(file.into()));
+    }
+    write_safetensors(
+        path,
+        named
+            .iter()
+            .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), &b[..])),
+    )
+}
+
+/// Writes tensors `(name, dtype, shape, bytes)` to the safetensors file `path`, readable like
+/// the source's files, with the `format: pt` metadata transformers' loader expects.
+fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl Iterator<Item = (&'a str, Dtype, Vec<usize>, &'a [u8])>,
+) -> Result<()> {
     let bad = |e: safetensors::SafeTensorError| ModelError::Safetensors {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    // Views of the rows themselves: no second copy of the model's int8 form.
-    let mut views = Vec::with_capacity(3 * tensors.len());
-    for (prefix, rows, [n, k]) in tensors {
-        let groups = vec![*n, k.div_ceil(GROUP)];
-        let q: &[u8] = bytemuck::cast_slice(&rows.q);
-        for (suffix, dtype, shape, data) in [
-            ("qweight", Dtype::I8, vec![*n, *k], q),
-            (
-                "scales",
-                Dtype::F32,
-                groups.clone(),
-                bytemuck::cast_slice(&rows.scales),
-            ),
-            (
-                "offsets",
-                Dtype::F32,
-                groups,
-                bytemuck::cast_slice(&rows.offsets),
-            ),
-        ] {
-            let name = format!("{prefix}.{suffix}");
-            weight_map.insert(name.clone(), Value::String(file.into()));
-            views.push((name, TensorView::new(dtype, shape, data).map_err(bad)?));
-        }
+    let mut views = Vec::new();
+    for (name, dtype, shape, data) in tensors {
+        views.push((
+            name.to_string(),
+            TensorView::new(dtype, shape, data).map_err(bad)?,
+        ));
     }
-    safetensors::serialize_to_file(views, None, path).map_err(bad)?;
+    let metadata = Some(std::collections::HashMap::from([(
+        "format".to_string(),
+        "pt".to_string(),
+    )]));
+    safetensors::serialize_to_file(views, metadata, path).map_err(bad)?;
     // Readable like the other files (the safetensors crate creates it owner-only).
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         let readable = std::fs::Permissions::from_mode(0o644);
         std::fs::set_permissions(path, readable).map_err(|e| ModelError::io(path, e))?;
+    }
+    Ok(())
+}
+
+/// A GPTQ checkpoint has no `.weight` for its quantized layers: each source shard in `dst` that
+/// holds one of them (a `{prefix}.qweight` is in `weight_map`) is written anew without them,
+/// and they leave `weight_map`.
+fn drop_quantized_weights(
+    src: &Path,
+    dst: &Path,
+    weight_map: &mut BTreeMap<String, Value>,
+) -> Result<()> {
+    let quantized = |name: &str| {
+        name.strip_suffix(".weight")
+            .is_some_and(|prefix| weight_map.contains_key(&format!("{prefix}.qweight")))
+    };
+    let mut shards: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, file) in weight_map.iter() {
+        if let Some(file) = file.as_str().filter(|f| !f.starts_with(GPTQ_PREFIX)) {
+            shards
+                .entry(file.to_string())
+                .or_default()
+                .push(name.clone());
+        }
+    }
+    let mut dropped = Vec::new();
+    for (file, names) in shards {
+        if !names.iter().any(|n| quantized(n)) {
+            continue;
+        }
+        let from = src.join(&file);
+        let bytes = std::fs::read(&from).map_err(|e| ModelError::io(&from, e))?;
+        let parsed = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
+            path: from.clone(),
+            message: e.to_string(),
+        })?;
+        let kept: Vec<_> = parsed
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| !quantized(n))
+            .collect();
+        dropped.extend(names.into_iter().filter(|n| quantized(n)));
+        // `dst`'s copy may be a hard link to the source: unlink it before writing.
+        let to = dst.join(&file);
+        std::fs::remove_file(&to).map_err(|e| ModelError::io(&to, e))?;
+        let views = kept
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.dtype(), v.shape().to_vec(), v.data()));
+        write_safetensors(&to, views)?;
+    }
+    for name in dropped {
+        weight_map.remove(&name);
     }
     Ok(())
 }
@@ -551,6 +778,38 @@ fn write_index_and_config(
         std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
     let mut config: Value =
         serde_json::from_str(&text).map_err(|e| ModelError::config(&config_path, e.to_string()))?;
+    let calibration = json!({
+        "source": "sampled from the model, temperature 1, from BOS",
+        "samples": opts.samples,
+        "tokens_per_sample": opts.sample_len,
+        "seed": opts.seed,
+        "tokens": report.calibration_tokens,
+    });
+    let round_to_nearest: Vec<_> = report.round_to_nearest.iter().map(|(m, _)| m).collect();
+    if let QuantFormat::GptqInt4 { group_size } = opts.format {
+        // As AutoGPTQ / GPTQModel write it for act-order with static groups (whose g_idx is
+        // the plain runs); what else moeserve knows goes under `meta`, which readers ignore.
+        config["quantization_config"] = json!({
+            "quant_method": "gptq",
+            "checkpoint_format": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": true,
+            "static_groups": true,
+            "sym": false,
+            "true_sequential": false,
+            "lm_head": false,
+            "damp_percent": opts.gptq.damp,
+            "meta": {
+                "quantizer": [format!("moeserve:{}", env!("CARGO_PKG_VERSION"))],
+                "block_size": opts.gptq.block,
+                "calibration": calibration,
+                "round_to_nearest": round_to_nearest,
+                "kept_in_float": report.kept_in_float,
+            },
+        });
+        return write_json(&dst.join("config.json"), &config);
+    }
     // The source's tensors stay beside the int8 ones, as stored: an FP8 checkpoint's storage
     // (its block size) must still be said for them to load.
     let source = config.get("quantization_config").cloned();
@@ -564,14 +823,8 @@ fn write_index_and_config(
         "static_groups": true,
         "damp_percent": opts.gptq.damp,
         "block_size": opts.gptq.block,
-        "calibration": {
-            "source": "sampled from the model, temperature 1, from BOS",
-            "samples": opts.samples,
-            "tokens_per_sample": opts.sample_len,
-            "seed": opts.seed,
-            "tokens": report.calibration_tokens,
-        },
-        "round_to_nearest": report.round_to_nearest.iter().map(|(m, _)| m).collect::<Vec<_>>(),
+        "calibration": calibration,
+        "round_to_nearest": round_to_nearest,
     });
     if let Some(source) = source {
         config["quantization_config"][SOURCE_QUANTIZATION] = source;
@@ -596,13 +849,14 @@ pub fn stored_int8(dir: &Path) -> Result<bool> {
             Some(QUANT_METHOD) => Ok(true),
             // FP8 block checkpoints run their FP8 weights (`checkpoint`), int8 only if asked;
             // GPT-OSS's MXFP4 experts stay 4-bit.
-            Some("fp8" | "mxfp4") => Ok(false),
+            // GPTQ / AWQ int4 checkpoints run their int4 weights.
+            Some("fp8" | "mxfp4" | "gptq" | "awq") => Ok(false),
             other => Err(ModelError::config(
                 &path,
                 format!(
                     "quantization_config.quant_method {other:?} is not supported (only \
                      {QUANT_METHOD:?}, written by `moeserve quantize`, \"fp8\" block \
-                     checkpoints and GPT-OSS's \"mxfp4\")"
+                     checkpoints, GPT-OSS's \"mxfp4\", and 4-bit \"gptq\" and \"awq\")"
                 ),
             )),
         },

@@ -1,11 +1,12 @@
 //! `moeserve quantize`: an int8 checkpoint made with GPTQ (calibrated on text sampled from the
-//! model itself), which `--quantization int8` then loads instead of rounding at load.
+//! model itself), which `--quantization int8` then loads instead of rounding at load; or with
+//! `--bits 4` a GPTQ int4 checkpoint in the format transformers and vLLM load.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use moeserve_model::quantize::{GptqOptions, QuantizeOptions, quantize_checkpoint};
+use moeserve_model::quantize::{GptqOptions, QuantFormat, QuantizeOptions, quantize_checkpoint};
 
 #[derive(Debug, Args)]
 pub struct QuantizeArgs {
@@ -14,9 +15,20 @@ pub struct QuantizeArgs {
     #[arg(long)]
     model: PathBuf,
     /// Output directory: the source's files (hard-linked where possible), the int8 tensors and
-    /// `quantization_config` in config.json.
+    /// `quantization_config` in config.json; with `--bits 4`, a GPTQ checkpoint.
     #[arg(long)]
     out: PathBuf,
+    /// Bits per weight: 8 (moeserve's int8 rows beside the source's tensors, a scale and offset
+    /// per 64 inputs) or 4 (a GPTQ int4 checkpoint: act-order, static asymmetric groups).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(4..=8))]
+    bits: u8,
+    /// Inputs per scale and zero point with `--bits 4` (a multiple of 8).
+    #[arg(long, default_value_t = 128)]
+    group_size: usize,
+    /// The 4-bit checkpoint's format (`--bits 4`): GPTQ's, as AutoGPTQ, GPTQModel and
+    /// optimum write it.
+    #[arg(long, value_parser = ["gptq"])]
+    format: Option<String>,
     /// Calibration sequences sampled from the model.
     #[arg(long, default_value_t = 32)]
     calibration_samples: usize,
@@ -50,16 +62,30 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
             ..GptqOptions::default()
         },
         max_hessian_bytes: args.max_hessian_memory,
+        format: match args.bits {
+            4 => QuantFormat::GptqInt4 {
+                group_size: args.group_size,
+            },
+            8 if args.format.is_some() => {
+                anyhow::bail!("--format gptq is the 4-bit checkpoint's format: add --bits 4")
+            }
+            8 => QuantFormat::Int8,
+            other => anyhow::bail!("--bits {other}: 4 (GPTQ int4) or 8 (int8)"),
+        },
     };
     tracing::info!(
-        "quantizing {} to int8 with GPTQ ({threads} threads)",
-        args.model.display()
+        "quantizing {} to int{} with GPTQ ({threads} threads)",
+        args.model.display(),
+        args.bits
     );
     let mut progress =
         |what: &str| tracing::info!("[{:6.1} s] {what}", start.elapsed().as_secs_f64());
     let report = quantize_checkpoint(&args.model, &args.out, &opts, &mut progress)?;
     for (matrix, why) in &report.round_to_nearest {
         tracing::info!("rounded to nearest: {matrix}: {why}");
+    }
+    for matrix in &report.kept_in_float {
+        tracing::info!("kept in float (GPTQ packs 8 values per word): {matrix}");
     }
     tracing::info!(
         "wrote {}: {} matrices, {} calibration tokens, {} calibration pass(es); sampling {:.1} s, \

@@ -65,15 +65,12 @@ pub(super) fn host_values<T: CudaElement>(w: &Weight) -> Vec<T> {
             .into_par_iter()
             .map(|i| T::from_f32(v[i].to_f32() * blocks.at(i / blocks.k, i % blocks.k)))
             .collect(),
-        // MXFP4 likewise: dequantised once at upload (no MXFP4 GEMM on the device yet: 3.8×
-        // the device memory of the MXFP4 bytes in bf16).
-        WeightData::Mxfp4(p) => {
-            let [n, k] = p.shape();
-            (0..n * k)
-                .into_par_iter()
-                .map(|i| T::from_f32(p.value(i / k, i % k)))
-                .collect()
-        }
+        // MXFP4 and GPTQ / AWQ int4 likewise: dequantised once at upload (no 4-bit GEMM on
+        // the device yet: 3.8× the device memory of the 4-bit bytes in bf16).
+        WeightData::Mxfp4(_) | WeightData::Int4(_) => (0..w.numel())
+            .into_par_iter()
+            .map(|i| T::from_f32(w.get_f32(i)))
+            .collect(),
     }
 }
 
