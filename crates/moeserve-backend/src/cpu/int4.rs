@@ -501,25 +501,20 @@ mod tests {
     use super::*;
     use crate::cpu::Isa;
 
-    /// A `[n, k]` matrix's codes, f16-valued scales and zero points, all values covered.
-    fn source(
-        n: usize,
-    ) -> Int4Source<
-        impl Fn(usize, usize) -> u8 + Sync,
-        impl Fn(usize, usize) -> f32,
-        impl Fn(usize, usize) -> u32,
-    > {
+    type Source =
+        Int4Source<fn(usize, usize) -> u8, fn(usize, usize) -> f32, fn(usize, usize) -> u32>;
+
+    /// A matrix's codes, f16-valued scales and zero points, all values covered.
+    fn source() -> Source {
         Int4Source {
-            code: |r: usize, p: usize| ((r * 7 + p * 13 + r * p) % 16) as u8,
-            scale: move |g: usize, r: usize| {
-                half::f16::from_f32(0.001 + ((g * n + r) % 29) as f32 * 0.0137).to_f32()
-            },
-            zero: |g: usize, r: usize| ((g * 5 + r * 3) % 17) as u32,
+            code: |r, p| ((r * 7 + p * 13 + r * p) % 16) as u8,
+            scale: |g, r| half::f16::from_f32(0.001 + ((g * 31 + r) % 29) as f32 * 0.0137).to_f32(),
+            zero: |g, r| ((g * 5 + r * 3) % 17) as u32,
         }
     }
 
-    fn definition(n: usize, group_of: &GroupOf, r: usize, p: usize) -> f32 {
-        let src = source(n);
+    fn definition(group_of: &GroupOf, r: usize, p: usize) -> f32 {
+        let src = source();
         let g = group_of.of(p);
         (f32::from((src.code)(r, p)) - (src.zero)(g, r) as f32) * (src.scale)(g, r)
     }
@@ -552,10 +547,10 @@ mod tests {
                 GroupOf::Runs(s) => k.div_ceil(*s),
                 GroupOf::Index(_) => 4,
             };
-            let w = Int4Panels::new((n, k), groups, group_of.clone(), source(n)).unwrap();
+            let w = Int4Panels::new((n, k), groups, group_of.clone(), source()).unwrap();
             for r in 0..n {
                 for p in 0..k {
-                    let want = definition(n, &group_of, r, p);
+                    let want = definition(&group_of, r, p);
                     assert_eq!(w.value(r, p).to_bits(), want.to_bits(), "({r}, {p})");
                 }
             }

@@ -606,6 +606,9 @@ fn link_source_files(src: &Path, dst: &Path) -> Result<BTreeMap<String, Value>> 
     Ok(weight_map)
 }
 
+/// A tensor to write: name, dtype, shape and bytes (borrowed or made for the file).
+type NamedTensor<'a> = (String, Dtype, Vec<usize>, Cow<'a, [u8]>);
+
 /// Writes every matrix's quantized tensors to `path` and names the file in `weight_map`: int8
 /// rows as `{prefix}.qweight` (i8 `[n, k]`), `.scales` and `.offsets` (f32 `[n, k / 64]`);
 /// 4-bit ones as GPTQ's `qweight`, `qzeros`, `scales` and `g_idx` ([`Int4Rows::gptq_tensors`]).
@@ -616,7 +619,7 @@ fn write_quantized_tensors<'a>(
 ) -> Result<()> {
     // The int8 rows are written from views of themselves: no second copy of the model's int8
     // form; the GPTQ words are packed per matrix.
-    let mut named: Vec<(String, Dtype, Vec<usize>, Cow<'a, [u8]>)> = Vec::new();
+    let mut named: Vec<NamedTensor<'a>> = Vec::new();
     for (prefix, quantized, [n, k]) in tensors {
         match quantized {
             Quantized::Int8(rows) => {
