@@ -297,3 +297,42 @@ pub fn run_int8() -> bool {
     cpu::set_weight_quantization(WeightQuantization::Int8).unwrap();
     true
 }
+
+/// Teacher-forced accuracy of `model` on the transformers references in `reference`: their
+/// greedy tokens are fed one by one and, at each position, the model's logprob of the
+/// reference token is compared with the reference's. (mean |Δlogprob|, greedy agreement,
+/// positions).
+pub fn teacher_forced(model: &MoeModel, reference: &Path) -> (f64, f64, usize) {
+    let reference = read_reference(reference);
+    let (mut delta, mut agree, mut positions) = (0.0f64, 0usize, 0usize);
+    for want in &reference.prompts {
+        let n = want.greedy_ids.len();
+        let mut seq = SoloSequence::new(model, want.prompt_ids.len() + n, 16);
+        let mut logits = seq.feed(&want.prompt_ids);
+        for (i, &token) in want.greedy_ids.iter().enumerate() {
+            let lp = log_softmax(&logits);
+            delta += f64::from((lp[token as usize] - want.greedy_logprobs[i]).abs());
+            agree += usize::from(argmax(&logits) == token);
+            positions += 1;
+            logits = seq.feed(&[token]);
+        }
+    }
+    (
+        delta / positions as f64,
+        agree as f64 / positions as f64,
+        positions,
+    )
+}
+
+/// The demo model (made by `models/smolmoe-8x135m.sh`), or `$MOESERVE_DEMO_MODEL`.
+pub fn demo_model_dir() -> PathBuf {
+    std::env::var_os("MOESERVE_DEMO_MODEL").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/smolmoe-8x135m"),
+        PathBuf::from,
+    )
+}
+
+pub fn load_demo(dir: &Path) -> MoeModel {
+    MoeModel::load(dir)
+        .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()))
+}

@@ -6,46 +6,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
-use common::{SoloSequence, argmax, fixtures_dir, log_softmax, read_reference, run_int8};
+use common::{demo_model_dir, fixtures_dir, load_demo, run_int8, teacher_forced};
 use moeserve_model::models::MoeModel;
 use moeserve_model::quantize::{QuantizeOptions, quantize_checkpoint};
-
-/// (mean |Δlogprob|, greedy agreement, positions) of `model` on the references in `reference`.
-fn teacher_forced(model: &MoeModel, reference: &Path) -> (f64, f64, usize) {
-    let reference = read_reference(reference);
-    let (mut delta, mut agree, mut positions) = (0.0f64, 0usize, 0usize);
-    for want in &reference.prompts {
-        let n = want.greedy_ids.len();
-        let mut seq = SoloSequence::new(model, want.prompt_ids.len() + n, 16);
-        let mut logits = seq.feed(&want.prompt_ids);
-        for (i, &token) in want.greedy_ids.iter().enumerate() {
-            let lp = log_softmax(&logits);
-            delta += f64::from((lp[token as usize] - want.greedy_logprobs[i]).abs());
-            agree += usize::from(argmax(&logits) == token);
-            positions += 1;
-            logits = seq.feed(&[token]);
-        }
-    }
-    (
-        delta / positions as f64,
-        agree as f64 / positions as f64,
-        positions,
-    )
-}
-
-fn demo_model_dir() -> PathBuf {
-    std::env::var_os("MOESERVE_DEMO_MODEL").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/smolmoe-8x135m"),
-        PathBuf::from,
-    )
-}
-
-fn load_demo(dir: &Path) -> MoeModel {
-    MoeModel::load(dir)
-        .unwrap_or_else(|e| panic!("{}: {e} (run models/smolmoe-8x135m.sh)", dir.display()))
-}
 
 /// Checks the demo model's (fixture, most mean |Δlogprob|, least greedy agreement) cases.
 fn check_demo(label: &str, model: &MoeModel, cases: [(&str, f64, f64); 2]) {

@@ -20,7 +20,8 @@
 //! layer's `{matrix}.qweight`, `.qzeros`, `.scales` and `.g_idx` in `model-gptq-*.safetensors`
 //! instead of its `.weight`, the source's shards rewritten without those, everything else
 //! linked. lm_head stays in float there, as GPTQ releases keep it, and so do matrices whose
-//! sides are not multiples of 8 (the format packs 8 per word).
+//! sides are not multiples of 8 (the format packs 8 per word) or whose inputs are not whole
+//! groups (vLLM's GPTQ kernels refuse a partial group).
 //!
 //! Steps 2–4 run for a group of layers at a time, as many as `max_hessian_bytes` of Hessians
 //! allow (4·k² bytes per matrix input; 2.6 GB for the whole demo model, ≈ 6.6 GB per layer of
@@ -117,7 +118,8 @@ pub struct QuantizeReport {
     /// Matrices rounded to nearest instead, with the reason (no calibration input reached
     /// them, or their Hessian could not be factored).
     pub round_to_nearest: Vec<(String, String)>,
-    /// Matrices a GPTQ int4 checkpoint keeps in float (sides not multiples of 8).
+    /// Matrices a GPTQ int4 checkpoint keeps in float (sides not multiples of 8, or inputs not
+    /// whole groups).
     pub kept_in_float: Vec<String>,
     pub sample_seconds: f64,
     pub calibrate_seconds: f64,
@@ -192,10 +194,15 @@ pub fn quantize_checkpoint(
             QuantFormat::GptqInt4 { group_size } => Some(group_size),
             QuantFormat::Int8 => None,
         };
-        // GPTQ releases keep lm_head in float; the format packs 8 values per word.
+        // GPTQ releases keep lm_head in float; the format packs 8 values per word, and vLLM's
+        // GPTQ kernels take whole groups only.
+        let fits = |job: &Job<'_>| match (int4, job.weight.shape()) {
+            (Some(group), &[n, k]) => n % 8 == 0 && k % 8 == 0 && k % group == 0,
+            _ => true,
+        };
         let (jobs, float): (Vec<_>, Vec<_>) = jobs(&model, &hessians, last && int4.is_none())
             .into_iter()
-            .partition(|job| int4.is_none() || job.weight.shape().iter().all(|s| s % 8 == 0));
+            .partition(fits);
         report
             .kept_in_float
             .extend(float.into_iter().map(|job| job.prefix));

@@ -85,7 +85,11 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         tracing::info!("rounded to nearest: {matrix}: {why}");
     }
     for matrix in &report.kept_in_float {
-        tracing::info!("kept in float (GPTQ packs 8 values per word): {matrix}");
+        tracing::warn!(
+            "kept in float (GPTQ packs 8 values per word and takes whole groups of \
+             --group-size {} inputs): {matrix}",
+            args.group_size
+        );
     }
     tracing::info!(
         "wrote {}: {} matrices, {} calibration tokens, {} calibration pass(es); sampling {:.1} s, \
