@@ -423,29 +423,24 @@ mod tests {
         let gptq =
             r#"{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 8}}"#;
         let dir = tempfile::tempdir().unwrap();
+        let load_error = |tensors| {
+            write(dir.path(), gptq, tensors);
+            let ckpt = Checkpoint::open(dir.path()).unwrap();
+            ckpt.weight("l.weight", &[n, k]).unwrap_err().to_string()
+        };
         let mut tensors = gptq_tensors(&m, true);
         tensors[3].3 = words((0..k as u32).map(|p| if p == 5 { 9 } else { p / 8 }));
-        write(dir.path(), gptq, tensors);
-        let e = Checkpoint::open(dir.path())
-            .unwrap()
-            .weight("l.weight", &[n, k])
-            .unwrap_err();
+        let e = load_error(tensors);
         assert!(
-            e.to_string()
-                .contains("`l`: g_idx[5] = 9 but there are 2 groups"),
+            e.contains("`l`: g_idx[5] = 9 but there are 2 groups"),
             "{e}"
         );
         let mut tensors = gptq_tensors(&m, true);
         tensors[1].2 = vec![1, 1];
         tensors[1].3.truncate(4);
-        write(dir.path(), gptq, tensors);
-        let e = Checkpoint::open(dir.path())
-            .unwrap()
-            .weight("l.weight", &[n, k])
-            .unwrap_err();
+        let e = load_error(tensors);
         assert!(
-            e.to_string()
-                .contains("`l.qzeros` has shape [1, 1], expected [2, 1]"),
+            e.contains("`l.qzeros` has shape [1, 1], expected [2, 1]"),
             "{e}"
         );
     }
