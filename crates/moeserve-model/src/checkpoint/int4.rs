@@ -19,7 +19,6 @@
 use std::borrow::Cow;
 use std::path::Path;
 
-use half::{bf16, f16};
 use moeserve_backend::Weight;
 use moeserve_backend::cpu::int4::{GroupOf, Int4Panels, Int4Source};
 use safetensors::Dtype;
@@ -146,7 +145,10 @@ impl Checkpoint {
         let qweight: Cow<[u32]> = typed(self.raw(&qweight_name, Dtype::I32, &qweight_shape)?);
         let qzeros_name = format!("{prefix}.qzeros");
         let qzeros: Cow<[u32]> = typed(self.raw(&qzeros_name, Dtype::I32, &[groups, n / 8])?);
-        let scales = self.float_values(&format!("{prefix}.scales"), &[groups, n])?;
+        // f16 as released (bf16 or f32 read too), widened through the float loader.
+        let scales = self
+            .weight(&format!("{prefix}.scales"), &[groups, n])?
+            .to_f32_vec();
         let group_of = match format {
             Int4Format::Gptq { .. } => self.gptq_groups(prefix, k, group_size)?,
             Int4Format::Awq { .. } => GroupOf::Runs(group_size),
@@ -198,29 +200,12 @@ impl Checkpoint {
         }
         Ok(GroupOf::Index(g_idx.iter().map(|&g| g as u32).collect()))
     }
-
-    /// Tensor `name` (f16, bf16 or f32, checked to have `shape`) widened to f32.
-    fn float_values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let (entry, path) = self.entry(name, shape)?;
-        let bytes = &self.files[entry.file].1[entry.start..entry.end];
-        Ok(match entry.dtype {
-            Dtype::F16 => typed::<f16>(bytes).iter().map(|v| v.to_f32()).collect(),
-            Dtype::BF16 => typed::<bf16>(bytes).iter().map(|v| v.to_f32()).collect(),
-            Dtype::F32 => typed::<f32>(bytes).into_owned(),
-            other => {
-                return Err(ModelError::UnsupportedDType {
-                    path: path.clone(),
-                    name: name.to_string(),
-                    dtype: format!("{other:?} (expected F16, BF16 or F32)"),
-                });
-            }
-        })
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
     use safetensors::tensor::TensorView;
 
     /// The `[n, k]` test matrix: codes, zero points and scales of groups of `group` inputs.

@@ -185,7 +185,10 @@ pub fn quantize_checkpoint(
             "layers {}..{} of {}: recording their matrices' inputs",
             layers.start, layers.end, c.num_hidden_layers
         ));
-        let mut hessians = Hessians::new(layers.clone(), c.num_local_experts, c.hidden_size, last);
+        // lm_head's inputs only where it is quantized (int8; GPTQ keeps it in float).
+        let lm_head = last && opts.format == QuantFormat::Int8;
+        let mut hessians =
+            Hessians::new(layers.clone(), c.num_local_experts, c.hidden_size, lm_head);
         calibrate(&model, &sequences, &mut hessians)?;
         report.calibrate_seconds += clock.elapsed().as_secs_f64();
 
@@ -200,9 +203,8 @@ pub fn quantize_checkpoint(
             (Some(group), &[n, k]) => n % 8 == 0 && k % 8 == 0 && k % group == 0,
             _ => true,
         };
-        let (jobs, float): (Vec<_>, Vec<_>) = jobs(&model, &hessians, last && int4.is_none())
-            .into_iter()
-            .partition(fits);
+        let (jobs, float): (Vec<_>, Vec<_>) =
+            jobs(&model, &hessians, lm_head).into_iter().partition(fits);
         report
             .kept_in_float
             .extend(float.into_iter().map(|job| job.prefix));
