@@ -204,18 +204,7 @@ impl Int4Panels {
         dst: &mut [f32],
     ) {
         assert!(k0 + kc <= self.k && dst.len() == kc * PANEL);
-        let panel_codes = &self.codes[q * self.k * PANEL / 2..][..self.k * PANEL / 2];
-        let group_base = q * self.groups * PANEL;
-        let mut p = k0;
-        while p < k0 + kc {
-            // A run of positions under one group's scales and offsets.
-            let end = self.group_of.run_end(p, k0 + kc);
-            let g = group_base + self.group_of.of(p) * PANEL;
-            let run = Run {
-                codes: &panel_codes[p * PANEL / 2..end * PANEL / 2],
-                scales: &self.scales[g..g + PANEL],
-                offsets: &self.offsets[g..g + PANEL],
-            };
+        for (p, end, run) in self.runs(q, k0, k0 + kc) {
             let out = &mut dst[(p - k0) * PANEL..(end - k0) * PANEL];
             match isa {
                 // SAFETY: the caller's `isa` is supported; the run's slices agree in length.
@@ -225,8 +214,34 @@ impl Int4Panels {
                 super::Isa::Avx2 => unsafe { widen_avx2(run, out) },
                 _ => widen_portable(run, out),
             }
-            p = end;
         }
+    }
+
+    /// Positions `from .. to` of panel `q` as runs under one group's scales and offsets:
+    /// `(first position, end, run)`.
+    fn runs(
+        &self,
+        q: usize,
+        from: usize,
+        to: usize,
+    ) -> impl Iterator<Item = (usize, usize, Run<'_>)> {
+        let panel_codes = &self.codes[q * self.k * PANEL / 2..][..self.k * PANEL / 2];
+        let group_base = q * self.groups * PANEL;
+        let mut p = from;
+        std::iter::from_fn(move || {
+            if p >= to {
+                return None;
+            }
+            let (start, end) = (p, self.group_of.run_end(p, to));
+            let g = group_base + self.group_of.of(start) * PANEL;
+            p = end;
+            let run = Run {
+                codes: &panel_codes[start * PANEL / 2..end * PANEL / 2],
+                scales: &self.scales[g..g + PANEL],
+                offsets: &self.offsets[g..g + PANEL],
+            };
+            Some((start, end, run))
+        })
     }
 }
 
@@ -246,17 +261,7 @@ impl Int4Panels {
         acc: &mut [f32],
     ) {
         assert!(x.len() == self.k * mr && acc.len() == mr * PANEL);
-        let panel_codes = &self.codes[q * self.k * PANEL / 2..][..self.k * PANEL / 2];
-        let group_base = q * self.groups * PANEL;
-        let mut p = 0;
-        while p < self.k {
-            let end = self.group_of.run_end(p, self.k);
-            let g = group_base + self.group_of.of(p) * PANEL;
-            let run = Run {
-                codes: &panel_codes[p * PANEL / 2..end * PANEL / 2],
-                scales: &self.scales[g..g + PANEL],
-                offsets: &self.offsets[g..g + PANEL],
-            };
+        for (p, _, run) in self.runs(q, 0, self.k) {
             let t = FusedRun {
                 run,
                 x: x[p * mr..].as_ptr(),
@@ -281,7 +286,6 @@ impl Int4Panels {
                     _ => unreachable!("{isa:?} fused int4 tiles of {mr} rows"),
                 }
             }
-            p = end;
         }
     }
 }
