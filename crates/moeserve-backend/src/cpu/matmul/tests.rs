@@ -1,0 +1,302 @@
+//! `matmul`'s tests: every stored type against the scalar reference or its dequantised
+//! weights, batch invariance, and the AVX2 and AVX-512 paths bit for bit.
+use super::*;
+use crate::cpu::reference::{self, pseudo_random, weight_of};
+use moeserve_core::DType;
+
+/// Every element of `got` within 1e-5 (relative, plus an absolute 1e-5) of `want`.
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    for (a, b) in got.iter().zip(want) {
+        assert!(
+            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+            "{what}: {a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn matches_scalar_reference_for_every_dtype_and_odd_sizes() {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (m, n, k) in [
+            (1, 7, 5),
+            (3, 100, 67),
+            (5, 257, 130),
+            (1, 1024, 256),
+            (37, 65, 96),
+            (13, 40, 600),
+            (25, 33, 257),
+        ] {
+            let x = pseudo_random(m * k, 1);
+            let wv = pseudo_random(n * k, 2);
+            let w = weight_of(dtype, vec![n, k], &wv);
+            let mut out = vec![0.0; m * n];
+            matmul_wt(&x, m, &w, &mut out);
+            let mut want = vec![0.0; m * n];
+            reference::matmul_wt(&x, m, &w.to_f32_vec(), n, &mut want);
+            for (a, b) in out.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{dtype} {m}x{n}x{k}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn each_row_is_bit_identical_whatever_the_batch() {
+    // k = 700 spans several blocks; 40 and 30 rows cut into tiles of different sizes.
+    for (dtype, (m, n, k)) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .flat_map(|t| [(t, (40, 70, 200)), (t, (30, 45, 700))])
+    {
+        let x = pseudo_random(m * k, 3);
+        let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 4));
+        let mut batched = vec![0.0; m * n];
+        matmul_wt(&x, m, &w, &mut batched);
+        for i in 0..m {
+            let mut alone = vec![0.0; n];
+            matmul_wt(&x[i * k..(i + 1) * k], 1, &w, &mut alone);
+            assert_eq!(&batched[i * n..(i + 1) * n], &alone[..], "{dtype} row {i}");
+        }
+    }
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn avx2_equals_avx512_bit_for_bit() {
+    use std::arch::is_x86_feature_detected as has;
+    let both = has!("avx512f") && has!("avx512bw") && has!("avx2") && has!("fma");
+    if !(both && has!("f16c") && isa().packs_weights()) {
+        eprintln!("skipped: needs a CPU with both AVX-512 and AVX2");
+        return;
+    }
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F8E4M3,
+        DType::Mxfp4,
+        DType::Int4,
+    ] {
+        for (m, n, k) in [(1, 70, 300usize), (4, 33, 257), (13, 64, 600), (40, 45, 96)] {
+            // MXFP4 rows are whole blocks of 32.
+            let k = if dtype == DType::Mxfp4 {
+                k.next_multiple_of(32)
+            } else {
+                k
+            };
+            let x = pseudo_random(m * k, 5);
+            let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 6));
+            let run = |isa| {
+                let mut out = vec![0.0; m * n];
+                matmul_wt_on(isa, &x, m, &w, &mut out, &mut Vec::new());
+                out
+            };
+            assert_eq!(run(Isa::Avx2), run(Isa::Avx512), "{dtype} {m}x{n}x{k}");
+        }
+    }
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn tiled_rows_from_packing_and_from_scattered_panels_agree() {
+    for isa in [Isa::Avx512, Isa::Avx2] {
+        for (m, k) in [(1, 5), (11, 40), (13, 70), (30, 33)] {
+            let x = pseudo_random(m * k, 3);
+            let mut packed = Vec::new();
+            let tiled = TiledRows::pack(isa, &x, m, k, &mut packed);
+            for i in 0..m {
+                for p in 0..k {
+                    let (i0, mr) = row_tiles(m, tiled.max_mr)
+                        .find(|(i0, mr)| i < i0 + mr)
+                        .unwrap();
+                    assert_eq!(tiled.data[i0 * k + p * mr + i - i0], x[i * k + p]);
+                }
+            }
+            // The same layout assembled from [m, PANEL] output panels.
+            let mut scattered = vec![f32::NAN; m * k];
+            for p0 in (0..k).step_by(PANEL) {
+                let cols = PANEL.min(k - p0);
+                let mut panel = vec![0.0; m * PANEL];
+                for i in 0..m {
+                    panel[i * PANEL..i * PANEL + cols]
+                        .copy_from_slice(&x[i * k + p0..i * k + p0 + cols]);
+                }
+                // SAFETY: `scattered` holds m × k elements.
+                unsafe {
+                    TiledRows::scatter_columns(
+                        isa,
+                        &panel,
+                        (m, k),
+                        (p0, cols),
+                        scattered.as_mut_ptr(),
+                    )
+                };
+            }
+            assert_eq!(scattered, packed, "{isa:?} {m}x{k}");
+        }
+    }
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn int8_matches_the_reference_on_dequantized_weights_whatever_the_batch() {
+    if !isa().packs_weights() {
+        return;
+    }
+    for (m, n, k) in [(1, 7, 5), (3, 100, 67), (13, 40, 600), (30, 45, 700)] {
+        let x = pseudo_random(m * k, 9);
+        let wv = pseudo_random(n * k, 10);
+        let packed = PackedWeight::pack_int8(WeightData::F32(&wv), n, k);
+        let PackedWeight::I8 { panels, groups } = &packed else {
+            unreachable!()
+        };
+        let run = |x: &[f32], m: usize| {
+            let mut out = vec![0.0; m * n];
+            let mut buf = Vec::new();
+            run_packed(
+                isa(),
+                TiledRows::pack(isa(), x, m, k, &mut buf),
+                Dims { m, n, k },
+                panels,
+                OutPtr(out.as_mut_ptr()),
+                PanelScales::Int8(groups),
+            );
+            out
+        };
+        let got = run(&x, m);
+        let rows = super::super::quant::quantize_rows_int8(WeightData::F32(&wv), n, k);
+        let deq: Vec<f32> = (0..n * k).map(|i| rows.dequantized(i, k)).collect();
+        let mut want = vec![0.0; m * n];
+        reference::matmul_wt(&x, m, &deq, n, &mut want);
+        assert_close(&got, &want, &format!("{m}x{n}x{k}"));
+        for i in 0..m {
+            assert_eq!(
+                &got[i * n..(i + 1) * n],
+                &run(&x[i * k..(i + 1) * k], 1)[..]
+            );
+        }
+    }
+}
+
+#[test]
+fn fp8_blocks_match_the_reference_on_dequantized_weights_whatever_the_batch() {
+    use crate::cpu::reference::fp8_weight_of;
+    // Releases' 128 × 128 blocks, a wider one (KC parts), small ones with partial blocks,
+    // and 48-row blocks that split panels (packed as f32).
+    for (block, (m, n, k)) in [
+        ([128, 128], (1, 300, 700)),
+        ([128, 128], (13, 130, 256)),
+        ([128, 256], (3, 128, 600)),
+        ([32, 32], (5, 48, 72)),
+        ([32, 32], (30, 33, 40)),
+        ([48, 16], (2, 100, 50)),
+    ] {
+        let x = pseudo_random(m * k, 11);
+        let w = fp8_weight_of(vec![n, k], block, &pseudo_random(n * k, 12));
+        let run = |x: &[f32], m: usize| {
+            let mut out = vec![0.0; m * n];
+            matmul_wt_on(isa(), x, m, &w, &mut out, &mut Vec::new());
+            out
+        };
+        let got = run(&x, m);
+        let deq = w.to_f32_vec();
+        let mut want = vec![0.0; m * n];
+        reference::matmul_wt(&x, m, &deq, n, &mut want);
+        for (a, b) in got.iter().zip(&want) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{block:?} {m}x{n}x{k}: {a} vs {b}"
+            );
+        }
+        for i in 0..m {
+            assert_eq!(
+                &got[i * n..(i + 1) * n],
+                &run(&x[i * k..(i + 1) * k], 1)[..],
+                "{block:?} {m}x{n}x{k}: row {i} alone"
+            );
+        }
+        // One byte per weight in the kernels' layout (blocks that split panels excepted).
+        if block[0] % PANEL == 0 {
+            assert!(w.kernel_bytes() < n.div_ceil(PANEL) * PANEL * k * 2);
+        }
+    }
+}
+
+#[test]
+fn int4_equals_the_dequantized_weights_in_f32_bit_for_bit_whatever_the_batch() {
+    use crate::cpu::reference::int4_weight_of;
+    // Groups of 32 (several per KC block), 128 (= KC), a whole row (k = 700, partial
+    // blocks), and act-order's shuffled groups; 45 rows pad a panel.
+    for (m, n, k, group, act_order) in [
+        (1, 70, 256, 32, false),
+        (3, 45, 700, 700, false),
+        (13, 64, 384, 128, false),
+        (30, 33, 96, 32, true),
+        (2, 40, 160, 32, true),
+    ] {
+        let x = pseudo_random(m * k, 15);
+        let w = int4_weight_of(vec![n, k], group, act_order, &pseudo_random(n * k, 16));
+        let deq = weight_of(DType::F32, vec![n, k], &w.to_f32_vec());
+        let run = |w: &Weight, x: &[f32], m: usize| {
+            let mut out = vec![0.0; m * n];
+            matmul_wt_on(isa(), x, m, w, &mut out, &mut Vec::new());
+            out
+        };
+        let what = format!("{m}x{n}x{k} group {group} act-order {act_order}");
+        let got = run(&w, &x, m);
+        if isa().packs_weights() {
+            assert_eq!(got, run(&deq, &x, m), "{what}");
+        } else {
+            assert_close(&got, &run(&deq, &x, m), &what);
+        }
+        for i in 0..m {
+            assert_eq!(
+                &got[i * n..(i + 1) * n],
+                &run(&w, &x[i * k..(i + 1) * k], 1)[..],
+                "{what}: row {i} alone"
+            );
+        }
+        // Half a byte per weight, plus 8 bytes per group and row (and act-order's index).
+        let groups = k.div_ceil(group);
+        let index = if act_order { 4 * k } else { 0 };
+        let padded = n.div_ceil(PANEL) * PANEL;
+        assert_eq!(
+            w.kernel_bytes(),
+            padded * k / 2 + padded * groups * 8 + index
+        );
+    }
+}
+
+#[test]
+fn mxfp4_equals_the_dequantized_weights_in_f32_bit_for_bit_whatever_the_batch() {
+    use crate::cpu::reference::mxfp4_weight_of;
+    // k = 2880 is gpt-oss's width (a last block of 64 positions); 45 rows pad a panel.
+    for (m, n, k) in [(1, 70, 2880), (3, 45, 96), (13, 64, 608), (30, 33, 256)] {
+        let x = pseudo_random(m * k, 13);
+        let w = mxfp4_weight_of(vec![n, k], &pseudo_random(n * k, 14));
+        let deq = weight_of(DType::F32, vec![n, k], &w.to_f32_vec());
+        let run = |w: &Weight, x: &[f32], m: usize| {
+            let mut out = vec![0.0; m * n];
+            matmul_wt_on(isa(), x, m, w, &mut out, &mut Vec::new());
+            out
+        };
+        let got = run(&w, &x, m);
+        if isa().packs_weights() {
+            assert_eq!(got, run(&deq, &x, m), "{m}x{n}x{k}");
+        } else {
+            assert_close(&got, &run(&deq, &x, m), &format!("{m}x{n}x{k}"));
+        }
+        for i in 0..m {
+            assert_eq!(
+                &got[i * n..(i + 1) * n],
+                &run(&w, &x[i * k..(i + 1) * k], 1)[..],
+                "{m}x{n}x{k}: row {i} alone"
+            );
+        }
+        // 4.25 bits per weight: 17/64 of bf16's bytes (panel padding aside).
+        let bf16_bytes = n.div_ceil(PANEL) * PANEL * k * 2;
+        assert_eq!(w.kernel_bytes() * 64, bf16_bytes * 17, "{n}x{k}");
+    }
+}
