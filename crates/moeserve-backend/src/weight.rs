@@ -359,6 +359,16 @@ impl Weight {
         })
     }
 
+    /// This weight with `packed` as its panels (tests: an int8 weight in a process that runs
+    /// as stored).
+    #[cfg(test)]
+    pub(crate) fn with_packed(self, packed: PackedWeight) -> Self {
+        Weight {
+            packed: Arc::new(OnceLock::from(packed)),
+            ..self
+        }
+    }
+
     /// Whether the checkpoint supplied this weight's int8 form ([`Weight::with_int8`]).
     pub fn has_stored_int8(&self) -> bool {
         self.int8.is_some()

@@ -56,7 +56,9 @@ fn int8_weights_halve_the_bytes_and_stay_close_to_bf16() {
     for (e, v) in exact.iter().zip(&want) {
         assert!((e - v).abs() <= 1e-4 * (1.0 + v.abs()));
     }
-    // Per-row rounding error ≤ scale / 2 per element: relative error well under 1 %.
+    // Per-row rounding error ≤ scale / 2 per element: relative error well under 1 %. The
+    // integer products' 15-bit activations add nothing visible: 0.009185 here, 0.009187 when
+    // the GEMM multiplied the dequantised weights by f32 activations.
     let err: f32 = got
         .iter()
         .zip(&want)

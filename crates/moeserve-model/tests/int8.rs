@@ -31,10 +31,11 @@ fn check_demo(label: &str, model: &MoeModel, cases: [(&str, f64, f64); 2]) {
 
 /// The issue's accuracy target: `moeserve quantize` (GPTQ in act-order with static groups,
 /// calibrated on 32 × 256 tokens the model samples itself, its defaults) then int8 with the
-/// stored integers: mean |Δlogprob| ≤ 0.02 on the demo model. Measured 2026-11-30: 0.0167 on
-/// smolmoe-demo (agreement 97.5 %), 0.0179 on smolmoe-eval (98.6 %); bench/int8_accuracy.py's
-/// simulation on the dense twin gave 0.0158 / 0.0183. Takes ≈ 3 minutes (sampling,
-/// calibration, GPTQ on 841 matrices).
+/// stored integers: mean |Δlogprob| ≤ 0.02 on the demo model. Measured 2026-12-04 with the
+/// integer dot products (15-bit activations, `cpu/int8.rs`): 0.0168 on smolmoe-demo (agreement
+/// 97.5 %), 0.0180 on smolmoe-eval (98.6 %) — 2026-11-30's f32 activations gave 0.0167 / 0.0179,
+/// 8-bit activations 0.060 on smolmoe-demo. bench/int8_accuracy.py's simulation on the dense
+/// twin gave 0.0158 / 0.0183. Takes ≈ 3 minutes (sampling, calibration, GPTQ on 841 matrices).
 #[test]
 fn gptq_checkpoint_stays_within_the_target() {
     if !run_int8() {
@@ -66,7 +67,8 @@ fn int8_weights_stay_close_to_the_references() {
     // The demo model (real SmolLM2 weights, bf16) is the accuracy case: the issue asks for mean
     // |Δlogprob| ≤ 0.02. Fixture smolmoe-eval (16 chat turns, up to 64 greedy tokens each, 883
     // positions) is the measure; smolmoe-demo's 79 positions are reported too, but there one
-    // near-tie position moves greedy agreement by 1.3 points. Measured 2026-11-30: symmetric
+    // near-tie position moves greedy agreement by 1.3 points. Measured 2026-11-30 (the same on
+    // 2026-12-04 with the integer dot products): symmetric
     // 64-position groups 0.0276 on smolmoe-demo (0.030 on smolmoe-eval in bench/int8_accuracy.py's
     // simulation); groups spanning their own range 0.0196 / 0.0231, greedy agreement 93.7 % /
     // 98.3 %. Rounding at load does not reach ≤ 0.02 on smolmoe-eval; a `moeserve quantize`

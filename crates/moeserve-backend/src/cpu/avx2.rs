@@ -59,14 +59,6 @@ impl Lanes8 for super::fp8::E4m3 {
     }
 }
 
-impl Lanes8 for i8 {
-    /// int8 → i32 → f32 (exact); the row's scale is applied to the finished sum.
-    #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
-    }
-}
-
 /// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block; the
 /// operands as for the AVX-512 kernel ([`super::avx512::PanelTile`]).
 ///
@@ -119,24 +111,4 @@ pub(super) unsafe fn widen<T: Lanes8>(src: &[T], dst: &mut [f32]) {
         // SAFETY: both chunks hold 8 elements.
         unsafe { _mm256_storeu_ps(d.as_mut_ptr(), T::load8(p)) };
     }
-}
-
-/// `sums[i] = Σ_p run[p · mr + i]` (lane `i` adds in position order from 0.0), for a tile of
-/// `mr ≤ 4` rows — the same values as the AVX-512 version.
-///
-/// # Safety
-/// The CPU supports AVX2.
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn sum_positions(run: &[f32], mr: usize, sums: &mut [f32]) {
-    assert!(mr <= 4 && sums.len() == mr && run.len().is_multiple_of(mr));
-    let lanes = [0, 1, 2, 3].map(|i| if i < mr { -1 } else { 0 });
-    // SAFETY: `lanes` is 4 i32.
-    let rows = unsafe { _mm_loadu_si128(lanes.as_ptr() as *const __m128i) };
-    let mut acc = _mm_setzero_ps();
-    for column in run.chunks_exact(mr) {
-        // SAFETY: the masked lanes are the column's mr elements.
-        acc = _mm_add_ps(acc, unsafe { _mm_maskload_ps(column.as_ptr(), rows) });
-    }
-    // SAFETY: the masked lanes are sums' mr elements.
-    unsafe { _mm_maskstore_ps(sums.as_mut_ptr(), rows, acc) };
 }

@@ -11,8 +11,10 @@
 
 use rayon::prelude::*;
 
+use super::int8::{ActivationsOut, DotKernel, Int8Activations, quantized_len};
 use super::matmul::{OutPtr, TiledRows};
 use super::packed::PANEL;
+use super::packed::PackedWeight;
 use super::{GatedActivation, matmul_wt};
 use crate::Weight;
 
@@ -75,6 +77,9 @@ pub struct GroupedScratch {
     placed: Vec<Placed>,
     tiled: Vec<f32>,
     act: Vec<f32>,
+    /// The input rows and the SwiGLU activations quantized, for int8 experts.
+    tiled_int8: Int8Activations,
+    act_int8: Int8Activations,
 }
 
 /// `x: [Σ rows, hidden]`, experts' rows consecutive in `experts` order → `out` of the same shape.
@@ -179,6 +184,10 @@ struct Placed {
     first_row: usize,
     /// Offset of its `[rows, intermediate]` block in the SwiGLU buffer.
     act_offset: usize,
+    /// Offsets of its quantized rows (words, metadata entries) among all experts' input rows
+    /// and SwiGLU activations (int8 experts).
+    tiled_int8: (usize, usize),
+    act_int8: (usize, usize),
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -189,9 +198,17 @@ fn by_panels<G: ExpertGroup + ?Sized>(
     out: &mut [f32],
     scratch: &mut GroupedScratch,
 ) {
-    let GroupedScratch { placed, tiled, act } = scratch;
+    let GroupedScratch {
+        placed,
+        tiled,
+        act,
+        tiled_int8,
+        act_int8,
+    } = scratch;
     placed.clear();
     let (mut row, mut act_len) = (0, 0);
+    let (mut tiled_q, mut act_q) = ((0, 0), (0, 0));
+    let plus = |(a, b): (usize, usize), (c, d): (usize, usize)| (a + c, b + d);
     for i in 0..experts.num_experts() {
         let e = experts.expert(i);
         if e.rows == 0 {
@@ -201,9 +218,14 @@ fn by_panels<G: ExpertGroup + ?Sized>(
             expert: i,
             first_row: row,
             act_offset: act_len,
+            tiled_int8: tiled_q,
+            act_int8: act_q,
         });
+        let inter = e.w1.shape()[0];
         row += e.rows;
-        act_len += e.rows * e.w1.shape()[0];
+        act_len += e.rows * inter;
+        tiled_q = plus(tiled_q, quantized_len(e.rows, hidden));
+        act_q = plus(act_q, quantized_len(e.rows, inter));
     }
     // Every element of `act` is written in phase 1, so the buffer is reused unzeroed.
     if act.len() < act_len {
@@ -217,7 +239,61 @@ fn by_panels<G: ExpertGroup + ?Sized>(
         TiledRows::pack_into(isa, &x[range.clone()], rows, hidden, &mut tiled[range]);
     }
     let groups = Groups { experts, placed };
-    two_phases(tiled, hidden, &groups, &mut act[..act_len], out);
+    let int8 = Int8Phases {
+        kernel: DotKernel::for_isa(isa),
+        tiled: tiled_int8,
+        act: act_int8,
+        lens: (tiled_q, act_q),
+    };
+    two_phases(tiled, hidden, &groups, &mut act[..act_len], out, int8);
+}
+
+/// The quantized activations of a grouped SwiGLU's int8 experts: the input rows, quantized
+/// once before the gate and up projections, and the SwiGLU activations, once before the down
+/// projection (each a product's activations once, not once per panel).
+struct Int8Phases<'s> {
+    kernel: Option<DotKernel>,
+    tiled: &'s mut Int8Activations,
+    act: &'s mut Int8Activations,
+    /// (words, metadata entries) of all experts' input rows and activations.
+    lens: ((usize, usize), (usize, usize)),
+}
+
+impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
+    /// Whether any expert's `which` matrix is int8.
+    fn any_int8(&self, which: for<'e> fn(&ExpertRows<'e>) -> &'e Weight) -> bool {
+        self.placed.iter().any(|p| {
+            let e = self.experts.expert(p.expert);
+            matches!(which(&e).packed(), PackedWeight::I8(_))
+        })
+    }
+
+    /// Every expert's rows of `data` (`[rows, k]` at the offset and width `rows` gives, in
+    /// tile order) quantized into `out` at the expert's offsets (`at`); experts, and a large
+    /// expert's rows, in parallel.
+    fn quantize(
+        &self,
+        kernel: DotKernel,
+        data: &[f32],
+        rows: impl Fn(&Placed, &ExpertRows<'_>) -> (usize, usize) + Sync,
+        at: fn(&Placed) -> (usize, usize),
+        out: ActivationsOut,
+    ) {
+        let isa = super::isa();
+        self.placed.par_iter().for_each(|p| {
+            let e = self.experts.expert(p.expert);
+            let (start, k) = rows(p, &e);
+            let x = TiledRows::already_tiled(isa, &data[start..start + e.rows * k], e.rows, k);
+            // SAFETY: each expert's block lies at its own offsets inside `out` (sized by
+            // `Int8Phases::lens`), and each row is written once.
+            let row = |i| unsafe { out.quantize_row(kernel, x, i, at(p)) };
+            if e.rows * k < 1 << 16 {
+                (0..e.rows).for_each(row);
+            } else {
+                (0..e.rows).into_par_iter().for_each(row);
+            }
+        });
+    }
 }
 
 /// The non-empty experts of a grouped SwiGLU with where their rows sit.
@@ -248,10 +324,25 @@ fn two_phases<G: ExpertGroup + ?Sized>(
     groups: &Groups<'_, G>,
     act: &mut [f32],
     out: &mut [f32],
+    int8: Int8Phases<'_>,
 ) {
     use super::matmul::weight_panel;
 
     let isa = super::isa();
+    let Int8Phases {
+        kernel,
+        tiled: x_int8,
+        act: act_int8,
+        lens: (x_len, act_len),
+    } = int8;
+    // The input rows quantized once, when the gate or up projections are int8.
+    let x_kernel = kernel.filter(|_| groups.any_int8(|e| e.w1) || groups.any_int8(|e| e.w3));
+    if let Some(kernel) = x_kernel {
+        let buf = x_int8.prepare(x_len.0, x_len.1);
+        let rows = |p: &Placed, _: &ExpertRows<'_>| (p.first_row * hidden, hidden);
+        groups.quantize(kernel, x, rows, |p| p.tiled_int8, buf);
+    }
+    let x_int8 = &*x_int8;
     let act_ptr = OutPtr(act.as_mut_ptr());
     let out_ptr = OutPtr(out.as_mut_ptr());
     // Phase 1: act = silu(x · w1ᵀ) * (x · w3ᵀ), one panel of both at a time.
@@ -261,11 +352,12 @@ fn two_phases<G: ExpertGroup + ?Sized>(
             let inter = e.w1.shape()[0];
             let xe = &x[p.first_row * hidden..(p.first_row + e.rows) * hidden];
             let xe = TiledRows::already_tiled(isa, xe, e.rows, hidden);
+            let xq = x_kernel.map(|k| x_int8.rows(k, p.tiled_int8, e.rows, hidden));
             GATE_UP.with_borrow_mut(|(gate, up)| {
                 gate.resize(e.rows * PANEL, 0.0);
                 up.resize(e.rows * PANEL, 0.0);
-                weight_panel(isa, xe, e.w1, q, gate);
-                weight_panel(isa, xe, e.w3, q, up);
+                weight_panel(isa, xe, xq, e.w1, q, gate);
+                weight_panel(isa, xe, xq, e.w3, q, up);
                 let cols = PANEL.min(inter - q * PANEL);
                 if let Some(b) = e.bias {
                     ExpertBias::add_columns(&b.gate, q * PANEL, cols, PANEL, gate);
@@ -285,6 +377,14 @@ fn two_phases<G: ExpertGroup + ?Sized>(
                 };
             })
         });
+    // The activations quantized once, when the down projections are int8.
+    let act_kernel = kernel.filter(|_| groups.any_int8(|e| e.w2));
+    if let Some(kernel) = act_kernel {
+        let buf = act_int8.prepare(act_len.0, act_len.1);
+        let rows = |p: &Placed, e: &ExpertRows<'_>| (p.act_offset, e.w1.shape()[0]);
+        groups.quantize(kernel, act, rows, |p| p.act_int8, buf);
+    }
+    let act_int8 = &*act_int8;
     // Phase 2: out = act · w2ᵀ.
     groups
         .tasks(|e| e.w2.shape()[0].div_ceil(PANEL))
@@ -292,9 +392,10 @@ fn two_phases<G: ExpertGroup + ?Sized>(
             let inter = e.w1.shape()[0];
             let ae = &act[p.act_offset..p.act_offset + e.rows * inter];
             let ae = TiledRows::already_tiled(isa, ae, e.rows, inter);
+            let aq = act_kernel.map(|k| act_int8.rows(k, p.act_int8, e.rows, inter));
             GATE_UP.with_borrow_mut(|(down, _)| {
                 down.resize(e.rows * PANEL, 0.0);
-                weight_panel(isa, ae, e.w2, q, down);
+                weight_panel(isa, ae, aq, e.w2, q, down);
                 let cols = PANEL.min(hidden - q * PANEL);
                 if let Some(b) = e.bias {
                     ExpertBias::add_columns(&b.down, q * PANEL, cols, PANEL, down);
@@ -342,15 +443,16 @@ mod tests {
         weight_of(DType::BF16, vec![n, k], &pseudo_random(n * k, seed))
     }
 
-    #[test]
-    fn equals_three_gemms_per_expert_bit_for_bit() {
+    /// The grouped SwiGLU against one expert at a time (each product its own GEMM), experts'
+    /// matrices made by `weight(n, k, seed)`.
+    fn equals_three_gemms_per_expert(weight: impl Fn(usize, usize, u32) -> Weight) {
         let (hidden, inter) = (80, 100); // neither a multiple of the 32-column panel
         let weights: Vec<[Weight; 3]> = (0..3)
             .map(|e| {
                 [
-                    bf16_weight(inter, hidden, 10 * e + 1),
-                    bf16_weight(inter, hidden, 10 * e + 2),
-                    bf16_weight(hidden, inter, 10 * e + 3),
+                    weight(inter, hidden, 10 * e + 1),
+                    weight(inter, hidden, 10 * e + 2),
+                    weight(hidden, inter, 10 * e + 3),
                 ]
             })
             .collect();
@@ -381,6 +483,32 @@ mod tests {
             &mut GroupedScratch::default(),
         );
         assert_eq!(grouped, want);
+    }
+
+    #[test]
+    fn equals_three_gemms_per_expert_bit_for_bit() {
+        equals_three_gemms_per_expert(bf16_weight);
+    }
+
+    #[test]
+    fn int8_experts_equal_three_integer_gemms_per_expert_bit_for_bit() {
+        // The grouped path quantizes x once for every expert's gate and up products and the
+        // activations once between the phases; each GEMM alone quantizes its own input.
+        if super::super::int8::DotKernel::for_isa(super::super::isa()).is_none() {
+            return; // the portable kernels run no int8
+        }
+        let int8 = |n: usize, k: usize, seed: u32| {
+            crate::cpu::reference::int8_weight_of(vec![n, k], &pseudo_random(n * k, seed))
+        };
+        equals_three_gemms_per_expert(int8);
+        // Some matrices int8 and some bf16 (an expert's down projection alone quantized).
+        equals_three_gemms_per_expert(|n, k, seed| {
+            if seed % 10 == 3 {
+                int8(n, k, seed)
+            } else {
+                bf16_weight(n, k, seed)
+            }
+        });
     }
 
     #[test]

@@ -7,8 +7,8 @@
 use rayon::prelude::*;
 
 use super::fp8::{BlockScales, E4m3};
-use super::packed::{Int8Groups, PANEL, PackedPanels, PackedWeight};
-use super::quant::GROUP;
+use super::int8::{DotKernel, Int8Activations, QuantizedRows};
+use super::packed::{PANEL, PackedPanels, PackedWeight};
 use super::{Isa, isa};
 use crate::{Weight, WeightData};
 
@@ -85,14 +85,17 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => {
-            let x = TiledRows::pack(isa, x, m, d.k, tiled);
             let packed = w.packed();
+            if let PackedWeight::I8(p) = packed {
+                let kernel = DotKernel::for_isa(isa).expect("int8 runs on the packed kernels");
+                return run_int8(kernel, x, d, p, out);
+            }
+            let x = TiledRows::pack(isa, x, m, d.k, tiled);
             let scales = PanelScales::of(packed);
             match packed {
                 PackedWeight::F32(p) => run_packed(isa, x, d, p, out, scales),
                 PackedWeight::F16(p) => run_packed(isa, x, d, p, out, scales),
                 PackedWeight::BF16(p) => run_packed(isa, x, d, p, out, scales),
-                PackedWeight::I8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
                 PackedWeight::F8 { panels, .. } => run_packed(isa, x, d, panels, out, scales),
                 PackedWeight::Mxfp4(p) => run_panels(p.num_panels(), d, out, |q, acc| {
                     widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
@@ -102,6 +105,7 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
                 PackedWeight::Int4(p) => run_panels(p.num_panels(), d, out, |q, acc| {
                     int4_panel_product(isa, x, d, p, q, acc)
                 }),
+                PackedWeight::I8(_) => unreachable!("int8 runs above"),
             }
         }
         _ => match w.data() {
@@ -181,8 +185,6 @@ fn run_scalar_rows(
 enum PanelScales<'a> {
     /// Not at all: the elements are the weights.
     None,
-    /// int8 groups: a scale and an offset per (row, `GROUP` positions).
-    Int8(&'a Int8Groups),
     /// FP8 blocks: one scale per (panel, `block_cols` positions), `[num_panels, blocks]`.
     Blocks {
         scales: &'a [f32],
@@ -199,8 +201,8 @@ impl<'a> PanelScales<'a> {
             | PackedWeight::F16(_)
             | PackedWeight::BF16(_)
             | PackedWeight::Mxfp4(_)
-            | PackedWeight::Int4(_) => PanelScales::None,
-            PackedWeight::I8 { groups, .. } => PanelScales::Int8(groups),
+            | PackedWeight::Int4(_)
+            | PackedWeight::I8(_) => PanelScales::None,
             PackedWeight::F8 {
                 scales, block_cols, ..
             } => PanelScales::Blocks {
@@ -278,24 +280,19 @@ impl<'a> TiledRows<'a> {
         }
     }
 
-    /// `out[i]` = row `i`'s positions `p0 .. p0 + len` summed in position order from 0.0 (the
-    /// int8 kernels' offset term; the fused kernel adds the same values in the same order). One
-    /// vector add per position and tile: this runs once per panel and group.
-    #[cfg(target_arch = "x86_64")]
-    pub fn sum_positions(&self, isa: Isa, p0: usize, len: usize, out: &mut Vec<f32>) {
-        out.clear();
-        out.resize(self.m, 0.0);
-        for (i0, mr) in row_tiles(self.m, self.max_mr) {
-            let run = &self.data[i0 * self.k + p0 * mr..][..len * mr];
-            let sums = &mut out[i0..i0 + mr];
-            // SAFETY: the caller's `isa` is supported; `run` holds `len` positions of `mr` rows
-            // and `sums` `mr` elements (mr ≤ the ISA's tile rows).
-            unsafe {
-                match isa {
-                    Isa::Avx2 => super::avx2::sum_positions(run, mr, sums),
-                    _ => super::avx512::sum_positions(run, mr, sums),
-                }
-            }
+    /// Row `i` at position `p`.
+    pub fn at(&self, i: usize, p: usize) -> f32 {
+        let (i0, mr) = tile_of(self.m, self.max_mr, i);
+        self.data[i0 * self.k + p * mr + i - i0]
+    }
+
+    /// `x: [m, k]` row-major as tiles of one row (how [`run_int8`] reads a product's input).
+    fn rows(data: &'a [f32], m: usize, k: usize) -> Self {
+        TiledRows {
+            data,
+            m,
+            k,
+            max_mr: 1,
         }
     }
 
@@ -329,9 +326,17 @@ impl<'a> TiledRows<'a> {
 
 /// Panel `q` of `x · Wᵀ` for `x: [m, k]` into `acc: [m, PANEL]`, whatever the weight's stored
 /// type, on the calling thread (the AVX-512 path's unit of work, for kernels that schedule
-/// panels of several matrices themselves).
+/// panels of several matrices themselves). An int8 weight multiplies `xq`, `x` quantized for
+/// this ISA's [`DotKernel`] (quantized here, for this panel alone, when the caller has none).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc: &mut [f32]) {
+pub(super) fn weight_panel(
+    isa: Isa,
+    x: TiledRows<'_>,
+    xq: Option<QuantizedRows<'_>>,
+    w: &Weight,
+    q: usize,
+    acc: &mut [f32],
+) {
     let d = Dims {
         m: x.m,
         n: w.shape()[0],
@@ -349,12 +354,22 @@ pub(super) fn weight_panel(isa: Isa, x: TiledRows<'_>, w: &Weight, q: usize, acc
         PackedWeight::F32(p) => panel_product(isa, x, d, p, q, scales, acc),
         PackedWeight::F16(p) => panel_product(isa, x, d, p, q, scales, acc),
         PackedWeight::BF16(p) => panel_product(isa, x, d, p, q, scales, acc),
-        PackedWeight::I8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
         PackedWeight::F8 { panels, .. } => panel_product(isa, x, d, panels, q, scales, acc),
         PackedWeight::Mxfp4(p) => widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
             p.widen_block(isa, q, k0, kc, dst)
         }),
         PackedWeight::Int4(p) => int4_panel_product(isa, x, d, p, q, acc),
+        PackedWeight::I8(p) => {
+            let kernel = DotKernel::for_isa(isa).expect("int8 weights run on the packed kernels");
+            match xq {
+                Some(xq) => p.panel_product(kernel, xq, q, acc),
+                None => {
+                    let mut buf = QUANTIZED_TASK.take();
+                    p.panel_product(kernel, buf.quantize(kernel, x), q, acc);
+                    QUANTIZED_TASK.set(buf);
+                }
+            }
+        }
     }
 }
 
@@ -409,11 +424,9 @@ fn run_panels(
 /// every tile of activation rows runs through it, the tiles' running sums carried in `acc`
 /// between blocks. With more than one tile, a 16-bit block is widened to f32 once so the inner
 /// loop is loads and FMAs only. Every output is the same FMA chain over `p = 0..k` in order
-/// whatever the tiling, so results do not depend on the batch. With `int8` (the weight's group
-/// scales and offsets) a block is one group: its sums start from zero and are added to the
-/// running sums as `partial · scale + Σx · offset`, `Σx` the row's activations summed over the
-/// group in position order. With FP8 block scales a block is one block of the weight (or a
-/// `KC` part of a wider one) and its sums are added as `partial · scale`.
+/// whatever the tiling, so results do not depend on the batch. With FP8 block scales a block is
+/// one block of the weight (or a `KC` part of a wider one): its sums start from zero and are
+/// added to the running sums as `partial · scale`.
 #[cfg(target_arch = "x86_64")]
 fn panel_product<T: Element>(
     isa: Isa,
@@ -424,60 +437,23 @@ fn panel_product<T: Element>(
     scales: PanelScales<'_>,
     acc: &mut [f32],
 ) {
-    let int8 = match scales {
-        PanelScales::Int8(g) => Some(g.panel(q, d.k)),
-        _ => None,
-    };
     let blocks = match scales {
         PanelScales::Blocks { scales, block_cols } => {
             let per_panel = d.k.div_ceil(block_cols);
             Some((&scales[q * per_panel..(q + 1) * per_panel], block_cols))
         }
-        _ => None,
+        PanelScales::None => None,
     };
-    if let Some(groups) = int8
-        && isa == Isa::Avx512
-        && d.m <= SCALED_INT8_MAX_ROWS
-    {
-        // Only int8 panels carry scales (one-byte elements).
-        debug_assert_eq!(std::mem::size_of::<T>(), 1);
-        let t = super::avx512::ScaledInt8Panel {
-            x: x.data.as_ptr(),
-            w: w.panel(q).as_ptr() as *const i8,
-            k: d.k,
-            group: GROUP,
-            scales: groups.scales.as_ptr(),
-            offsets: groups.offsets.as_ptr(),
-            acc: acc.as_mut_ptr(),
-        };
-        use super::avx512::int8_panel_scaled as run;
-        // SAFETY: AVX-512 is the caller's ISA; x is one tile of m ≤ 6 rows × k positions (tile
-        // order), the panel k × 32 int8, its scales and offsets groups × 32 each, acc m × 32.
-        unsafe {
-            match d.m {
-                1 => run::<1>(t),
-                2 => run::<2>(t),
-                3 => run::<3>(t),
-                4 => run::<4>(t),
-                5 => run::<5>(t),
-                6 => run::<6>(t),
-                _ => unreachable!("1..={SCALED_INT8_MAX_ROWS} rows"),
-            }
-        }
-        return;
-    }
     let widen = d.m > max_rows_per_tile(isa) && std::mem::size_of::<T>() < 4;
     let panel = w.panel(q);
-    // int8: one block per scale group; FP8: per weight block, in KC parts when it is wider.
-    let step = match (int8, blocks) {
-        (Some(_), _) => GROUP,
-        (_, Some((_, cols))) if cols > KC && cols.is_multiple_of(KC) => KC,
-        (_, Some((_, cols))) => cols,
-        _ => KC,
+    // FP8: per weight block, in KC parts when it is wider.
+    let step = match blocks {
+        Some((_, cols)) if cols > KC && cols.is_multiple_of(KC) => KC,
+        Some((_, cols)) => cols,
+        None => KC,
     };
-    let scaled = int8.is_some() || blocks.is_some();
     BLOCK_SCRATCH.with_borrow_mut(|s| {
-        let BlockScratch { wide, part, sums_x } = s;
+        let BlockScratch { wide, part } = s;
         for k0 in (0..d.k).step_by(step) {
             let kc = step.min(d.k - k0);
             let block = &panel[k0 * PANEL..(k0 + kc) * PANEL];
@@ -486,9 +462,9 @@ fn panel_product<T: Element>(
                 d,
                 k0,
                 kc,
-                first: k0 == 0 || scaled,
+                first: k0 == 0 || blocks.is_some(),
             };
-            let sums = if scaled {
+            let sums = if blocks.is_some() {
                 part.resize(d.m * PANEL, 0.0);
                 &mut part[..]
             } else {
@@ -507,20 +483,6 @@ fn panel_product<T: Element>(
             } else {
                 b.run_tiles(isa, block, true, sums);
             }
-            if let Some(groups) = int8 {
-                let g = k0 / GROUP;
-                let scale = &groups.scales[g * PANEL..][..PANEL];
-                let offset = &groups.offsets[g * PANEL..][..PANEL];
-                x.sum_positions(isa, k0, kc, sums_x);
-                let rows = acc.chunks_exact_mut(PANEL).zip(part.chunks_exact(PANEL));
-                for ((a, p), sx) in rows.zip(sums_x.iter()) {
-                    for c in 0..PANEL {
-                        let base = if k0 == 0 { 0.0 } else { a[c] };
-                        // The fused kernel's operations in its order (no FMA: same on AVX2).
-                        a[c] = base + (p[c] * scale[c] + sx * offset[c]);
-                    }
-                }
-            }
             if let Some((scales, cols)) = blocks {
                 let scale = scales[k0 / cols];
                 for (a, p) in acc.iter_mut().zip(part.iter()) {
@@ -530,6 +492,18 @@ fn panel_product<T: Element>(
             }
         }
     })
+}
+
+/// `x · Wᵀ` for an int8 weight: `x` quantized once into this thread's buffers (see `int8.rs`),
+/// then one task per panel.
+#[cfg(target_arch = "x86_64")]
+fn run_int8(kernel: DotKernel, x: &[f32], d: Dims, w: &super::int8::Int8Panels, out: OutPtr) {
+    let mut buf = QUANTIZED_X.take();
+    let xq = buf.quantize(kernel, TiledRows::rows(x, d.m, d.k));
+    run_panels(w.num_panels(), d, out, |q, acc| {
+        w.panel_product(kernel, xq, q, acc)
+    });
+    QUANTIZED_X.set(buf);
 }
 
 /// Panel `q` of `x · Wᵀ` for a 4-bit weight (MXFP4, int4) into `acc: [m, PANEL]`: each `KC`
@@ -586,11 +560,6 @@ fn int4_panel_product(
     })
 }
 
-/// The most rows [`super::avx512::int8_panel_scaled`] takes (its register budget); decode
-/// batches. One tile: fewer rows than a tile holds.
-const SCALED_INT8_MAX_ROWS: usize = 6;
-const _: () = assert!(SCALED_INT8_MAX_ROWS <= MAX_MR);
-
 /// Panel positions per block: a bf16 block is 8 KiB, widened 16 KiB, beside ≤ 6 KiB of
 /// activations, well inside a 48 KiB L1. 128 beat 256 (whose widened block and activations
 /// filled 44 of the 48 KiB) by ≈ 8 % in prefill and 5 % in 8-sequence decode steps (alternating
@@ -598,13 +567,11 @@ const _: () = assert!(SCALED_INT8_MAX_ROWS <= MAX_MR);
 pub(super) const KC: usize = 128;
 
 /// Per-thread buffers of [`panel_product`] reused across calls: a widened block
-/// (`KC × PANEL`), one block's sums before scaling and each row's activation sum over the block
-/// (int8, `m × PANEL` and `m`).
+/// (`KC × PANEL`) and one block's sums before scaling (FP8, `m × PANEL`).
 #[derive(Default)]
 struct BlockScratch {
     wide: Vec<f32>,
     part: Vec<f32>,
-    sums_x: Vec<f32>,
 }
 
 /// Makes this thread's task buffers hold products of up to `max_rows` rows without growing
@@ -613,7 +580,6 @@ pub(super) fn reserve_task_scratch(max_rows: usize) {
     BLOCK_SCRATCH.with_borrow_mut(|s| {
         reserve(&mut s.wide, KC * PANEL);
         reserve(&mut s.part, max_rows * PANEL);
-        reserve(&mut s.sums_x, max_rows);
     });
     PANEL_OUT.with_borrow_mut(|acc| reserve(acc, max_rows * PANEL));
 }
@@ -630,6 +596,12 @@ thread_local! {
     static PANEL_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The activations of [`matmul_wt`] in tile order.
     static TILED_X: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A task's quantized activations in [`weight_panel`] when the caller brings none.
+    static QUANTIZED_TASK: std::cell::RefCell<Int8Activations> =
+        std::cell::RefCell::new(Int8Activations::default());
+    /// The activations of an int8 [`matmul_wt`], quantized.
+    static QUANTIZED_X: std::cell::RefCell<Int8Activations> =
+        std::cell::RefCell::new(Int8Activations::default());
 }
 
 /// An element type both SIMD microkernels widen.
@@ -649,10 +621,24 @@ fn max_rows_per_tile(isa: Isa) -> usize {
 
 /// `m` rows cut into the fewest tiles of at most `max_mr` rows, sizes as equal as possible
 /// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
-fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(super) fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
     let count = m.div_ceil(max_mr).max(1);
     let (base, extra) = (m / count, m % count);
     (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
+}
+
+/// The tile of [`row_tiles`]`(m, max_mr)` that holds row `i`: `(first row, rows)`.
+pub(super) fn tile_of(m: usize, max_mr: usize, i: usize) -> (usize, usize) {
+    debug_assert!(i < m);
+    let count = m.div_ceil(max_mr).max(1);
+    let (base, extra) = (m / count, m % count);
+    // The first `extra` tiles hold base + 1 rows.
+    let t = if i < extra * (base + 1) {
+        i / (base + 1)
+    } else {
+        extra + (i - extra * (base + 1)) / base
+    };
+    (t * base + t.min(extra), base + usize::from(t < extra))
 }
 
 /// One block of positions `k0 .. k0 + kc` of a panel.

@@ -12,6 +12,7 @@ pub mod convert;
 pub mod fp8;
 mod grouped;
 pub mod int4;
+pub mod int8;
 mod matmul;
 pub mod mxfp4;
 mod ops;

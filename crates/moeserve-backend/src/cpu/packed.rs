@@ -14,6 +14,7 @@ use half::{bf16, f16};
 
 use super::fp8::E4m3;
 use super::int4::Int4Panels;
+use super::int8::Int8Panels;
 use super::mxfp4::Mxfp4Panels;
 use crate::WeightData;
 
@@ -26,13 +27,9 @@ pub enum PackedWeight {
     F32(PackedPanels<f32>),
     F16(PackedPanels<f16>),
     BF16(PackedPanels<bf16>),
-    /// Weight-only int8 (`--quantization int8`): `w[32q + c][p] ≈ panels[q][p][c] ·
-    /// scales[q][p / GROUP][c] + offsets[q][p / GROUP][c]`.
-    I8 {
-        panels: PackedPanels<i8>,
-        /// The groups' grids, panel by panel.
-        groups: Int8Groups,
-    },
+    /// Weight-only int8 (`--quantization int8`), in its own quad panels for the integer dot
+    /// products (see `int8.rs`).
+    I8(Int8Panels),
     /// FP8 block weights, still one byte each: `w[32q + c][p] = panels[q][p][c] ·
     /// scales[q][p / block_cols]` (a panel's 32 rows lie in one row of blocks). The kernels
     /// widen an element to its value / 2^8 (see the SIMD `Lanes` of `E4m3`), so the scales are
@@ -49,33 +46,6 @@ pub enum PackedWeight {
     /// GPTQ / AWQ int4, packed at load into its own 4-bit panels (see `int4.rs`): the weight's
     /// only copy, shared with [`crate::WeightData::Int4`].
     Int4(Arc<Int4Panels>),
-}
-
-/// The scales and offsets of an int8 weight's groups, each in panel layout
-/// `[num_panels, k.div_ceil(GROUP), PANEL]` (padding rows 0): a group's 32 scales are one
-/// contiguous pair of vectors, and so are its offsets.
-#[derive(Clone)]
-pub struct Int8Groups {
-    pub scales: Vec<f32>,
-    pub offsets: Vec<f32>,
-}
-
-impl Int8Groups {
-    /// Panel `q`'s scales and offsets.
-    pub fn panel(&self, q: usize, k: usize) -> PanelGroups<'_> {
-        let len = k.div_ceil(super::quant::GROUP) * PANEL;
-        PanelGroups {
-            scales: &self.scales[q * len..(q + 1) * len],
-            offsets: &self.offsets[q * len..(q + 1) * len],
-        }
-    }
-}
-
-/// One panel's group scales and offsets, `[k.div_ceil(GROUP), PANEL]` each.
-#[derive(Clone, Copy)]
-pub struct PanelGroups<'a> {
-    pub scales: &'a [f32],
-    pub offsets: &'a [f32],
 }
 
 /// `num_panels × k × PANEL` elements.
@@ -148,7 +118,7 @@ fn zeroed_panels<T: Copy + Default>(n: usize, k: usize) -> Vec<T> {
 /// weight once per step, and with 4 KiB pages the hardware prefetchers stop at every page and
 /// the TLB misses on every one. `madvise` wants a page-aligned start, and only whole 2 MiB
 /// pages can be huge, so the advice covers the aligned 2 MiB pages inside the buffer.
-fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
+pub(super) fn advise_huge_pages(ptr: *mut u8, bytes: usize) {
     const HUGE: usize = 2 << 20;
     #[cfg(target_os = "linux")]
     {
@@ -173,24 +143,7 @@ impl PackedWeight {
 
     /// Packs int8 rows made elsewhere (a GPTQ checkpoint's, `moeserve quantize`).
     pub fn pack_int8_rows(rows: &super::quant::Int8Rows, n: usize, k: usize) -> Self {
-        let groups = k.div_ceil(super::quant::GROUP);
-        let to_panels = |by_row: &[f32]| {
-            let mut out = vec![0.0; n.div_ceil(PANEL) * groups * PANEL];
-            for (j, row) in by_row.chunks_exact(groups).enumerate() {
-                let (q, c) = (j / PANEL, j % PANEL);
-                for (g, v) in row.iter().enumerate() {
-                    out[(q * groups + g) * PANEL + c] = *v;
-                }
-            }
-            out
-        };
-        PackedWeight::I8 {
-            panels: PackedPanels::pack(&rows.q, n, k),
-            groups: Int8Groups {
-                scales: to_panels(&rows.scales),
-                offsets: to_panels(&rows.offsets),
-            },
-        }
+        PackedWeight::I8(Int8Panels::new(rows, n, k))
     }
 
     /// Element `(r, p)` of a float weight's panels (f32, f16, bf16), as f32.
@@ -213,9 +166,7 @@ impl PackedWeight {
             PackedWeight::F32(p) => p.data.len() * 4,
             PackedWeight::F16(p) => p.data.len() * 2,
             PackedWeight::BF16(p) => p.data.len() * 2,
-            PackedWeight::I8 { panels, groups } => {
-                panels.data.len() + (groups.scales.len() + groups.offsets.len()) * 4
-            }
+            PackedWeight::I8(p) => p.size_in_bytes(),
             PackedWeight::F8 { panels, scales, .. } => panels.data.len() + scales.len() * 4,
             PackedWeight::Mxfp4(p) => p.size_in_bytes(),
             PackedWeight::Int4(p) => p.size_in_bytes(),

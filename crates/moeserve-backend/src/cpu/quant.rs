@@ -1,10 +1,11 @@
 //! Weight-only int8 (`--quantization int8`): each output row of a matrix is cut into groups of
 //! `GROUP` positions, each stored as int8 `q` with an f32 scale and offset spanning the group's
 //! own range (`w ≈ q · scale + offset`, `q ∈ [-128, 127]`, round to nearest), made at load from
-//! the checkpoint's bf16/f16/f32 values. The GEMM widens int8 to f32 like bf16, sums a group as
-//! one k-block, then adds `partial · scale + Σx · offset` (`Σx` the activations' sum over the
-//! group); activations and sums stay f32 and decode reads 0.56× the bytes of bf16. Chosen once
-//! per process, before any weight is packed.
+//! the checkpoint's bf16/f16/f32 values (or read from a `moeserve quantize` checkpoint). The
+//! GEMM multiplies in integers (`int8.rs`): activations quantized per row and group at run time,
+//! integer sums per group, then `partial · scale · sx + Σx · offset` (`Σx` the activations'
+//! exact sum over the group); decode reads 0.56× the bytes of bf16. Chosen once per process,
+//! before any weight is packed.
 //!
 //! Why an offset: a symmetric grid (`max |w| / 127`) leaves unused whichever side of zero the
 //! group does not reach; spanning `[min, max]` makes the step 11–17 % smaller on Gaussian or

@@ -158,3 +158,15 @@ pub(crate) fn int4_weight_of(
     };
     crate::Weight::int4(Int4Panels::new((n, k), groups, group_of, src).unwrap())
 }
+
+/// An int8 weight as `--quantization int8` makes it from `values` (`[n, k]`), in a process
+/// that runs as stored: its panels made here, whatever the process chose.
+#[cfg(test)]
+pub(crate) fn int8_weight_of(shape: Vec<usize>, values: &[f32]) -> crate::Weight {
+    use crate::cpu::packed::PackedWeight;
+    let [n, k] = shape[..] else {
+        panic!("int8 weights are matrices")
+    };
+    let packed = PackedWeight::pack_int8(crate::WeightData::F32(values), n, k);
+    weight_of(moeserve_core::DType::F32, shape, values).with_packed(packed)
+}

@@ -45,7 +45,8 @@ pub struct EngineArgs {
     #[arg(long)]
     pub threads: Option<usize>,
     /// Weight quantization: none (as stored) or int8 (a scale and offset per output row and
-    /// 64 positions, f32 activations; 0.56× the bytes per decode step of bf16). Default: int8
+    /// 64 positions, multiplied in integers by activations quantized at run time to 15 bits
+    /// per row and 64 positions; 0.56× the bytes per decode step of bf16). Default: int8
     /// for a checkpoint written by `moeserve quantize` (its GPTQ integers), else none; int8 on
     /// another checkpoint rounds its weights to nearest at load. Routers stay as stored.
     #[arg(long)]

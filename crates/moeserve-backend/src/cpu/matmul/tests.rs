@@ -141,42 +141,80 @@ fn tiled_rows_from_packing_and_from_scattered_panels_agree() {
 
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn int8_matches_the_reference_on_dequantized_weights_whatever_the_batch() {
-    if !isa().packs_weights() {
-        return;
-    }
-    for (m, n, k) in [(1, 7, 5), (3, 100, 67), (13, 40, 600), (30, 45, 700)] {
-        let x = pseudo_random(m * k, 9);
+fn int8_is_the_integer_reference_on_every_dot_kernel_whatever_the_batch() {
+    use crate::cpu::int8::{DotKernel, Int8Panels, reference_product};
+    use crate::cpu::quant::{GROUP, quantize_rows_int8};
+    let kernels: Vec<DotKernel> = [DotKernel::Vnni512, DotKernel::AvxVnni, DotKernel::Avx2Madd]
+        .into_iter()
+        .filter(|k| k.supported())
+        .collect();
+    eprintln!("int8 dot kernels on this CPU: {kernels:?}");
+    // k: under a quad, not a multiple of 4 or of a group, whole groups; m: one tile of each
+    // kernel, several, a 12-row AVX-512 tile.
+    for (m, n, k) in [
+        (1, 7, 5),
+        (3, 100, 67),
+        (13, 40, 600),
+        (30, 45, 702),
+        (2, 64, 130),
+        (12, 33, 256),
+    ] {
+        let mut x = pseudo_random(m * k, 9);
+        // Row 0's first group all zero (scale 0); activations of very different sizes.
+        x[..GROUP.min(k)].fill(0.0);
+        x.iter_mut().skip(k).step_by(7).for_each(|v| *v *= 50.0);
         let wv = pseudo_random(n * k, 10);
-        let packed = PackedWeight::pack_int8(WeightData::F32(&wv), n, k);
-        let PackedWeight::I8 { panels, groups } = &packed else {
-            unreachable!()
-        };
-        let run = |x: &[f32], m: usize| {
-            let mut out = vec![0.0; m * n];
-            let mut buf = Vec::new();
-            run_packed(
-                isa(),
-                TiledRows::pack(isa(), x, m, k, &mut buf),
-                Dims { m, n, k },
-                panels,
-                OutPtr(out.as_mut_ptr()),
-                PanelScales::Int8(groups),
-            );
-            out
-        };
-        let got = run(&x, m);
-        let rows = super::super::quant::quantize_rows_int8(WeightData::F32(&wv), n, k);
-        let deq: Vec<f32> = (0..n * k).map(|i| rows.dequantized(i, k)).collect();
-        let mut want = vec![0.0; m * n];
-        reference::matmul_wt(&x, m, &deq, n, &mut want);
-        assert_close(&got, &want, &format!("{m}x{n}x{k}"));
-        for i in 0..m {
-            assert_eq!(
-                &got[i * n..(i + 1) * n],
-                &run(&x[i * k..(i + 1) * k], 1)[..]
-            );
+        let rows = quantize_rows_int8(WeightData::F32(&wv), n, k);
+        let w = Int8Panels::new(&rows, n, k);
+        let want = reference_product(&x, m, &rows, n, k);
+        for &kernel in &kernels {
+            let run = |x: &[f32], m: usize| {
+                let mut out = vec![f32::NAN; m * n];
+                run_int8(kernel, x, Dims { m, n, k }, &w, OutPtr(out.as_mut_ptr()));
+                out
+            };
+            let got = run(&x, m);
+            assert_eq!(got, want, "{kernel} {m}x{n}x{k}");
+            for i in 0..m {
+                let alone = run(&x[i * k..(i + 1) * k], 1);
+                assert_eq!(
+                    &got[i * n..(i + 1) * n],
+                    &alone[..],
+                    "{kernel}: row {i} alone"
+                );
+            }
         }
+        // Against the dequantised weights in f64: off by no more than the activations'
+        // rounding, half a step (max |x| / 32766 in its group) per position times |q · scale|,
+        // and f32's rounding of the sums (relative to Σ |x · w|).
+        let groups = k.div_ceil(GROUP);
+        for i in 0..m {
+            for j in 0..n {
+                let (mut exact, mut bound, mut magnitude) = (0.0f64, 0.0f64, 0.0f64);
+                for p in 0..k {
+                    let xv = f64::from(x[i * k + p]);
+                    let wv = f64::from(rows.dequantized(j * k + p, k));
+                    exact += xv * wv;
+                    magnitude += (xv * wv).abs();
+                    let g = p / GROUP;
+                    let group = &x[i * k + g * GROUP..i * k + (g * GROUP + GROUP).min(k)];
+                    let amax = group.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    let q_scale = f32::from(rows.q[j * k + p]) * rows.scales[j * groups + g];
+                    bound += f64::from(amax / 32766.0 * q_scale.abs()) * (1.0 + 1e-3);
+                }
+                let got = f64::from(want[i * n + j]);
+                assert!(
+                    (got - exact).abs() <= bound + 1e-6 * magnitude,
+                    "{m}x{n}x{k} ({i}, {j}): {got} vs {exact}, bound {bound}"
+                );
+            }
+        }
+        // A byte per weight and 8 per group and row, rows padded to panels.
+        let padded = n.div_ceil(PANEL) * PANEL;
+        assert_eq!(
+            w.size_in_bytes(),
+            padded * k.next_multiple_of(4) + padded * groups * 8
+        );
     }
 }
 
