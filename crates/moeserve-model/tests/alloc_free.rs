@@ -5,77 +5,14 @@
 //! holds one test so no other test's threads allocate meanwhile. `MOESERVE_ALLOC_TRACE=1`
 //! prints a backtrace of each counted allocation, to find the one that crept in.
 
+mod alloc_steps;
 mod common;
 
-use common::fixtures_dir;
-use moeserve_core::alloc_count::{CountingAllocator, allocations_in};
-use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::kv_cache::PagedKvCache;
-use moeserve_model::models::{ForwardOptions, ForwardWorkspace, MoeModel};
-use moeserve_model::moe::{Capacity, MoeOptions, MoeStepRecord, OverflowPolicy};
+use alloc_steps::steps_allocate_nothing;
+use moeserve_core::alloc_count::CountingAllocator;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
-
-const BLOCK_SIZE: usize = 4;
-const MAX_CONTEXT: usize = 40;
-/// The largest step below: a 6-token prompt chunk beside two decodes.
-const MAX_STEP_TOKENS: usize = 8;
-
-/// Three sequences over one cache, stepped through one workspace.
-struct Steps<'m> {
-    model: &'m MoeModel,
-    cache: PagedKvCache,
-    tables: Vec<Vec<u32>>,
-    /// Tokens each sequence has in the cache.
-    context: Vec<usize>,
-    ws: ForwardWorkspace,
-    record: MoeStepRecord,
-    capacity: Capacity,
-}
-
-impl Steps<'_> {
-    /// One step computing `new[s]` tokens of sequence `s` (0 = not scheduled).
-    fn step(&mut self, new: &[usize]) {
-        let mut slices = [SequenceSlice {
-            query_start: 0,
-            query_len: 0,
-            context_len: 0,
-            block_table: &[],
-        }; 3];
-        let mut used = 0;
-        let mut start = 0;
-        for (s, &n) in new.iter().enumerate().filter(|(_, n)| **n > 0) {
-            self.context[s] += n;
-            slices[used] = SequenceSlice {
-                query_start: start,
-                query_len: n,
-                context_len: self.context[s],
-                block_table: &self.tables[s],
-            };
-            used += 1;
-            start += n;
-        }
-        const IDS: [u32; MAX_STEP_TOKENS] = [3, 5, 7, 11, 13, 17, 19, 23];
-        let batch = ForwardBatch {
-            token_ids: &IDS[..start],
-            sequences: &slices[..used],
-        };
-        self.record.clear();
-        let opts = ForwardOptions {
-            moe: MoeOptions {
-                capacity: self.capacity,
-                experts: None,
-                record: Some(&mut self.record),
-            },
-            ..ForwardOptions::default()
-        };
-        let logits = self
-            .model
-            .forward_in(&batch, &mut self.cache, opts, &mut self.ws);
-        assert_eq!(logits.unwrap().len(), used * self.model.config().vocab_size);
-    }
-}
 
 #[test]
 fn steps_in_a_warm_workspace_allocate_nothing() {
@@ -97,43 +34,5 @@ fn steps_in_a_warm_workspace_allocate_nothing() {
         "deepseek-v3",
     ] {
         pool.install(|| steps_allocate_nothing(case));
-    }
-}
-
-fn steps_allocate_nothing(case: &str) {
-    let model = MoeModel::load(&fixtures_dir().join(case)).unwrap();
-    model.reserve_task_scratch(MAX_STEP_TOKENS, MAX_CONTEXT);
-    let blocks = MAX_CONTEXT / BLOCK_SIZE;
-    let spill = Capacity::Factor {
-        alpha: 0.5,
-        overflow: OverflowPolicy::Spill,
-    };
-    for capacity in [Capacity::Dropless, spill] {
-        let mut steps = Steps {
-            model: &model,
-            cache: PagedKvCache::new(model.kv_layout(3 * blocks, BLOCK_SIZE)),
-            tables: (0..3)
-                .map(|s| (s * blocks..(s + 1) * blocks).map(|b| b as u32).collect())
-                .collect(),
-            context: vec![0; 3],
-            ws: ForwardWorkspace::default(),
-            record: MoeStepRecord::default(),
-            capacity,
-        };
-        // Warm-up: the largest step, then prompts for the other two sequences.
-        steps.step(&[0, 6, 0]);
-        steps.step(&[6, 1, 1]);
-        // Decodes, and a prompt chunk joining decodes, as the engine schedules them.
-        let n = allocations_in(|| {
-            steps.step(&[1, 1, 1]);
-            steps.step(&[1, 0, 1]);
-            steps.step(&[1, 5, 1]);
-            steps.step(&[1, 1, 1]);
-        });
-        assert_eq!(
-            n, 0,
-            "{case} {capacity:?}: heap allocations in four steps (MOESERVE_ALLOC_TRACE=1 shows them)"
-        );
-        assert_eq!(steps.record.layers.len(), model.config().num_moe_layers());
     }
 }
