@@ -377,15 +377,22 @@ impl ActivationsOut {
             stride: WORDS * mr,
             meta: meta0 + i * groups,
         };
+        let (row, step) = x.row(i);
         let mut values = [0.0f32; GROUP];
         for g in 0..groups {
             let p0 = g * GROUP;
             let len = GROUP.min(x.k - p0);
-            for (p, v) in values[..len].iter_mut().enumerate() {
-                *v = x.at(i, p0 + p);
+            if step == 1 {
+                values[..len].copy_from_slice(&row[p0..p0 + len]);
+            } else {
+                for (p, v) in values[..len].iter_mut().enumerate() {
+                    *v = row[(p0 + p) * step];
+                }
             }
+            values[len..].fill(0.0);
             let mut codes = [0i16; GROUP];
-            let (scale, sum, sum_q) = quantize_group(&values[..len], &mut codes);
+            // SAFETY: the int8 kernels run on AVX2 CPUs alone (`DotKernel::supported`).
+            let (scale, sum, sum_q) = unsafe { quantize_group_avx2(&values, &mut codes) };
             // SAFETY: the row's entries and words are inside the block (caller).
             unsafe {
                 *self.scales.add(out.meta + g) = scale;
@@ -404,10 +411,10 @@ impl ActivationsOut {
     }
 }
 
-/// One group of a row: `x̂` into `codes` (zero past `values`), and `(sx, Σx, Σx̂)`. The same
-/// scalar operations whatever the ISA: `Σx` adds eight interleaved partial sums (lane `t`
-/// takes positions `t, t + 8, …` in order) combined pairwise, so the compiler may vectorise
-/// it without changing a bit.
+/// One group of a row: `x̂` into `codes` (zero past `values`), and `(sx, Σx, Σx̂)`, the
+/// definition [`quantize_group_avx2`] computes: `Σx` adds eight interleaved partial sums (lane
+/// `t` takes positions `t, t + 8, …` in order) combined pairwise, as eight-lane vectors do.
+#[cfg_attr(not(test), allow(dead_code))]
 fn quantize_group(values: &[f32], codes: &mut [i16; GROUP]) -> (f32, f32, i32) {
     let amax = values.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let mut lanes = [0.0f32; 8];
@@ -431,6 +438,61 @@ fn quantize_group(values: &[f32], codes: &mut [i16; GROUP]) -> (f32, f32, i32) {
     }
     codes[values.len()..].fill(0);
     (amax / X_MAX, sum, sum_q)
+}
+
+/// [`quantize_group`] on a whole group (`values` zero past the row's end), in AVX2: the same
+/// operations in the same order, so the same bits (`vcvtps2dq` rounds half to even, as
+/// `round_ties_even`; lanes never hold −0, so adding the padding's +0 changes nothing).
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_group_avx2(values: &[f32; GROUP], codes: &mut [i16; GROUP]) -> (f32, f32, i32) {
+    use std::arch::x86_64::*;
+    const LANES: usize = 8;
+    let v: [__m256; GROUP / LANES] =
+        // SAFETY: chunk c holds values 8c .. 8c + 8.
+        std::array::from_fn(|c| unsafe { _mm256_loadu_ps(values.as_ptr().add(LANES * c)) });
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let (mut amax, mut sum) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for c in v {
+        amax = _mm256_max_ps(amax, _mm256_and_ps(c, abs_mask));
+        sum = _mm256_add_ps(sum, c);
+    }
+    let mut lanes = [0.0f32; LANES];
+    // SAFETY: 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), amax) };
+    let amax = lanes.iter().fold(0.0f32, |a, l| a.max(*l));
+    // SAFETY: 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+    let [a, b, c, d, e, f, g, h] = lanes;
+    let sum = ((a + b) + (c + d)) + ((e + f) + (g + h));
+    if amax == 0.0 || !amax.is_finite() {
+        codes.fill(0);
+        return (0.0, sum, 0);
+    }
+    let inv = _mm256_set1_ps(X_MAX / amax);
+    let (lo, hi) = (
+        _mm256_set1_epi32(-(X_MAX as i32)),
+        _mm256_set1_epi32(X_MAX as i32),
+    );
+    let mut sum_q = _mm256_setzero_si256();
+    let mut q = [0i32; GROUP];
+    for (c, x) in v.into_iter().enumerate() {
+        let r = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+        let r = _mm256_min_epi32(_mm256_max_epi32(r, lo), hi);
+        sum_q = _mm256_add_epi32(sum_q, r);
+        // SAFETY: 8 i32 at 8c.
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().add(LANES * c) as *mut __m256i, r) };
+    }
+    for (code, r) in codes.iter_mut().zip(q) {
+        *code = r as i16;
+    }
+    let mut parts = [0i32; LANES];
+    // SAFETY: 8 i32.
+    unsafe { _mm256_storeu_si256(parts.as_mut_ptr() as *mut __m256i, sum_q) };
+    (amax / X_MAX, sum, parts.iter().sum())
 }
 
 /// One kernel call: `stride` rows of a tile (the kernel takes all of them) against a panel,
@@ -517,26 +579,51 @@ unsafe fn vnni512<const MR: usize>(t: DotTile) {
             let mut lo = [_mm512_setzero_si512(); MR];
             let mut hi = [_mm512_setzero_si512(); MR];
             let (j0, j1) = t.quads(g);
-            // The high bytes, then (the sums ×128) the low bytes; the second pass reads the
-            // group's codes from L1.
-            for word in 0..WORDS {
-                if word == 1 {
-                    for i in 0..MR {
-                        lo[i] = _mm512_slli_epi32::<7>(lo[i]);
-                        hi[i] = _mm512_slli_epi32::<7>(hi[i]);
-                    }
-                }
+            if MR <= 6 {
+                // Up to 6 rows: the high and the low bytes in one sweep, each into its own
+                // sums (four chains a row, which decode's one row needs to hide the latency).
+                let mut lo_l = [_mm512_setzero_si512(); MR];
+                let mut hi_l = [_mm512_setzero_si512(); MR];
                 for j in j0..j1 {
                     let wp = t.w.add(j * PANEL * QUAD);
-                    if word == 0 {
-                        prefetch_quad(wp);
-                    }
+                    prefetch_quad(wp);
                     let w0 = _mm512_loadu_si512(wp as *const __m512i);
                     let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
                     for i in 0..MR {
-                        let xv = _mm512_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word));
-                        lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xv);
-                        hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xv);
+                        let xp = t.x.add(WORDS * (j * MR + i));
+                        let (xh, xl) = (_mm512_set1_epi32(*xp), _mm512_set1_epi32(*xp.add(1)));
+                        lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xh);
+                        hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xh);
+                        lo_l[i] = _mm512_dpbusd_epi32(lo_l[i], w0, xl);
+                        hi_l[i] = _mm512_dpbusd_epi32(hi_l[i], w1, xl);
+                    }
+                }
+                for i in 0..MR {
+                    lo[i] = _mm512_add_epi32(_mm512_slli_epi32::<7>(lo[i]), lo_l[i]);
+                    hi[i] = _mm512_add_epi32(_mm512_slli_epi32::<7>(hi[i]), hi_l[i]);
+                }
+            } else {
+                // The high bytes, then (the sums ×128) the low bytes; the second pass reads
+                // the group's codes from L1.
+                for word in 0..WORDS {
+                    if word == 1 {
+                        for i in 0..MR {
+                            lo[i] = _mm512_slli_epi32::<7>(lo[i]);
+                            hi[i] = _mm512_slli_epi32::<7>(hi[i]);
+                        }
+                    }
+                    for j in j0..j1 {
+                        let wp = t.w.add(j * PANEL * QUAD);
+                        if word == 0 {
+                            prefetch_quad(wp);
+                        }
+                        let w0 = _mm512_loadu_si512(wp as *const __m512i);
+                        let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
+                        for i in 0..MR {
+                            let xv = _mm512_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word));
+                            lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xv);
+                            hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xv);
+                        }
                     }
                 }
             }
@@ -738,4 +825,44 @@ pub(super) fn reference_product(
         }
     }
     out
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_avx2_quantizer_is_the_definition_bit_for_bit() {
+        if !DotKernel::Avx2Madd.supported() {
+            return;
+        }
+        let mut seed = 7u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        for len in [1, 5, 8, 13, 63, 64] {
+            for scale in [0.0, 1e-30, 1.0, 300.0] {
+                let mut values = [0.0f32; GROUP];
+                values[..len].iter_mut().for_each(|v| *v = next() * scale);
+                // Ties: with max |x| = 16383 the grid's step is 1, so halves round to even.
+                if len > 4 && scale > 0.0 {
+                    values[..4].copy_from_slice(&[X_MAX, 0.5, -1.5, 2.5]);
+                }
+                let (mut want, mut got) = ([0i16; GROUP], [0i16; GROUP]);
+                let w = quantize_group(&values[..len], &mut want);
+                // SAFETY: AVX2 checked above.
+                let g = unsafe { quantize_group_avx2(&values, &mut got) };
+                assert_eq!(
+                    (w.0.to_bits(), w.1.to_bits(), w.2),
+                    (g.0.to_bits(), g.1.to_bits(), g.2),
+                    "len {len}, scale {scale}"
+                );
+                assert_eq!(want, got, "len {len}, scale {scale}");
+                if len > 4 && scale > 0.0 {
+                    assert_eq!(&got[..4], &[16383, 0, -2, 2], "ties round to even");
+                }
+            }
+        }
+    }
 }

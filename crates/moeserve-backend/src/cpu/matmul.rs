@@ -280,10 +280,11 @@ impl<'a> TiledRows<'a> {
         }
     }
 
-    /// Row `i` at position `p`.
-    pub fn at(&self, i: usize, p: usize) -> f32 {
+    /// Row `i`: its position 0 onward and the distance between its positions (the tile's
+    /// rows); position `p` is element `p · stride`.
+    pub fn row(&self, i: usize) -> (&'a [f32], usize) {
         let (i0, mr) = tile_of(self.m, self.max_mr, i);
-        self.data[i0 * self.k + p * mr + i - i0]
+        (&self.data[i0 * self.k + i - i0..], mr)
     }
 
     /// `x: [m, k]` row-major as tiles of one row (how [`run_int8`] reads a product's input).

@@ -13,11 +13,18 @@ pub fn select(request: DeviceRequest) -> anyhow::Result<Device> {
     Ok(selection.device)
 }
 
-/// What computes the forward on `device`, for start-up logs and reports: the CPU kernels' ISA,
+/// What computes the forward on `device`, for start-up logs and reports: the CPU kernels' ISA
+/// (and with `--quantization int8` the integer dot product, e.g. `avx512 + int8 avx512-vnni`),
 /// or the GPU.
 pub fn kernels_name(device: &Device) -> String {
+    use moeserve_backend::cpu::{self, WeightQuantization, int8::DotKernel};
     match device {
-        Device::Cpu => moeserve_backend::cpu::isa().to_string(),
+        Device::Cpu => match DotKernel::for_isa(cpu::isa()) {
+            Some(dot) if cpu::weight_quantization() == WeightQuantization::Int8 => {
+                format!("{} + int8 {dot}", cpu::isa())
+            }
+            _ => cpu::isa().to_string(),
+        },
         Device::Cuda(info) => format!("cuda:{}", info.ordinal),
     }
 }

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# int8's integer dot products against bf16 on one model, in one run: `moeserve bench offline`
+# at batch BATCH for each configuration below, alternated ROUNDS times so all see the same
+# machine state; medians of decode and prefill tokens/s and of decode's share of the read
+# bandwidth that each run probes itself. Configurations: bf16; int8 with the CPU's widest dot
+# product (AVX-512 VNNI on AVX-512 machines); int8 forced onto AVX-VNNI and onto AVX2's
+# vpmaddwd (`MOESERVE_INT8_DOT`, where the CPU has them); and bf16 and int8 with the AVX2 kernels
+# (`MOESERVE_ISA=avx2`, what a Zen 2/3 or pre-AVX-512 Intel runs) when the machine has AVX-512.
+#   bench/int8_kernels.sh [BATCH=1] [ROUNDS=3] [PROMPT_LEN=128] [OUTPUT_LEN=64]
+# Environment: PRESET (default mixtral-bench-1b).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+batch=${1:-1}; rounds=${2:-3}; prompt_len=${3:-128}; output_len=${4:-64}
+source bench/common.sh
+has() { grep -qw "$1" /proc/cpuinfo; }
+# label | environment | quantization
+configs=("bf16||none" "int8||int8")
+if has avx512f; then
+    has avx512_vnni && configs[1]="int8 avx512-vnni||int8"
+    has avx_vnni && configs+=("int8 avx-vnni|MOESERVE_INT8_DOT=avx-vnni|int8")
+    configs+=("int8 avx2-madd|MOESERVE_INT8_DOT=avx2-madd|int8")
+    configs+=("bf16, AVX2 kernels|MOESERVE_ISA=avx2|none")
+    configs+=("int8, AVX2 kernels|MOESERVE_ISA=avx2|int8")
+elif has avx_vnni; then
+    configs[1]="int8 avx-vnni||int8"
+    configs+=("int8 avx2-madd|MOESERVE_INT8_DOT=avx2-madd|int8")
+fi
+out="$work/rounds.jsonl"
+for round in $(seq "$rounds"); do
+    for c in "${configs[@]}"; do
+        IFS='|' read -r label envs quant <<< "$c"
+        env $envs "$bin" bench offline --model "$model" --quantization "$quant" \
+            --batch "$batch" --prompt-len "$prompt_len" --output-len "$output_len" \
+            --max-num-batched-tokens 4096 --kv-cache-memory 2GiB --json 2> /dev/null \
+            | python3 -c "import json, sys; r = json.load(sys.stdin); r['label'] = sys.argv[1]; \
+print(json.dumps(r))" "$label" >> "$out"
+    done
+done
+python3 - "$out" "$preset" "$batch" "$prompt_len" "$output_len" "$rounds" <<'PY'
+import json, statistics, sys
+path, preset, batch, prompt, output, rounds = sys.argv[1:]
+rows = [json.loads(l) for l in open(path)]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+print(f"{preset}, batch {batch}, prompt {prompt}, output {output}, {rounds} rounds alternated; CPU: {cpu}")
+print("| weights, kernels | decode tok/s | decode, of bandwidth | prefill tok/s | kernels |")
+print("|---|---|---|---|---|")
+labels = list(dict.fromkeys(r["label"] for r in rows))
+base = None
+for label in labels:
+    rs = [r for r in rows if r["label"] == label]
+    dec = [r["decode_tokens_per_s"] for r in rs]
+    pre = [r["prefill_tokens_per_s"] for r in rs]
+    frac = [r["decode_bandwidth_fraction"] for r in rs if r.get("decode_bandwidth_fraction")]
+    med = statistics.median(dec)
+    base = base or med
+    fr = f"{100 * statistics.median(frac):.0f} %" if frac and int(batch) == 1 else "—"
+    print(f"| {label} | **{med:.1f}** ({', '.join(f'{d:.1f}' for d in dec)}) = {med / base:.2f}× bf16 "
+          f"| {fr} | {statistics.median(pre):.0f} | {rs[0]['kernels']} |")
+PY
