@@ -12,7 +12,7 @@
 #   bench/peer_llamacpp.sh [PROMPT_LEN] [OUTPUT_LEN] [ROUNDS]
 # Environment: PEER_PYTHON — a python with llama_cpp, gguf and numpy (default: a venv made under
 # target/peer-venv with llama-cpp-python==0.3.36, which compiles llama.cpp: needs cmake and a
-# C++ compiler, about 10 minutes on 2 cores); THREADS (default: all cores); QUANT=int8 compares
+# C++ compiler, about 10 minutes on 2 cores; without AMX where the CPU has it, see below); THREADS (default: all cores); QUANT=int8 compares
 # moeserve's `--quantization int8` with llama.cpp's Q8_0 instead of bf16 with bf16; QUANT=q4
 # compares a GPTQ int4 checkpoint that `moeserve quantize --bits 4 --group-size 128` makes of
 # the preset (kept as models/PRESET-gptq-int4) with llama.cpp's Q4_K_M of the same bf16 weights
@@ -22,11 +22,23 @@ cd "$(dirname "$0")/.."
 prompt_len=${1:-128}; output_len=${2:-64}; rounds=${3:-3}
 threads=${THREADS:-$(nproc)}
 source bench/common.sh
-py=${PEER_PYTHON:-target/peer-venv/bin/python}
+# llama.cpp builds with -march=native, which on a CPU with AMX compiles in its AMX matmul; in
+# llama-cpp-python 0.3.36 that segfaults on Q8_0 on this project's Sapphire Rapids VMs (gdb:
+# ggml_backend_amx_mul_mat, 2026-12-04), so there it is built without AMX (its AVX-512 VNNI
+# paths remain), in a venv of its own.
+venv=target/peer-venv
+cmake_args=
+if grep -qw amx_tile /proc/cpuinfo; then
+    venv=target/peer-venv-noamx
+    no_amx='-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16'
+    cmake_args="-DCMAKE_C_FLAGS=$no_amx -DCMAKE_CXX_FLAGS=$no_amx"
+fi
+py=${PEER_PYTHON:-$venv/bin/python}
 if ! "$py" -c "import llama_cpp, gguf, numpy" 2> /dev/null; then
-    python3 -m venv target/peer-venv
-    target/peer-venv/bin/pip install --quiet "llama-cpp-python==0.3.36" "gguf==0.19.0" numpy
-    py=target/peer-venv/bin/python
+    python3 -m venv "$venv"
+    CMAKE_ARGS="$cmake_args" "$venv/bin/pip" install --no-cache-dir --quiet \
+        "llama-cpp-python==0.3.36" "gguf==0.19.0" numpy
+    py=$venv/bin/python
 fi
 case ${QUANT:-bf16} in
     bf16) gguf_type=bf16; ours=(--quantization none) ;;
