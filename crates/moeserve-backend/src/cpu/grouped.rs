@@ -248,6 +248,9 @@ fn by_panels<G: ExpertGroup + ?Sized>(
     two_phases(tiled, hidden, &groups, &mut act[..act_len], out, int8);
 }
 
+/// Activations (rows × positions) below which quantizing them runs on the calling thread.
+const SERIAL_QUANTIZE: usize = 1 << 16;
+
 /// The quantized activations of a grouped SwiGLU's int8 experts: the input rows, quantized
 /// once before the gate and up projections, and the SwiGLU activations, once before the down
 /// projection (each a product's activations once, not once per panel).
@@ -280,19 +283,30 @@ impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
         out: ActivationsOut,
     ) {
         let isa = super::isa();
-        self.placed.par_iter().for_each(|p| {
+        let expert = |p: &Placed| {
             let e = self.experts.expert(p.expert);
             let (start, k) = rows(p, &e);
             let x = TiledRows::already_tiled(isa, &data[start..start + e.rows * k], e.rows, k);
             // SAFETY: each expert's block lies at its own offsets inside `out` (sized by
             // `Int8Phases::lens`), and each row is written once.
             let row = |i| unsafe { out.quantize_row(kernel, x, i, at(p)) };
-            if e.rows * k < 1 << 16 {
+            if e.rows * k < SERIAL_QUANTIZE {
                 (0..e.rows).for_each(row);
             } else {
                 (0..e.rows).into_par_iter().for_each(row);
             }
-        });
+        };
+        // Decode's few rows are quantized faster than the pool's threads wake.
+        let size = |p: &Placed| {
+            let e = self.experts.expert(p.expert);
+            e.rows * rows(p, &e).1
+        };
+        let total: usize = self.placed.iter().map(size).sum();
+        if total < SERIAL_QUANTIZE {
+            self.placed.iter().for_each(expert);
+        } else {
+            self.placed.par_iter().for_each(expert);
+        }
     }
 }
 
