@@ -54,7 +54,7 @@ const X_MAX: f32 = 16383.0;
 const QUADS_PER_GROUP: usize = GROUP / QUAD;
 const _: () = assert!(GROUP.is_multiple_of(QUAD));
 
-/// Groups per block when several row tiles share a panel: 8 KiB of codes stay in L1 while
+/// Groups per block when several row tiles share a panel: 4 KiB of codes stay in L1 while
 /// every tile runs through them.
 const BLOCK_GROUPS: usize = 2;
 
