@@ -443,8 +443,9 @@ fn quantize_group(values: &[f32], codes: &mut [i16; GROUP]) -> (f32, f32, i32) {
 }
 
 /// [`quantize_group`] on a whole group (`values` zero past the row's end), in AVX2: the same
-/// operations in the same order, so the same bits (`vcvtps2dq` rounds half to even, as
-/// `round_ties_even`; lanes never hold −0, so adding the padding's +0 changes nothing).
+/// operations in the same order, so the same bits for finite values (`vcvtps2dq` rounds half
+/// to even, as `round_ties_even`; lanes never hold −0, so adding the padding's +0 changes
+/// nothing). A NaN makes `Σx`, and so the group's outputs, NaN either way.
 ///
 /// # Safety
 /// The CPU supports AVX2.
