@@ -208,10 +208,14 @@ fn sources_gptq_cannot_hold_are_refused_by_name() {
 
 /// Accuracy of a GPTQ int4 checkpoint of the demo model (real SmolLM2 weights; groups of 64,
 /// which divide its 576 and 1536 inputs), teacher-forced against the transformers references
-/// of the dense model. Measured 2026-12-03: mean |Δlogprob| 0.250 (greedy agreement 81.0 %) on
-/// smolmoe-demo, 0.367 (77.1 %) on smolmoe-eval; bench/RESULTS.md compares it with llama.cpp's
-/// Q4_K_M of the same weights. These bounds guard against regressions. Takes about 4 minutes
-/// (sampling, calibration, GPTQ).
+/// of the dense model. Measured 2026-12-03 (AVX2): mean |Δlogprob| 0.250 (greedy agreement
+/// 81.0 %) on smolmoe-demo, 0.367 (77.1 %) on smolmoe-eval; bench/RESULTS.md compares it with
+/// llama.cpp's Q4_K_M of the same weights. The calibration text is sampled from the model at
+/// temperature 1, and the AVX-512 and AVX2 forwards differ in their last bits (outside the
+/// GEMMs), so each ISA calibrates on other text: 2026-12-04 on one Sapphire Rapids, AVX-512
+/// 0.360 / 0.380, AVX2 0.250 / 0.367, AVX2 with `--seed 1` 0.270 / 0.342 — smolmoe-demo's 79
+/// positions swing with the calibration text, smolmoe-eval's 883 barely. These bounds guard
+/// against regressions above that spread. Takes about 4 minutes (sampling, calibration, GPTQ).
 #[test]
 fn gptq_int4_of_the_demo_model_stays_near_the_references() {
     let src = demo_model_dir();
@@ -225,7 +229,7 @@ fn gptq_int4_of_the_demo_model_stays_near_the_references() {
         "{report:?}"
     );
     let model = load_demo(out.path());
-    for (case, max_delta, min_agree) in [("smolmoe-demo", 0.3, 0.75), ("smolmoe-eval", 0.45, 0.72)]
+    for (case, max_delta, min_agree) in [("smolmoe-demo", 0.42, 0.75), ("smolmoe-eval", 0.45, 0.72)]
     {
         let (delta, agree, n) = teacher_forced(&model, &fixtures_dir().join(case));
         eprintln!(
