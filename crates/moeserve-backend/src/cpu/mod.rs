@@ -65,7 +65,8 @@ pub fn init_threads(threads: Option<usize>) -> Result<usize, String> {
 pub enum Isa {
     /// AVX-512F (with BW): 16-lane f32 FMA, bf16 widened by shifts, f16 by `vcvtph2ps`.
     Avx512,
-    /// AVX2 + FMA + F16C: the same kernels 8 lanes wide, bit-identical results.
+    /// AVX2 + FMA + F16C: the same kernels 8 lanes wide; the GEMMs give the same bits as
+    /// AVX-512, attention (reduced 8 lanes wide, not 16) differs in the last bits.
     Avx2,
     /// Portable scalar code (auto-vectorised by the compiler for the baseline target).
     Scalar,
