@@ -8,7 +8,7 @@
 mod alloc_steps;
 mod common;
 
-use alloc_steps::steps_allocate_nothing;
+use alloc_steps::every_family_allocates_nothing;
 use moeserve_core::alloc_count::CountingAllocator;
 
 #[global_allocator]
@@ -16,23 +16,5 @@ static GLOBAL: CountingAllocator = CountingAllocator;
 
 #[test]
 fn steps_in_a_warm_workspace_allocate_nothing() {
-    // One model per family option: plain GQA, q/k norms per head with a dense layer, q/k/v
-    // biases with a shared expert, flat q/k norms with clipping, fused expert tensors, the
-    // sigmoid router with groups and partial rotary.
-    // The steps run on a pool thread: a forward started from outside the pool injects one job
-    // into rayon's queue, whose lock-free blocks (crossbeam's `Injector`) are allocated every 63
-    // jobs — rayon's amortised cost, not the forward's, which 40 steps of these models would hit.
-    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
-    for case in [
-        "mixtral-gqa",
-        "qwen3-moe",
-        "qwen2-moe",
-        "olmoe",
-        "qwen3-moe-fused",
-        "glm4-moe",
-        "deepseek-v2",
-        "deepseek-v3",
-    ] {
-        pool.install(|| steps_allocate_nothing(case));
-    }
+    every_family_allocates_nothing();
 }
