@@ -327,8 +327,8 @@ impl<'a> TiledRows<'a> {
 
 /// Panel `q` of `x · Wᵀ` for `x: [m, k]` into `acc: [m, PANEL]`, whatever the weight's stored
 /// type, on the calling thread (the AVX-512 path's unit of work, for kernels that schedule
-/// panels of several matrices themselves). An int8 weight multiplies `xq`, `x` quantized for
-/// this ISA's [`DotKernel`] (quantized here, for this panel alone, when the caller has none).
+/// panels of several matrices themselves). An int8 weight multiplies `xq`, `x` quantized once
+/// by the caller for this ISA's [`DotKernel`] (required then: not once per panel).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn weight_panel(
     isa: Isa,
@@ -362,14 +362,8 @@ pub(super) fn weight_panel(
         PackedWeight::Int4(p) => int4_panel_product(isa, x, d, p, q, acc),
         PackedWeight::I8(p) => {
             let kernel = DotKernel::for_isa(isa).expect("int8 weights run on the packed kernels");
-            match xq {
-                Some(xq) => p.panel_product(kernel, xq, q, acc),
-                None => {
-                    let mut buf = QUANTIZED_TASK.take();
-                    p.panel_product(kernel, buf.quantize(kernel, x), q, acc);
-                    QUANTIZED_TASK.set(buf);
-                }
-            }
+            let xq = xq.expect("an int8 weight's caller brings its rows quantized");
+            p.panel_product(kernel, xq, q, acc)
         }
     }
 }
@@ -597,9 +591,6 @@ thread_local! {
     static PANEL_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The activations of [`matmul_wt`] in tile order.
     static TILED_X: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// A task's quantized activations in [`weight_panel`] when the caller brings none.
-    static QUANTIZED_TASK: std::cell::RefCell<Int8Activations> =
-        std::cell::RefCell::new(Int8Activations::default());
     /// The activations of an int8 [`matmul_wt`], quantized.
     static QUANTIZED_X: std::cell::RefCell<Int8Activations> =
         std::cell::RefCell::new(Int8Activations::default());
