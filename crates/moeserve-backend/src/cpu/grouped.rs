@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use super::int8::{ActivationsOut, DotKernel, Int8Activations, quantized_len};
+use super::int8::{ActivationsOut, DotKernel, Int8Activations, SERIAL_QUANTIZE, quantized_len};
 use super::matmul::{OutPtr, TiledRows};
 use super::packed::PANEL;
 use super::packed::PackedWeight;
@@ -248,9 +248,6 @@ fn by_panels<G: ExpertGroup + ?Sized>(
     two_phases(tiled, hidden, &groups, &mut act[..act_len], out, int8);
 }
 
-/// Activations (rows × positions) below which quantizing them runs on the calling thread.
-const SERIAL_QUANTIZE: usize = 1 << 16;
-
 /// The quantized activations of a grouped SwiGLU's int8 experts: the input rows, quantized
 /// once before the gate and up projections, and the SwiGLU activations, once before the down
 /// projection (each a product's activations once, not once per panel).
@@ -296,7 +293,6 @@ impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
                 (0..e.rows).into_par_iter().for_each(row);
             }
         };
-        // Decode's few rows are quantized faster than the pool's threads wake.
         let size = |p: &Placed| {
             let e = self.experts.expert(p.expert);
             e.rows * rows(p, &e).1

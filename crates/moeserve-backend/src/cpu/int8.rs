@@ -18,9 +18,9 @@
 //! `vpdpbusd`). Each quad of positions is two i32 words, its four `h` and its four `l`, in the
 //! tile order of the kernel ([`DotKernel::tile_rows`]); beside them the group's exact `Σx`
 //! (f32) and `128 · Σx̂`. The VNNI kernels take `Σ u·x̂ = 128 · Σ u·h + Σ u·l` as two byte
-//! products: AVX-512 tiles of up to 6 rows in one sweep with sums of their own for `h` and `l`,
-//! larger tiles (and AVX-VNNI's) in two passes over the group, `h` then `l`, the sums shifted
-//! left by 7 between; AVX2 rebuilds `x̂` in 16-bit lanes and runs once. A group then adds
+//! products, two passes over the group, `h` then `l`, the sums shifted left by 7 between (the
+//! second pass reads the codes from L1; one sweep with separate sums for `h` and `l` measured
+//! no faster at batch 1); AVX2 rebuilds `x̂` in 16-bit lanes and runs once. A group then adds
 //!
 //! ```text
 //! Σ_p x_p · w_p ≈ (Σ u·x̂ − 128·Σx̂) · (s · sx) + Σx · o
@@ -53,6 +53,10 @@ const X_MAX: f32 = 16383.0;
 /// Quads per group: a group's integer sum is finished before its grids apply.
 const QUADS_PER_GROUP: usize = GROUP / QUAD;
 const _: () = assert!(GROUP.is_multiple_of(QUAD));
+
+/// Activations (rows × positions) below which quantizing them runs on the calling thread:
+/// decode's few rows are done before the pool's threads would wake.
+pub(super) const SERIAL_QUANTIZE: usize = 1 << 16;
 
 /// Groups per block when several row tiles share a panel: 4 KiB of codes stay in L1 while
 /// every tile runs through them.
@@ -323,7 +327,7 @@ impl Int8Activations {
             // SAFETY: the buffers hold m rows; each row is written by one call.
             unsafe { out.quantize_row(kernel, x, i, (0, 0)) }
         };
-        if x.m * x.k < 1 << 16 {
+        if x.m * x.k < SERIAL_QUANTIZE {
             (0..x.m).for_each(row);
         } else {
             use rayon::prelude::*;
@@ -582,51 +586,26 @@ unsafe fn vnni512<const MR: usize>(t: DotTile) {
             let mut lo = [_mm512_setzero_si512(); MR];
             let mut hi = [_mm512_setzero_si512(); MR];
             let (j0, j1) = t.quads(g);
-            if MR <= 6 {
-                // Up to 6 rows: the high and the low bytes in one sweep, each into its own
-                // sums (four chains a row, which decode's one row needs to hide the latency).
-                let mut lo_l = [_mm512_setzero_si512(); MR];
-                let mut hi_l = [_mm512_setzero_si512(); MR];
+            // The high bytes, then (the sums ×128) the low bytes; the second pass reads
+            // the group's codes from L1.
+            for word in 0..WORDS {
+                if word == 1 {
+                    for i in 0..MR {
+                        lo[i] = _mm512_slli_epi32::<7>(lo[i]);
+                        hi[i] = _mm512_slli_epi32::<7>(hi[i]);
+                    }
+                }
                 for j in j0..j1 {
                     let wp = t.w.add(j * PANEL * QUAD);
-                    prefetch_quad(wp);
+                    if word == 0 {
+                        prefetch_quad(wp);
+                    }
                     let w0 = _mm512_loadu_si512(wp as *const __m512i);
                     let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
                     for i in 0..MR {
-                        let xp = t.x.add(WORDS * (j * MR + i));
-                        let (xh, xl) = (_mm512_set1_epi32(*xp), _mm512_set1_epi32(*xp.add(1)));
-                        lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xh);
-                        hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xh);
-                        lo_l[i] = _mm512_dpbusd_epi32(lo_l[i], w0, xl);
-                        hi_l[i] = _mm512_dpbusd_epi32(hi_l[i], w1, xl);
-                    }
-                }
-                for i in 0..MR {
-                    lo[i] = _mm512_add_epi32(_mm512_slli_epi32::<7>(lo[i]), lo_l[i]);
-                    hi[i] = _mm512_add_epi32(_mm512_slli_epi32::<7>(hi[i]), hi_l[i]);
-                }
-            } else {
-                // The high bytes, then (the sums ×128) the low bytes; the second pass reads
-                // the group's codes from L1.
-                for word in 0..WORDS {
-                    if word == 1 {
-                        for i in 0..MR {
-                            lo[i] = _mm512_slli_epi32::<7>(lo[i]);
-                            hi[i] = _mm512_slli_epi32::<7>(hi[i]);
-                        }
-                    }
-                    for j in j0..j1 {
-                        let wp = t.w.add(j * PANEL * QUAD);
-                        if word == 0 {
-                            prefetch_quad(wp);
-                        }
-                        let w0 = _mm512_loadu_si512(wp as *const __m512i);
-                        let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
-                        for i in 0..MR {
-                            let xv = _mm512_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word));
-                            lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xv);
-                            hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xv);
-                        }
+                        let xv = _mm512_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word));
+                        lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xv);
+                        hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xv);
                     }
                 }
             }
