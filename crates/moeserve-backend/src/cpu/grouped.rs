@@ -11,10 +11,9 @@
 
 use rayon::prelude::*;
 
-use super::int8::{ActivationsOut, DotKernel, Int8Activations, SERIAL_QUANTIZE, quantized_len};
+use super::intdot::{IntActivations, Quantizer, SERIAL_QUANTIZE, quantized_len};
 use super::matmul::{OutPtr, TiledRows};
 use super::packed::PANEL;
-use super::packed::PackedWeight;
 use super::{GatedActivation, matmul_wt};
 use crate::Weight;
 
@@ -77,9 +76,34 @@ pub struct GroupedScratch {
     placed: Vec<Placed>,
     tiled: Vec<f32>,
     act: Vec<f32>,
-    /// The input rows and the SwiGLU activations quantized, for int8 experts.
-    tiled_int8: Int8Activations,
-    act_int8: Int8Activations,
+    /// Activations quantized for integer experts (int8, int4), by [`Projection`]: the input
+    /// rows for the gate projections, for the up projections where they read them in
+    /// another order (int4 act-order), and the SwiGLU activations for the down projections.
+    quantized: [IntActivations; 3],
+}
+
+/// An expert's three projections, in the order of [`GroupedScratch::quantized`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Projection {
+    Gate = 0,
+    Up = 1,
+    Down = 2,
+}
+
+impl Projection {
+    fn weight<'e>(self, e: &ExpertRows<'e>) -> &'e Weight {
+        match self {
+            Projection::Gate => e.w1,
+            Projection::Up => e.w3,
+            Projection::Down => e.w2,
+        }
+    }
+
+    /// How `e`'s rows are quantized for this projection, when it is an integer one.
+    #[cfg(target_arch = "x86_64")]
+    fn quantizer<'e>(self, e: &ExpertRows<'e>) -> Option<Quantizer<'e>> {
+        super::matmul::quantizer(super::isa(), self.weight(e).packed())
+    }
 }
 
 /// `x: [Σ rows, hidden]`, experts' rows consecutive in `experts` order → `out` of the same shape.
@@ -184,10 +208,11 @@ struct Placed {
     first_row: usize,
     /// Offset of its `[rows, intermediate]` block in the SwiGLU buffer.
     act_offset: usize,
-    /// Offsets of its quantized rows (words, metadata entries) among all experts' input rows
-    /// and SwiGLU activations (int8 experts).
-    tiled_int8: (usize, usize),
-    act_int8: (usize, usize),
+    /// Offsets (words, metadata entries) of its rows quantized for each [`Projection`], where
+    /// that is an integer one; the up projection's `None` too where it reads the gate's.
+    quantized: [Option<(usize, usize)>; 3],
+    /// The up projection multiplies the rows quantized for the gate (the same order).
+    up_reads_gate: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -202,30 +227,45 @@ fn by_panels<G: ExpertGroup + ?Sized>(
         placed,
         tiled,
         act,
-        tiled_int8,
-        act_int8,
+        quantized,
     } = scratch;
     placed.clear();
     let (mut row, mut act_len) = (0, 0);
-    let (mut tiled_q, mut act_q) = ((0, 0), (0, 0));
-    let plus = |(a, b): (usize, usize), (c, d): (usize, usize)| (a + c, b + d);
+    // Words and metadata entries of each projection's quantized rows, all experts.
+    let mut lens = [(0, 0); 3];
     for i in 0..experts.num_experts() {
         let e = experts.expert(i);
         if e.rows == 0 {
             continue;
         }
+        let inter = e.w1.shape()[0];
+        let (gate, up) = (Projection::Gate.quantizer(&e), Projection::Up.quantizer(&e));
+        let up_reads_gate = matches!((gate, up), (Some(g), Some(u)) if g.same_as(&u));
+        let mut place = |which: Projection, k: usize| {
+            let how = which.quantizer(&e)?;
+            let at = lens[which as usize];
+            let (words, meta) = quantized_len(how.format, e.rows, how.len(k));
+            lens[which as usize] = (at.0 + words, at.1 + meta);
+            Some(at)
+        };
+        let quantized = [
+            place(Projection::Gate, hidden),
+            if up_reads_gate {
+                None
+            } else {
+                place(Projection::Up, hidden)
+            },
+            place(Projection::Down, inter),
+        ];
         placed.push(Placed {
             expert: i,
             first_row: row,
             act_offset: act_len,
-            tiled_int8: tiled_q,
-            act_int8: act_q,
+            quantized,
+            up_reads_gate,
         });
-        let inter = e.w1.shape()[0];
         row += e.rows;
         act_len += e.rows * inter;
-        tiled_q = plus(tiled_q, quantized_len(e.rows, hidden));
-        act_q = plus(act_q, quantized_len(e.rows, inter));
     }
     // Every element of `act` is written in phase 1, so the buffer is reused unzeroed.
     if act.len() < act_len {
@@ -239,54 +279,48 @@ fn by_panels<G: ExpertGroup + ?Sized>(
         TiledRows::pack_into(isa, &x[range.clone()], rows, hidden, &mut tiled[range]);
     }
     let groups = Groups { experts, placed };
-    let int8 = Int8Phases {
-        kernel: DotKernel::for_isa(isa),
-        tiled: tiled_int8,
-        act: act_int8,
-        lens: (tiled_q, act_q),
-    };
-    two_phases(tiled, hidden, &groups, &mut act[..act_len], out, int8);
-}
-
-/// The quantized activations of a grouped SwiGLU's int8 experts: the input rows, quantized
-/// once before the gate and up projections, and the SwiGLU activations, once before the down
-/// projection (each a product's activations once, not once per panel).
-struct Int8Phases<'s> {
-    kernel: Option<DotKernel>,
-    tiled: &'s mut Int8Activations,
-    act: &'s mut Int8Activations,
-    /// (words, metadata entries) of all experts' input rows and activations.
-    lens: ((usize, usize), (usize, usize)),
+    two_phases(
+        tiled,
+        hidden,
+        &groups,
+        &mut act[..act_len],
+        out,
+        (quantized, lens),
+    );
 }
 
 impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
-    /// Whether any expert's `which` matrix is int8.
-    fn any_int8(&self, which: for<'e> fn(&ExpertRows<'e>) -> &'e Weight) -> bool {
-        self.placed.iter().any(|p| {
-            let e = self.experts.expert(p.expert);
-            matches!(which(&e).packed(), PackedWeight::I8(_))
-        })
-    }
-
     /// Every expert's rows of `data` (`[rows, k]` at the offset and width `rows` gives, in
-    /// tile order) quantized into `out` at the expert's offsets (`at`); experts, and a large
-    /// expert's rows, in parallel.
+    /// tile order) quantized for projection `which` into `buf`, at the offsets placed for it
+    /// (sized `len` in all); experts, and a large expert's rows, in parallel. `false` when no
+    /// expert has rows to quantize for it.
+    #[cfg(target_arch = "x86_64")]
     fn quantize(
         &self,
-        kernel: DotKernel,
+        which: Projection,
         data: &[f32],
         rows: impl Fn(&Placed, &ExpertRows<'_>) -> (usize, usize) + Sync,
-        at: fn(&Placed) -> (usize, usize),
-        out: ActivationsOut,
+        buf: &mut IntActivations,
+        len: (usize, usize),
     ) {
+        if len == (0, 0) {
+            return;
+        }
+        let out = buf.prepare(len.0, len.1);
         let isa = super::isa();
         let expert = |p: &Placed| {
+            let Some(at) = p.quantized[which as usize] else {
+                return;
+            };
             let e = self.experts.expert(p.expert);
+            let how = which
+                .quantizer(&e)
+                .expect("placed for an integer projection");
             let (start, k) = rows(p, &e);
             let x = TiledRows::already_tiled(isa, &data[start..start + e.rows * k], e.rows, k);
             // SAFETY: each expert's block lies at its own offsets inside `out` (sized by
-            // `Int8Phases::lens`), and each row is written once.
-            let row = |i| unsafe { out.quantize_row(kernel, x, i, at(p)) };
+            // `len`), and each row is written once.
+            let row = |i| unsafe { out.quantize_row(how, x, i, at) };
             if e.rows * k < SERIAL_QUANTIZE {
                 (0..e.rows).for_each(row);
             } else {
@@ -303,6 +337,26 @@ impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
         } else {
             self.placed.par_iter().for_each(expert);
         }
+    }
+
+    /// Expert `p`'s rows as quantized for projection `which` (`None`: not an integer one).
+    #[cfg(target_arch = "x86_64")]
+    fn quantized<'b>(
+        &self,
+        bufs: [&'b IntActivations; 3],
+        which: Projection,
+        p: &Placed,
+        e: &ExpertRows<'_>,
+        k: usize,
+    ) -> Option<super::intdot::QuantizedRows<'b>> {
+        let from = if which == Projection::Up && p.up_reads_gate {
+            Projection::Gate
+        } else {
+            which
+        };
+        let at = p.quantized[from as usize]?;
+        let how = from.quantizer(e)?;
+        Some(bufs[from as usize].rows(how.kernel, how.format, at, e.rows, how.len(k)))
     }
 }
 
@@ -334,25 +388,17 @@ fn two_phases<G: ExpertGroup + ?Sized>(
     groups: &Groups<'_, G>,
     act: &mut [f32],
     out: &mut [f32],
-    int8: Int8Phases<'_>,
+    (quantized, lens): (&mut [IntActivations; 3], [(usize, usize); 3]),
 ) {
     use super::matmul::weight_panel;
 
     let isa = super::isa();
-    let Int8Phases {
-        kernel,
-        tiled: x_int8,
-        act: act_int8,
-        lens: (x_len, act_len),
-    } = int8;
-    // The input rows quantized once, when the gate or up projections are int8.
-    let x_kernel = kernel.filter(|_| groups.any_int8(|e| e.w1) || groups.any_int8(|e| e.w3));
-    if let Some(kernel) = x_kernel {
-        let buf = x_int8.prepare(x_len.0, x_len.1);
-        let rows = |p: &Placed, _: &ExpertRows<'_>| (p.first_row * hidden, hidden);
-        groups.quantize(kernel, x, rows, |p| p.tiled_int8, buf);
-    }
-    let x_int8 = &*x_int8;
+    // The input rows quantized once for the integer gate and up projections.
+    let [gate_q, up_q, down_q] = quantized;
+    let rows = |p: &Placed, _: &ExpertRows<'_>| (p.first_row * hidden, hidden);
+    groups.quantize(Projection::Gate, x, rows, gate_q, lens[0]);
+    groups.quantize(Projection::Up, x, rows, up_q, lens[1]);
+    let bufs = [&*gate_q, &*up_q, &*down_q];
     let act_ptr = OutPtr(act.as_mut_ptr());
     let out_ptr = OutPtr(out.as_mut_ptr());
     // Phase 1: act = silu(x · w1ᵀ) * (x · w3ᵀ), one panel of both at a time.
@@ -362,12 +408,13 @@ fn two_phases<G: ExpertGroup + ?Sized>(
             let inter = e.w1.shape()[0];
             let xe = &x[p.first_row * hidden..(p.first_row + e.rows) * hidden];
             let xe = TiledRows::already_tiled(isa, xe, e.rows, hidden);
-            let xq = x_kernel.map(|k| x_int8.rows(k, p.tiled_int8, e.rows, hidden));
+            let gate_x = groups.quantized(bufs, Projection::Gate, &p, &e, hidden);
+            let up_x = groups.quantized(bufs, Projection::Up, &p, &e, hidden);
             GATE_UP.with_borrow_mut(|(gate, up)| {
                 gate.resize(e.rows * PANEL, 0.0);
                 up.resize(e.rows * PANEL, 0.0);
-                weight_panel(isa, xe, xq, e.w1, q, gate);
-                weight_panel(isa, xe, xq, e.w3, q, up);
+                weight_panel(isa, xe, gate_x, e.w1, q, gate);
+                weight_panel(isa, xe, up_x, e.w3, q, up);
                 let cols = PANEL.min(inter - q * PANEL);
                 if let Some(b) = e.bias {
                     ExpertBias::add_columns(&b.gate, q * PANEL, cols, PANEL, gate);
@@ -387,14 +434,10 @@ fn two_phases<G: ExpertGroup + ?Sized>(
                 };
             })
         });
-    // The activations quantized once, when the down projections are int8.
-    let act_kernel = kernel.filter(|_| groups.any_int8(|e| e.w2));
-    if let Some(kernel) = act_kernel {
-        let buf = act_int8.prepare(act_len.0, act_len.1);
-        let rows = |p: &Placed, e: &ExpertRows<'_>| (p.act_offset, e.w1.shape()[0]);
-        groups.quantize(kernel, act, rows, |p| p.act_int8, buf);
-    }
-    let act_int8 = &*act_int8;
+    // The activations quantized once for the integer down projections.
+    let rows = |p: &Placed, e: &ExpertRows<'_>| (p.act_offset, e.w1.shape()[0]);
+    groups.quantize(Projection::Down, act, rows, down_q, lens[2]);
+    let bufs = [&*gate_q, &*up_q, &*down_q];
     // Phase 2: out = act · w2ᵀ.
     groups
         .tasks(|e| e.w2.shape()[0].div_ceil(PANEL))
@@ -402,7 +445,7 @@ fn two_phases<G: ExpertGroup + ?Sized>(
             let inter = e.w1.shape()[0];
             let ae = &act[p.act_offset..p.act_offset + e.rows * inter];
             let ae = TiledRows::already_tiled(isa, ae, e.rows, inter);
-            let aq = act_kernel.map(|k| act_int8.rows(k, p.act_int8, e.rows, inter));
+            let aq = groups.quantized(bufs, Projection::Down, &p, &e, inter);
             GATE_UP.with_borrow_mut(|(down, _)| {
                 down.resize(e.rows * PANEL, 0.0);
                 weight_panel(isa, ae, aq, e.w2, q, down);
@@ -518,6 +561,28 @@ mod tests {
             } else {
                 bf16_weight(n, k, seed)
             }
+        });
+    }
+
+    #[test]
+    fn int4_experts_equal_three_integer_gemms_per_expert_bit_for_bit() {
+        // Act-order gate and down projections read their inputs in their own orders; the up
+        // projections here in plain groups, so gate and up quantize x apart.
+        let int4 = |n: usize, k: usize, seed: u32| {
+            let act_order = seed % 10 != 2;
+            let values = pseudo_random(n * k, seed);
+            crate::cpu::reference::int4_weight_of(vec![n, k], 32, act_order, &values)
+        };
+        equals_three_gemms_per_expert(int4);
+        // Every projection act-order: gate and up share one order, so one quantization.
+        equals_three_gemms_per_expert(|n, k, seed| {
+            crate::cpu::reference::int4_weight_of(vec![n, k], 32, true, &pseudo_random(n * k, seed))
+        });
+        // int4, int8 and bf16 in one layer.
+        equals_three_gemms_per_expert(|n, k, seed| match seed % 10 {
+            1 => int4(n, k, seed),
+            2 => crate::cpu::reference::int8_weight_of(vec![n, k], &pseudo_random(n * k, seed)),
+            _ => bf16_weight(n, k, seed),
         });
     }
 

@@ -1,27 +1,61 @@
 //! 4-bit integer weights with a scale and a zero point per group of input positions, as GPTQ
 //! and AWQ checkpoints store them: `w[r][p] = (q[r][p] − zero[g][r]) · scale[g][r]` with
 //! `q ∈ 0..16` and `g` the group of position `p` — `p / group_size`, or with GPTQ's act-order
-//! (`desc_act`) any group `g_idx[p]`. They stay 4-bit in memory, in the GEMM's panel layout
-//! (the codes laid out as MXFP4's, `mxfp4.rs`), with each group's 32 scales and offsets per
-//! panel in f32:
+//! (`desc_act`) any group `g_idx[p]`. They stay 4-bit in memory and multiply in integers: the
+//! activations are quantized per row and block of 32 positions to 23 bits (`intdot.rs`) and
+//! the kernels sum `q · x̂` exactly in i32 with byte dot products — AVX-512 VNNI or AVX-VNNI
+//! `vpdpbusd`, or AVX2 `vpmaddwd` — then apply both grids once per block:
 //!
 //! ```text
-//! panel q, position p:  codes   [q][p][j] = q(32q + j, p) | q(32q + 16 + j, p) << 4
-//! panel q, group g:     scales  [q][g][c] = scale[g][32q + c]
-//!                       offsets [q][g][c] = −zero[g][32q + c] · scale[g][32q + c]
+//! Σ_{p ∈ block} x_p · w_p ≈ (Σ q·x̂) · (scale · sx) + Σx · offset,   offset = −zero · scale
 //! ```
 //!
-//! The kernels widen a block of positions to f32 as `q · scale + offset` (one FMA). Both
-//! products are exact — `q` and `zero` have at most 5 significant bits and a stored scale
-//! (f16, bf16) at most 11 — so the sum is `(q − zero) · scale` exactly: a product is the same
-//! FMA chain as over the dequantised weights in f32, and a GPTQ or AWQ model gives the tokens
-//! of its dequantised copy. Positions keep their order under act-order (the widening looks up
-//! each position's group), so the activations need no permutation. Decode reads 4 bits per
-//! weight plus 8 bytes per group of 32 rows: 0.27× of bf16 with groups of 128.
+//! `Σx` is the block's exact sum, so the only departure from the dequantised weights' product
+//! is the activations' rounding, half a step of `sx = max|x| / (2^22 − 1)` per position: a
+//! relative 1.2e-7 of the block's largest activation, f32's own rounding. The integer sum and
+//! the f32 epilogue
+//! (no FMA) are the same on every kernel, so the three kernels give the same bits, and a row's
+//! result does not depend on the batch.
+//!
+//! Layout. A block must lie in one group, so positions are stored in the kernels' *order*:
+//! each group's positions ascending, its run padded with empty slots to whole blocks, groups in
+//! turn. With consecutive groups of a multiple of 32 positions (AWQ, GPTQ without act-order)
+//! that order is `0..k` itself and no order is kept; otherwise (act-order's scattered groups)
+//! the quantizer gathers each activation row through it, as vLLM's Marlin kernels permute
+//! theirs. Codes sit in "quads" (four consecutive slots of an output: one 32-bit lane), two
+//! outputs to a byte, so that one 64-byte load and two masks give the unsigned bytes of 16
+//! outputs × 4 slots:
+//!
+//! ```text
+//! panel q, quad j:  codes [q][j][4c + t] = q(32q + c, slot 4j + t) | q(32q + 16 + c, slot 4j + t) << 4
+//! panel q, group g: scales [q][g][c], offsets [q][g][c] = −zero · scale      (c < 32, t < 4)
+//! ```
+//!
+//! The VNNI kernels take `Σ q·x̂ = 2^16 · Σ q·h + 2^8 · Σ m·q + Σ l·q` as three passes over
+//! the block (from L1 after the first): the codes unsigned against the signed high bytes, then
+//! the unsigned lower bytes against the codes as signed bytes (`0..16` is both). AVX2 takes
+//! `2^8 · h + m` as one 16-bit operand of `vpmaddwd` and `l` as another: two passes. Decode
+//! reads 4 bits per weight plus 8 bytes per group of each row: 0.27× of bf16 with groups of
+//! 128.
 
 use rayon::prelude::*;
 
+use super::intdot::{
+    DotKernel, Format, PADDING, QUAD, QuantizedRows, Quantizer, epilogue8, epilogue16,
+};
 use super::packed::PANEL;
+
+/// Positions per block (one activation scale, one integer sum).
+const BLOCK: usize = Format::Int4.block();
+/// i32 words per quad of activations: the bytes `h`, `m`, `l` of `x̂ = 2^16 · h + 2^8 · m + l`.
+const WORDS: usize = Format::Int4.words();
+/// Quads per block.
+const QUADS_PER_BLOCK: usize = BLOCK / QUAD;
+/// Bytes of one quad of a panel: 32 outputs × 4 slots, two to a byte.
+const QUAD_BYTES: usize = PANEL * QUAD / 2;
+/// Blocks per step when several row tiles share a panel: 4 KiB of codes stay in L1 while
+/// every tile runs through them.
+const STEP_BLOCKS: usize = 8;
 
 /// The group of each input position.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,25 +73,24 @@ impl GroupOf {
             GroupOf::Index(g) => g[p] as usize,
         }
     }
-
-    /// The end of the run of positions from `p` (before `end`) that share `p`'s group.
-    fn run_end(&self, p: usize, end: usize) -> usize {
-        match self {
-            GroupOf::Runs(size) => ((p / size + 1) * size).min(end),
-            GroupOf::Index(g) => (p + 1..end).find(|&i| g[i] != g[p]).unwrap_or(end),
-        }
-    }
 }
 
-/// A `[n, k]` 4-bit matrix in panel layout (see the module note). Padding rows of the last
-/// panel are zero codes under scale 0.
+/// A `[n, k]` 4-bit matrix in the kernels' layout (see the module note). Padding rows of the
+/// last panel and empty slots are zero codes under scale and offset 0.
 #[derive(Clone)]
 pub struct Int4Panels {
     n: usize,
     k: usize,
     groups: usize,
-    group_of: GroupOf,
-    /// `[num_panels, k, PANEL / 2]`.
+    /// The position at each slot ([`PADDING`] for none); `None`: slot `p` is position `p`.
+    order: Option<Vec<u32>>,
+    /// Each position's slot, with `order`.
+    slot_of: Option<Vec<u32>>,
+    /// Slots: `order`'s length, or `k`.
+    slots: usize,
+    /// The group of each block of slots.
+    block_group: Vec<u32>,
+    /// `[num_panels, quads, QUAD_BYTES]`.
     codes: Vec<u8>,
     /// `[num_panels, groups, PANEL]`.
     scales: Vec<f32>,
@@ -75,6 +108,37 @@ pub struct Int4Source<C, S, Z> {
     /// The zero point of group `g`, row `r`, in `0..=16` (GPTQ's v1 format stores zero − 1,
     /// so a stored 15 reads as 16).
     pub zero: Z,
+}
+
+/// The kernels' order of `k` positions in `groups` groups: `(order, block_group)`, the order
+/// `None` when it is `0..k` (see the module note).
+fn slot_order(k: usize, groups: usize, group_of: &GroupOf) -> (Option<Vec<u32>>, Vec<u32>) {
+    if let GroupOf::Runs(size) = group_of
+        && (size.is_multiple_of(BLOCK) || *size >= k)
+    {
+        let block_group = (0..k.div_ceil(BLOCK))
+            .map(|b| (b * BLOCK / size) as u32)
+            .collect();
+        return (None, block_group);
+    }
+    let mut members = vec![Vec::new(); groups];
+    for p in 0..k {
+        members[group_of.of(p)].push(p as u32);
+    }
+    let (mut order, mut block_group) = (Vec::with_capacity(k), Vec::new());
+    for (g, positions) in members.iter().enumerate() {
+        let blocks = positions.len().div_ceil(BLOCK);
+        order.extend_from_slice(positions);
+        order.resize(order.len() + blocks * BLOCK - positions.len(), PADDING);
+        block_group.resize(block_group.len() + blocks, g as u32);
+    }
+    // Consecutive groups of whole blocks but the last: the identity after all.
+    let identity = order.len() == k.div_ceil(BLOCK) * BLOCK
+        && order
+            .iter()
+            .enumerate()
+            .all(|(s, &p)| s as u32 == p || (s >= k && p == PADDING));
+    (if identity { None } else { Some(order) }, block_group)
 }
 
 impl Int4Panels {
@@ -129,16 +193,34 @@ impl Int4Panels {
                 offsets[at] = -(z as f32) * s;
             }
         }
-        let mut codes = vec![0u8; panels * k * PANEL / 2];
+        let (order, block_group) = slot_order(k, groups, &group_of);
+        let slots = order.as_ref().map_or(k, Vec::len);
+        let slot_of = order.as_ref().map(|order| {
+            let mut slot_of = vec![0u32; k];
+            for (s, &p) in order.iter().enumerate().filter(|(_, p)| **p != PADDING) {
+                slot_of[p as usize] = s as u32;
+            }
+            slot_of
+        });
+        let panel_bytes = slots.div_ceil(QUAD) * QUAD_BYTES;
+        let mut codes: Vec<u8> = Vec::with_capacity(panels * panel_bytes);
+        super::packed::advise_huge_pages(codes.as_mut_ptr(), panels * panel_bytes);
+        codes.resize(panels * panel_bytes, 0);
         // Unpacking is most of a large model's load: one task per panel.
         codes
-            .par_chunks_mut(k * PANEL / 2)
+            .par_chunks_mut(panel_bytes)
             .enumerate()
             .for_each(|(q, panel)| {
-                for c in 0..PANEL.min(n - q * PANEL) {
-                    let (byte, shift) = (c % (PANEL / 2), 4 * (c / (PANEL / 2)));
-                    for (p, pos) in panel.chunks_exact_mut(PANEL / 2).enumerate() {
-                        pos[byte] |= ((src.code)(q * PANEL + c, p) & 0xF) << shift;
+                for s in 0..slots {
+                    let p = order.as_ref().map_or(s as u32, |o| o[s]);
+                    if p == PADDING {
+                        continue;
+                    }
+                    let quad = &mut panel[(s / QUAD) * QUAD_BYTES..][..QUAD_BYTES];
+                    for c in 0..PANEL.min(n - q * PANEL) {
+                        let (byte, shift) = (c % (PANEL / 2), 4 * (c / (PANEL / 2)));
+                        let code = (src.code)(q * PANEL + c, p as usize) & 0xF;
+                        quad[byte * QUAD + s % QUAD] |= code << shift;
                     }
                 }
             });
@@ -146,7 +228,10 @@ impl Int4Panels {
             n,
             k,
             groups,
-            group_of,
+            order,
+            slot_of,
+            slots,
+            block_group,
             codes,
             scales,
             offsets,
@@ -161,22 +246,40 @@ impl Int4Panels {
         self.n.div_ceil(PANEL)
     }
 
-    /// Bytes one pass of the kernels reads: codes, scales and offsets (and act-order's group
-    /// indices).
+    /// Bytes one pass of the kernels reads: codes, scales and offsets (and act-order's
+    /// order and blocks' groups).
     pub fn size_in_bytes(&self) -> usize {
-        let index = match &self.group_of {
-            GroupOf::Runs(_) => 0,
-            GroupOf::Index(g) => g.len() * 4,
-        };
-        self.codes.len() + (self.scales.len() + self.offsets.len()) * 4 + index
+        let order = self.order.as_ref().map_or(0, |o| o.len() * 4);
+        self.codes.len()
+            + (self.scales.len() + self.offsets.len()) * 4
+            + order
+            + self.block_group.len() * 4
+    }
+
+    /// How a product quantizes its activations for this matrix on `kernel`.
+    pub(super) fn quantizer(&self, kernel: DotKernel) -> Quantizer<'_> {
+        Quantizer {
+            kernel,
+            format: Format::Int4,
+            order: self.order.as_deref(),
+        }
+    }
+
+    /// The code and group at slot `s` of row `r`.
+    fn code_at(&self, r: usize, s: usize) -> (u8, usize) {
+        let (q, c) = (r / PANEL, r % PANEL);
+        let panel = &self.codes[q * self.slots.div_ceil(QUAD) * QUAD_BYTES..];
+        let byte = panel[(s / QUAD) * QUAD_BYTES + (c % (PANEL / 2)) * QUAD + s % QUAD];
+        let code = (byte >> (4 * (c / (PANEL / 2)))) & 0xF;
+        (code, self.block_group[s / BLOCK] as usize)
     }
 
     /// Element `(r, p)`'s value.
     pub fn value(&self, r: usize, p: usize) -> f32 {
-        let (q, c) = (r / PANEL, r % PANEL);
-        let byte = self.codes[(q * self.k + p) * PANEL / 2 + c % (PANEL / 2)];
-        let code = (byte >> (4 * (c / (PANEL / 2)))) & 0xF;
-        let at = (q * self.groups + self.group_of.of(p)) * PANEL + c;
+        assert!(r < self.n && p < self.k);
+        let s = self.slot_of.as_ref().map_or(p, |slots| slots[p] as usize);
+        let (code, g) = self.code_at(r, s);
+        let at = ((r / PANEL) * self.groups + g) * PANEL + r % PANEL;
         f32::from(code) * self.scales[at] + self.offsets[at]
     }
 
@@ -193,317 +296,373 @@ impl Int4Panels {
             .for_each(|(p, v)| *v = self.value(r, p));
     }
 
-    /// Positions `k0 .. k0 + kc` of panel `q` widened into `dst: [kc, PANEL]`, as the f32 panel
-    /// of the dequantised weights holds them.
-    pub(super) fn widen_block(
-        &self,
-        isa: super::Isa,
-        q: usize,
-        k0: usize,
-        kc: usize,
-        dst: &mut [f32],
-    ) {
-        assert!(k0 + kc <= self.k && dst.len() == kc * PANEL);
-        for (p, end, run) in self.runs(q, k0, k0 + kc) {
-            let out = &mut dst[(p - k0) * PANEL..(end - k0) * PANEL];
-            match isa {
-                // SAFETY: the caller's `isa` is supported; the run's slices agree in length.
-                #[cfg(target_arch = "x86_64")]
-                super::Isa::Avx512 => unsafe { widen_avx512(run, out) },
-                #[cfg(target_arch = "x86_64")]
-                super::Isa::Avx2 => unsafe { widen_avx2(run, out) },
-                _ => widen_portable(run, out),
-            }
-        }
-    }
-
-    /// Positions `from .. to` of panel `q` as runs under one group's scales and offsets:
-    /// `(first position, end, run)`.
-    fn runs(
-        &self,
-        q: usize,
-        from: usize,
-        to: usize,
-    ) -> impl Iterator<Item = (usize, usize, Run<'_>)> {
-        let panel_codes = &self.codes[q * self.k * PANEL / 2..][..self.k * PANEL / 2];
-        let group_base = q * self.groups * PANEL;
-        let mut p = from;
-        std::iter::from_fn(move || {
-            if p >= to {
-                return None;
-            }
-            let (start, end) = (p, self.group_of.run_end(p, to));
-            let g = group_base + self.group_of.of(start) * PANEL;
-            p = end;
-            let run = Run {
-                codes: &panel_codes[start * PANEL / 2..end * PANEL / 2],
-                scales: &self.scales[g..g + PANEL],
-                offsets: &self.offsets[g..g + PANEL],
-            };
-            Some((start, end, run))
-        })
-    }
-}
-
-impl Int4Panels {
-    /// Panel `q` of `x · Wᵀ` for one tile of `mr` activation rows (`x`: the tile's `k`
-    /// positions in tile order, `x[p · mr + i]`) into `acc: [mr, PANEL]`, each position widened
-    /// in registers and multiplied straight in: the decode case, where no other tile would
-    /// reuse a widened block. The same widening and the same FMA chain over `p` in order as
-    /// [`Self::widen_block`] then the tile microkernels, so the same bits.
+    /// Panel `q` of `x · Wᵀ` into `acc: [m, PANEL]` for activations quantized by
+    /// [`Self::quantizer`]: one tile of rows runs the whole panel in one call; more tiles
+    /// share each step of [`STEP_BLOCKS`] blocks while it is in L1.
     #[cfg(target_arch = "x86_64")]
-    pub(super) fn tile_product(
-        &self,
-        isa: super::Isa,
-        q: usize,
-        x: &[f32],
-        mr: usize,
-        acc: &mut [f32],
-    ) {
-        assert!(x.len() == self.k * mr && acc.len() == mr * PANEL);
-        for (p, _, run) in self.runs(q, 0, self.k) {
-            let t = FusedRun {
-                run,
-                x: x[p * mr..].as_ptr(),
-                acc: acc.as_mut_ptr(),
-                first: p == 0,
-            };
-            // SAFETY: the caller's `isa` is supported; x holds the run's positions for mr rows
-            // and acc mr × 32 sums (mr within the ISA's tile rows, checked by the match).
-            unsafe {
-                match (isa, mr) {
-                    (super::Isa::Avx2, 1) => fused_avx2::<1>(t),
-                    (super::Isa::Avx2, 2) => fused_avx2::<2>(t),
-                    (super::Isa::Avx2, 3) => fused_avx2::<3>(t),
-                    (super::Isa::Avx512, 1) => fused_avx512::<1>(t),
-                    (super::Isa::Avx512, 2) => fused_avx512::<2>(t),
-                    (super::Isa::Avx512, 3) => fused_avx512::<3>(t),
-                    (super::Isa::Avx512, 4) => fused_avx512::<4>(t),
-                    (super::Isa::Avx512, 5) => fused_avx512::<5>(t),
-                    (super::Isa::Avx512, 6) => fused_avx512::<6>(t),
-                    (super::Isa::Avx512, 7) => fused_avx512::<7>(t),
-                    (super::Isa::Avx512, 8) => fused_avx512::<8>(t),
-                    _ => unreachable!("{isa:?} fused int4 tiles of {mr} rows"),
-                }
+    pub(super) fn panel_product(&self, x: QuantizedRows<'_>, q: usize, acc: &mut [f32]) {
+        assert!(
+            x.k == self.slots && x.format == Format::Int4,
+            "int4 weights take activations quantized for them"
+        );
+        debug_assert!(acc.len() == x.m * PANEL && q < self.num_panels());
+        let kernel = x.kernel;
+        let (quads, blocks) = (self.slots.div_ceil(QUAD), self.slots.div_ceil(BLOCK));
+        let step = if x.m <= kernel.tile_rows() {
+            blocks
+        } else {
+            STEP_BLOCKS
+        };
+        for b0 in (0..blocks).step_by(step) {
+            for (i0, mr) in super::matmul::row_tiles(x.m, kernel.tile_rows()) {
+                let t = Int4Tile {
+                    x: x.words[i0 * quads * WORDS..].as_ptr(),
+                    w: self.codes[q * quads * QUAD_BYTES..].as_ptr(),
+                    quads,
+                    blocks: (b0, (b0 + step).min(blocks)),
+                    num_blocks: blocks,
+                    block_group: self.block_group.as_ptr(),
+                    sx: x.scales[i0 * blocks..].as_ptr(),
+                    sum_x: x.sums[i0 * blocks..].as_ptr(),
+                    scales: self.scales[q * self.groups * PANEL..].as_ptr(),
+                    offsets: self.offsets[q * self.groups * PANEL..].as_ptr(),
+                    acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
+                };
+                // SAFETY: `kernel` was chosen for this CPU (`DotKernel::for_isa`); the tile's
+                // quads and metadata, the panel's codes and grids and `acc` cover what
+                // `Int4Tile` describes for mr rows.
+                unsafe { t.run(kernel, mr) };
             }
         }
     }
 }
 
-/// The most rows [`Int4Panels::tile_product`] takes on `isa` (one tile; past it, a block
-/// widened once serves every tile).
+/// One kernel call: `MR` rows of a tile against a panel, blocks `blocks.0 .. blocks.1`; `acc`
+/// is written at block 0 and added to after.
 #[cfg(target_arch = "x86_64")]
-pub(super) fn fused_rows(isa: super::Isa) -> usize {
-    match isa {
-        super::Isa::Avx512 => 8,
-        super::Isa::Avx2 => super::avx2::MAX_MR,
-        super::Isa::Scalar => 0,
-    }
-}
-
-/// One run's operands for the fused kernels.
-#[cfg(target_arch = "x86_64")]
-struct FusedRun<'a> {
-    run: Run<'a>,
-    /// The tile's rows at the run's first position, in tile order.
-    x: *const f32,
-    /// `MR × PANEL` running sums, read back unless `first`.
-    acc: *mut f32,
-    first: bool,
-}
-
-/// # Safety
-/// The CPU supports AVX2 and FMA; the pointers cover what [`FusedRun`] says for `MR` rows.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fused_avx2<const MR: usize>(t: FusedRun<'_>) {
-    use std::arch::x86_64::*;
-    unsafe {
-        let s = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(t.run.scales.as_ptr().add(i)));
-        let o = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(t.run.offsets.as_ptr().add(i)));
-        let nibble = _mm256_set1_epi32(0xF);
-        let bytes8 = |p: *const u8| _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-        let mut acc = [[_mm256_setzero_ps(); 4]; MR];
-        if !t.first {
-            for (i, row) in acc.iter_mut().enumerate() {
-                for (j, a) in row.iter_mut().enumerate() {
-                    *a = _mm256_loadu_ps(t.acc.add(i * PANEL + 8 * j));
-                }
-            }
-        }
-        for (p, pos) in t.run.codes.chunks_exact(PANEL / 2).enumerate() {
-            prefetch_ahead(pos.as_ptr());
-            let (a, c) = (bytes8(pos.as_ptr()), bytes8(pos.as_ptr().add(8)));
-            let codes = [
-                _mm256_and_si256(a, nibble),
-                _mm256_and_si256(c, nibble),
-                _mm256_srli_epi32::<4>(a),
-                _mm256_srli_epi32::<4>(c),
-            ];
-            let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
-            for (j, v) in codes.into_iter().enumerate() {
-                let w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s[j], o[j]);
-                for (row, x) in acc.iter_mut().zip(&xs) {
-                    row[j] = _mm256_fmadd_ps(w, *x, row[j]);
-                }
-            }
-        }
-        for (i, row) in acc.iter().enumerate() {
-            for (j, a) in row.iter().enumerate() {
-                _mm256_storeu_ps(t.acc.add(i * PANEL + 8 * j), *a);
-            }
-        }
-    }
-}
-
-/// # Safety
-/// The CPU supports AVX-512F; the pointers cover what [`FusedRun`] says for `MR` rows.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn fused_avx512<const MR: usize>(t: FusedRun<'_>) {
-    use std::arch::x86_64::*;
-    unsafe {
-        let s = [0, 16].map(|i| _mm512_loadu_ps(t.run.scales.as_ptr().add(i)));
-        let o = [0, 16].map(|i| _mm512_loadu_ps(t.run.offsets.as_ptr().add(i)));
-        let nibble = _mm512_set1_epi32(0xF);
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-        if !t.first {
-            for (i, row) in acc.iter_mut().enumerate() {
-                for (j, a) in row.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(t.acc.add(i * PANEL + 16 * j));
-                }
-            }
-        }
-        for (p, pos) in t.run.codes.chunks_exact(PANEL / 2).enumerate() {
-            prefetch_ahead(pos.as_ptr());
-            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(pos.as_ptr() as *const __m128i));
-            let codes = [
-                _mm512_and_si512(bytes, nibble),
-                _mm512_srli_epi32::<4>(bytes),
-            ];
-            let xs: [__m512; MR] = std::array::from_fn(|i| _mm512_set1_ps(*t.x.add(p * MR + i)));
-            for (j, v) in codes.into_iter().enumerate() {
-                let w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s[j], o[j]);
-                for (row, x) in acc.iter_mut().zip(&xs) {
-                    row[j] = _mm512_fmadd_ps(w, *x, row[j]);
-                }
-            }
-        }
-        for (i, row) in acc.iter().enumerate() {
-            for (j, a) in row.iter().enumerate() {
-                _mm512_storeu_ps(t.acc.add(i * PANEL + 16 * j), *a);
-            }
-        }
-    }
-}
-
-/// Consecutive positions of one panel in one group.
 #[derive(Clone, Copy)]
-struct Run<'a> {
-    /// `[positions, PANEL / 2]`.
-    codes: &'a [u8],
-    scales: &'a [f32],
-    offsets: &'a [f32],
+struct Int4Tile {
+    /// The tile's words from quad 0: row `i`'s quad `j` at `x[WORDS · (j · MR + i)]` (`h`)
+    /// and the word after (`l`).
+    x: *const i32,
+    /// The panel's codes from quad 0: `[quads, QUAD_BYTES]`.
+    w: *const u8,
+    quads: usize,
+    blocks: (usize, usize),
+    /// Metadata entries per row.
+    num_blocks: usize,
+    block_group: *const u32,
+    /// The tile's first row's metadata (rows `num_blocks` apart).
+    sx: *const f32,
+    sum_x: *const f32,
+    /// The panel's grids, `[groups, PANEL]`.
+    scales: *const f32,
+    offsets: *const f32,
+    /// `MR × PANEL` sums.
+    acc: *mut f32,
 }
 
-/// [`Int4Panels::widen_block`] of one run without SIMD (and the definition the SIMD versions
-/// must equal; both products are exact, so `a · b + c` and the FMA agree).
-fn widen_portable(run: Run<'_>, dst: &mut [f32]) {
-    const HALF: usize = PANEL / 2;
-    for (pos, out) in run
-        .codes
-        .chunks_exact(HALF)
-        .zip(dst.chunks_exact_mut(PANEL))
-    {
-        for (j, byte) in pos.iter().enumerate() {
-            let (lo, hi) = (f32::from(byte & 0xF), f32::from(byte >> 4));
-            out[j] = lo * run.scales[j] + run.offsets[j];
-            out[j + HALF] = hi * run.scales[j + HALF] + run.offsets[j + HALF];
+#[cfg(target_arch = "x86_64")]
+impl Int4Tile {
+    /// # Safety
+    /// `kernel` runs on this CPU; the pointers cover what [`Int4Tile`] says for `mr ≤
+    /// kernel.tile_rows()` rows.
+    unsafe fn run(self, kernel: DotKernel, mr: usize) {
+        debug_assert!(mr <= kernel.tile_rows());
+        macro_rules! rows {
+            ($f:ident, $($n:literal)*) => {
+                match mr {
+                    $($n => $f::<$n>(self),)*
+                    _ => unreachable!("{kernel} tiles of {mr} rows"),
+                }
+            };
+        }
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            match kernel {
+                DotKernel::Vnni512 => rows!(vnni512, 1 2 3 4 5 6 7 8 9 10 11 12),
+                DotKernel::AvxVnni => rows!(avx_vnni, 1 2 3),
+                DotKernel::Avx2Madd => rows!(avx2_madd, 1 2),
+            }
+        }
+    }
+
+    /// Quads `j0 .. j1` of block `b`.
+    fn quads(&self, b: usize) -> (usize, usize) {
+        let j0 = b * QUADS_PER_BLOCK;
+        (j0, (j0 + QUADS_PER_BLOCK).min(self.quads))
+    }
+
+    /// Block `b`'s metadata for row `i` and its group's grids for outputs `c0..`:
+    /// `((0, sx, Σx), (scales, offsets))`.
+    ///
+    /// # Safety
+    /// `i` and `b` inside the tile.
+    unsafe fn grids(&self, i: usize, b: usize, c0: usize) -> GridsOf {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let meta = i * self.num_blocks + b;
+            let g = *self.block_group.add(b) as usize;
+            (
+                (0, *self.sx.add(meta), *self.sum_x.add(meta)),
+                (
+                    self.scales.add(g * PANEL + c0),
+                    self.offsets.add(g * PANEL + c0),
+                ),
+            )
         }
     }
 }
 
-/// Prefetches the line of codes the microkernels' distance ahead of `pos` once per 64-byte
-/// line (the codes stream as a bf16 panel does): positions are 16 bytes apart, so exactly one
-/// in each line starts in its first 16 bytes.
+/// A row's block metadata (correction 0: int4 codes are unsigned) and its group's grids.
+type GridsOf = ((i32, f32, f32), (*const f32, *const f32));
+
+/// Prefetches the codes [`super::avx512::PREFETCH_BYTES`] ahead of a quad (one line).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_ahead(pos: *const u8) {
+fn prefetch_quad(wp: *const u8) {
     use std::arch::x86_64::{_MM_HINT_T2, _mm_prefetch};
-    if (pos as usize) % 64 < PANEL / 2 {
-        let ahead = pos.wrapping_add(super::avx512::PREFETCH_BYTES);
-        // SAFETY: a prefetch of any address is harmless (it never faults).
-        unsafe { _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8) };
-    }
+    let ahead = wp.wrapping_add(super::avx512::PREFETCH_BYTES);
+    // SAFETY: a prefetch of any address is harmless (it never faults).
+    unsafe { _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8) };
 }
 
-/// 16 lanes: the 16 bytes of a position widened once; rows 0..16 are their low nibbles, rows
-/// 16..32 their high ones.
-///
 /// # Safety
-/// The CPU supports AVX-512F.
+/// The CPU supports AVX-512F/BW/VNNI; `t` as [`Int4Tile::run`] requires, `MR` rows.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn widen_avx512(run: Run<'_>, dst: &mut [f32]) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn vnni512<const MR: usize>(t: Int4Tile) {
     use std::arch::x86_64::*;
     unsafe {
-        let s = [0, 16].map(|i| _mm512_loadu_ps(run.scales.as_ptr().add(i)));
-        let o = [0, 16].map(|i| _mm512_loadu_ps(run.offsets.as_ptr().add(i)));
-        let nibble = _mm512_set1_epi32(0xF);
-        for (pos, out) in run
-            .codes
-            .chunks_exact(PANEL / 2)
-            .zip(dst.chunks_exact_mut(PANEL))
-        {
-            prefetch_ahead(pos.as_ptr());
-            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(pos.as_ptr() as *const __m128i));
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(bytes));
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_fmadd_ps(lo, s[0], o[0]));
-            _mm512_storeu_ps(out.as_mut_ptr().add(16), _mm512_fmadd_ps(hi, s[1], o[1]));
-        }
-    }
-}
-
-/// 8 lanes: bytes 0..8 hold rows 0..8 (low nibbles) and 16..24 (high), bytes 8..16 rows 8..16
-/// and 24..32.
-///
-/// # Safety
-/// The CPU supports AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn widen_avx2(run: Run<'_>, dst: &mut [f32]) {
-    use std::arch::x86_64::*;
-    unsafe {
-        let s = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(run.scales.as_ptr().add(i)));
-        let o = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(run.offsets.as_ptr().add(i)));
-        let nibble = _mm256_set1_epi32(0xF);
-        let bytes8 = |p: *const u8| _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-        for (pos, out) in run
-            .codes
-            .chunks_exact(PANEL / 2)
-            .zip(dst.chunks_exact_mut(PANEL))
-        {
-            prefetch_ahead(pos.as_ptr());
-            let (a, c) = (bytes8(pos.as_ptr()), bytes8(pos.as_ptr().add(8)));
-            let rows = [
-                _mm256_and_si256(a, nibble),
-                _mm256_and_si256(c, nibble),
-                _mm256_srli_epi32::<4>(a),
-                _mm256_srli_epi32::<4>(c),
-            ];
-            for (i, v) in rows.into_iter().enumerate() {
-                let w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s[i], o[i]);
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), w);
+        let nibble = _mm512_set1_epi8(0xF);
+        for b in t.blocks.0..t.blocks.1 {
+            // Outputs 0–15 and 16–31 of the panel.
+            let mut lo = [_mm512_setzero_si512(); MR];
+            let mut hi = [_mm512_setzero_si512(); MR];
+            let (j0, j1) = t.quads(b);
+            // Codes × high bytes, then (the sums × 256 before each) the middle and low bytes ×
+            // codes; the later passes read the block's codes from L1.
+            for word in 0..WORDS {
+                if word > 0 {
+                    for i in 0..MR {
+                        lo[i] = _mm512_slli_epi32::<8>(lo[i]);
+                        hi[i] = _mm512_slli_epi32::<8>(hi[i]);
+                    }
+                }
+                for j in j0..j1 {
+                    let wp = t.w.add(j * QUAD_BYTES);
+                    if word == 0 {
+                        prefetch_quad(wp);
+                    }
+                    let v = _mm512_loadu_si512(wp as *const __m512i);
+                    let w0 = _mm512_and_si512(v, nibble);
+                    let w1 = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                    for i in 0..MR {
+                        let xv = _mm512_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word));
+                        if word == 0 {
+                            lo[i] = _mm512_dpbusd_epi32(lo[i], w0, xv);
+                            hi[i] = _mm512_dpbusd_epi32(hi[i], w1, xv);
+                        } else {
+                            lo[i] = _mm512_dpbusd_epi32(lo[i], xv, w0);
+                            hi[i] = _mm512_dpbusd_epi32(hi[i], xv, w1);
+                        }
+                    }
+                }
+            }
+            for i in 0..MR {
+                for (h, dot) in [lo[i], hi[i]].into_iter().enumerate() {
+                    let (row, grids) = t.grids(i, b, 16 * h);
+                    epilogue16(dot, row, grids, t.acc.add(i * PANEL + 16 * h), b == 0);
+                }
             }
         }
     }
+}
+
+/// The epilogue of block `b` for every row of an AVX2 tile (`dots[i][v]`: row `i`, outputs
+/// `8v .. 8v + 8`).
+///
+/// # Safety
+/// As [`Int4Tile::run`]; the CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn epilogue_avx2<const MR: usize>(
+    t: &Int4Tile,
+    b: usize,
+    dots: &[[std::arch::x86_64::__m256i; 4]; MR],
+) {
+    unsafe {
+        for (i, row) in dots.iter().enumerate() {
+            for (v, dot) in row.iter().enumerate() {
+                let (meta, grids) = t.grids(i, b, 8 * v);
+                epilogue8(*dot, meta, grids, t.acc.add(i * PANEL + 8 * v), b == 0);
+            }
+        }
+    }
+}
+
+/// A quad's codes as four registers of 8 outputs × 4 slots (outputs 0–7, 8–15, 16–23, 24–31).
+///
+/// # Safety
+/// The CPU supports AVX2; `wp` points at a quad's [`QUAD_BYTES`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn quad_codes_avx2(wp: *const u8) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    unsafe {
+        let nibble = _mm256_set1_epi8(0xF);
+        let v0 = _mm256_loadu_si256(wp as *const __m256i);
+        let v1 = _mm256_loadu_si256(wp.add(32) as *const __m256i);
+        [
+            _mm256_and_si256(v0, nibble),
+            _mm256_and_si256(v1, nibble),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(v0), nibble),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(v1), nibble),
+        ]
+    }
+}
+
+/// # Safety
+/// The CPU supports AVX2 and AVX-VNNI; `t` as [`Int4Tile::run`] requires, `MR` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avxvnni")]
+unsafe fn avx_vnni<const MR: usize>(t: Int4Tile) {
+    use std::arch::x86_64::*;
+    unsafe {
+        for b in t.blocks.0..t.blocks.1 {
+            let mut dots = [[_mm256_setzero_si256(); 4]; MR];
+            let (j0, j1) = t.quads(b);
+            // As the AVX-512 kernel: codes × high bytes, then sums × 256 and middle, low bytes ×
+            // codes.
+            for word in 0..WORDS {
+                if word > 0 {
+                    for dot in dots.iter_mut().flatten() {
+                        *dot = _mm256_slli_epi32::<8>(*dot);
+                    }
+                }
+                for j in j0..j1 {
+                    let wp = t.w.add(j * QUAD_BYTES);
+                    if word == 0 {
+                        prefetch_quad(wp);
+                    }
+                    let xs: [__m256i; MR] = std::array::from_fn(|i| {
+                        _mm256_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word))
+                    });
+                    for (v, w) in quad_codes_avx2(wp).into_iter().enumerate() {
+                        for (row, x) in dots.iter_mut().zip(&xs) {
+                            row[v] = if word == 0 {
+                                _mm256_dpbusd_avx_epi32(row[v], w, *x)
+                            } else {
+                                _mm256_dpbusd_avx_epi32(row[v], *x, w)
+                            };
+                        }
+                    }
+                }
+            }
+            epilogue_avx2::<MR>(&t, b, &dots);
+        }
+    }
+}
+
+/// # Safety
+/// The CPU supports AVX2; `t` as [`Int4Tile::run`] requires, `MR` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2_madd<const MR: usize>(t: Int4Tile) {
+    use std::arch::x86_64::*;
+    unsafe {
+        let low_bytes = _mm256_set1_epi16(0xFF);
+        let high_bytes = _mm256_set1_epi16(0xFF00u16 as i16);
+        for b in t.blocks.0..t.blocks.1 {
+            let mut dots = [[_mm256_setzero_si256(); 4]; MR];
+            let (j0, j1) = t.quads(b);
+            // x̂ = 2^8 · (2^8 · h + m) + l: the 16-bit high part, the sums × 256, then l.
+            for pass in 0..2 {
+                if pass == 1 {
+                    for dot in dots.iter_mut().flatten() {
+                        *dot = _mm256_slli_epi32::<8>(*dot);
+                    }
+                }
+                for j in j0..j1 {
+                    let wp = t.w.add(j * QUAD_BYTES);
+                    if pass == 0 {
+                        prefetch_quad(wp);
+                    }
+                    // A lane's four operands as 16-bit pairs: slots (0, 2) and (1, 3).
+                    let xs: [(__m256i, __m256i); MR] = std::array::from_fn(|i| {
+                        let word = |n: usize| _mm256_set1_epi32(*t.x.add(WORDS * (j * MR + i) + n));
+                        if pass == 0 {
+                            // (h << 8) + m, h signed: |2^8 · h + m| ≤ 2^14.
+                            let (h, m) = (word(0), word(1));
+                            let (even_h, odd_h) =
+                                (_mm256_slli_epi16(h, 8), _mm256_and_si256(h, high_bytes));
+                            let (even_m, odd_m) =
+                                (_mm256_and_si256(m, low_bytes), _mm256_srli_epi16(m, 8));
+                            (
+                                _mm256_add_epi16(even_h, even_m),
+                                _mm256_add_epi16(odd_h, odd_m),
+                            )
+                        } else {
+                            let l = word(2);
+                            (_mm256_and_si256(l, low_bytes), _mm256_srli_epi16(l, 8))
+                        }
+                    });
+                    for (v, w) in quad_codes_avx2(wp).into_iter().enumerate() {
+                        // The codes of slots (0, 2) and (1, 3), zero-extended to 16 bits.
+                        let (even, odd) = (_mm256_and_si256(w, low_bytes), _mm256_srli_epi16(w, 8));
+                        for (row, (xe, xo)) in dots.iter_mut().zip(&xs) {
+                            let pairs = _mm256_add_epi32(
+                                _mm256_madd_epi16(even, *xe),
+                                _mm256_madd_epi16(odd, *xo),
+                            );
+                            row[v] = _mm256_add_epi32(row[v], pairs);
+                        }
+                    }
+                }
+            }
+            epilogue_avx2::<MR>(&t, b, &dots);
+        }
+    }
+}
+
+/// `x · Wᵀ` as the kernels compute it, in scalar code (tests): the same quantized
+/// activations, integer sums and f32 epilogue.
+#[cfg(test)]
+pub(super) fn reference_product(x: &[f32], m: usize, w: &Int4Panels) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    let mut out = vec![0.0; m * n];
+    let x_max = Format::Int4.x_max();
+    for i in 0..m {
+        let row = &x[i * k..(i + 1) * k];
+        let gathered: Vec<f32> = (0..w.slots)
+            .map(|s| match &w.order {
+                None => row[s],
+                Some(o) if o[s] == PADDING => 0.0,
+                Some(o) => row[o[s] as usize],
+            })
+            .collect();
+        for (b, block) in gathered.chunks(BLOCK).enumerate() {
+            let mut codes = [0i32; BLOCK];
+            let (sx, sum_x, _) = super::intdot::quantize_block(block, x_max, &mut codes);
+            for r in 0..n {
+                let dot: i32 = (0..block.len())
+                    .map(|t| codes[t] * i32::from(w.code_at(r, b * BLOCK + t).0))
+                    .sum();
+                let g = w.block_group[b] as usize;
+                let at = ((r / PANEL) * w.groups + g) * PANEL + r % PANEL;
+                let add = dot as f32 * (w.scales[at] * sx) + sum_x * w.offsets[at];
+                let a = &mut out[i * n + r];
+                *a = if b == 0 { add } else { *a + add };
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::Isa;
 
     type Source =
         Int4Source<fn(usize, usize) -> u8, fn(usize, usize) -> f32, fn(usize, usize) -> u32>;
@@ -523,58 +682,107 @@ mod tests {
         (f32::from((src.code)(r, p)) - (src.zero)(g, r) as f32) * (src.scale)(g, r)
     }
 
-    fn isas() -> Vec<Isa> {
-        let mut isas = vec![Isa::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") {
-                isas.push(Isa::Avx512);
-            }
-            if has!("avx2") && has!("fma") {
-                isas.push(Isa::Avx2);
-            }
-        }
-        isas
+    /// Groupings of `k` positions: runs of whole blocks, one group, runs of part blocks, and
+    /// act-order's scattered groups (sizes 32 and uneven).
+    fn groupings(k: usize) -> Vec<(GroupOf, usize)> {
+        let scattered =
+            |size: usize| -> Vec<u32> { (0..k).map(|p| ((p * 37) % k / size) as u32).collect() };
+        vec![
+            (GroupOf::Runs(32), k.div_ceil(32)),
+            (GroupOf::Runs(64), k.div_ceil(64)),
+            (GroupOf::Runs(k), 1),
+            (GroupOf::Runs(20), k.div_ceil(20)),
+            (GroupOf::Index(scattered(32)), k.div_ceil(32)),
+            (GroupOf::Index(scattered(45)), k.div_ceil(45)),
+        ]
     }
 
     #[test]
-    fn values_and_widened_blocks_are_the_definition_for_runs_and_act_order() {
+    fn values_are_the_definition_for_every_grouping() {
         let (n, k) = (45, 100); // a padded second panel, a partial last group
-        let shuffled: Vec<u32> = (0..k).map(|p| ((p * 37) % k / 32) as u32).collect();
-        for group_of in [
-            GroupOf::Runs(32),
-            GroupOf::Runs(k),
-            GroupOf::Index(shuffled),
-        ] {
-            let groups = match &group_of {
-                GroupOf::Runs(s) => k.div_ceil(*s),
-                GroupOf::Index(_) => 4,
-            };
+        for (group_of, groups) in groupings(k) {
             let w = Int4Panels::new((n, k), groups, group_of.clone(), source()).unwrap();
+            let ordered = w.order.is_some();
+            let expect_order = !matches!(group_of, GroupOf::Runs(s) if s % 32 == 0 || s >= k);
+            assert_eq!(ordered, expect_order, "{group_of:?}");
             for r in 0..n {
                 for p in 0..k {
                     let want = definition(&group_of, r, p);
-                    assert_eq!(w.value(r, p).to_bits(), want.to_bits(), "({r}, {p})");
+                    assert_eq!(
+                        w.value(r, p).to_bits(),
+                        want.to_bits(),
+                        "{group_of:?} ({r}, {p})"
+                    );
                 }
             }
-            for isa in isas() {
-                for q in 0..w.num_panels() {
-                    // Blocks that start and end inside groups.
-                    for (k0, kc) in [(0, k), (3, 50), (60, 40)] {
-                        let mut got = vec![f32::NAN; kc * PANEL];
-                        w.widen_block(isa, q, k0, kc, &mut got);
-                        for p in 0..kc {
-                            for c in 0..PANEL {
-                                let r = q * PANEL + c;
-                                let want = if r < n { w.value(r, k0 + p) } else { 0.0 };
-                                assert_eq!(
-                                    got[p * PANEL + c].to_bits(),
-                                    want.to_bits(),
-                                    "{isa:?} {group_of:?} panel {q} block {k0} ({r}, {p})"
-                                );
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_dot_kernel_is_the_integer_reference_whatever_the_batch() {
+        use crate::cpu::intdot::IntActivations;
+        use crate::cpu::matmul::TiledRows;
+        let kernels: Vec<DotKernel> = [DotKernel::Vnni512, DotKernel::AvxVnni, DotKernel::Avx2Madd]
+            .into_iter()
+            .filter(|k| k.supported())
+            .collect();
+        let (n, k) = (45, 100);
+        let mut seed = 3u32;
+        let mut next = move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        for (group_of, groups) in groupings(k) {
+            let w = Int4Panels::new((n, k), groups, group_of.clone(), source()).unwrap();
+            for m in [1, 2, 3, 5, 12, 13, 30] {
+                // Rows of very different sizes; one all zero.
+                let x: Vec<f32> = (0..m * k)
+                    .map(|e| {
+                        if e / k == 1 {
+                            0.0
+                        } else {
+                            next() * (1 + e / k % 4) as f32 * 10.0
+                        }
+                    })
+                    .collect();
+                let want = reference_product(&x, m, &w);
+                // Near the dequantised weights' product: half a step of sx per position.
+                for i in 0..m {
+                    for r in 0..n {
+                        let row = &x[i * k..(i + 1) * k];
+                        let exact: f64 = (0..k)
+                            .map(|p| f64::from(row[p]) * f64::from(w.value(r, p)))
+                            .sum();
+                        let amax = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                        let wsum: f64 = (0..k).map(|p| f64::from(w.value(r, p)).abs()).sum();
+                        let bound = f64::from(amax) / 4194303.0 * wsum + 1e-5 * exact.abs() + 1e-6;
+                        let got = f64::from(want[i * n + r]);
+                        assert!(
+                            (got - exact).abs() <= bound,
+                            "{group_of:?} m {m} ({i}, {r})"
+                        );
+                    }
+                }
+                for &kernel in &kernels {
+                    let mut acts = IntActivations::default();
+                    let xq = acts.quantize(w.quantizer(kernel), TiledRows::rows(&x, m, k));
+                    let mut got = vec![0.0f32; m * n];
+                    for q in 0..w.num_panels() {
+                        let mut acc = vec![f32::NAN; m * PANEL];
+                        w.panel_product(xq, q, &mut acc);
+                        for i in 0..m {
+                            for c in 0..PANEL.min(n - q * PANEL) {
+                                got[i * n + q * PANEL + c] = acc[i * PANEL + c];
                             }
                         }
+                    }
+                    for (e, (g, r)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            r.to_bits(),
+                            "{kernel} {group_of:?} m {m} element {e}: {g} vs {r}"
+                        );
                     }
                 }
             }

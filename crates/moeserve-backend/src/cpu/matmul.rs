@@ -7,7 +7,7 @@
 use rayon::prelude::*;
 
 use super::fp8::{BlockScales, E4m3};
-use super::int8::{DotKernel, Int8Activations, QuantizedRows};
+use super::intdot::{DotKernel, Format, IntActivations, QuantizedRows, Quantizer};
 use super::packed::{PANEL, PackedPanels, PackedWeight};
 use super::{Isa, isa};
 use crate::{Weight, WeightData};
@@ -86,9 +86,8 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx2 => {
             let packed = w.packed();
-            if let PackedWeight::I8(p) = packed {
-                let kernel = DotKernel::for_isa(isa).expect("int8 runs on the packed kernels");
-                return run_int8(kernel, x, d, p, out);
+            if let Some(how) = quantizer(isa, packed) {
+                return run_integer(how, x, d, packed, out);
             }
             let x = TiledRows::pack(isa, x, m, d.k, tiled);
             let scales = PanelScales::of(packed);
@@ -102,10 +101,9 @@ fn matmul_wt_on(isa: Isa, x: &[f32], m: usize, w: &Weight, out: &mut [f32], tile
                         p.widen_block(isa, q, k0, kc, dst)
                     })
                 }),
-                PackedWeight::Int4(p) => run_panels(p.num_panels(), d, out, |q, acc| {
-                    int4_panel_product(isa, x, d, p, q, acc)
-                }),
-                PackedWeight::I8(_) => unreachable!("int8 runs above"),
+                PackedWeight::Int4(_) | PackedWeight::I8(_) => {
+                    unreachable!("integer weights run above")
+                }
             }
         }
         _ => match w.data() {
@@ -287,8 +285,9 @@ impl<'a> TiledRows<'a> {
         (&self.data[i0 * self.k + i - i0..], mr)
     }
 
-    /// `x: [m, k]` row-major as tiles of one row (how [`run_int8`] reads a product's input).
-    fn rows(data: &'a [f32], m: usize, k: usize) -> Self {
+    /// `x: [m, k]` row-major as tiles of one row (how [`run_integer`] reads a product's
+    /// input).
+    pub(super) fn rows(data: &'a [f32], m: usize, k: usize) -> Self {
         TiledRows {
             data,
             m,
@@ -327,8 +326,8 @@ impl<'a> TiledRows<'a> {
 
 /// Panel `q` of `x · Wᵀ` for `x: [m, k]` into `acc: [m, PANEL]`, whatever the weight's stored
 /// type, on the calling thread (the AVX-512 path's unit of work, for kernels that schedule
-/// panels of several matrices themselves). An int8 weight multiplies `xq`, `x` quantized once
-/// by the caller for this ISA's [`DotKernel`] (required then: not once per panel).
+/// panels of several matrices themselves). An integer weight (int8, int4) multiplies `xq`, `x`
+/// quantized once by the caller as [`quantizer`] says (required then: not once per panel).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn weight_panel(
     isa: Isa,
@@ -359,12 +358,16 @@ pub(super) fn weight_panel(
         PackedWeight::Mxfp4(p) => widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
             p.widen_block(isa, q, k0, kc, dst)
         }),
-        PackedWeight::Int4(p) => int4_panel_product(isa, x, d, p, q, acc),
-        PackedWeight::I8(p) => {
-            let kernel = DotKernel::for_isa(isa).expect("int8 weights run on the packed kernels");
-            let xq = xq.expect("an int8 weight's caller brings its rows quantized");
-            p.panel_product(kernel, xq, q, acc)
-        }
+        PackedWeight::Int4(p) => p.panel_product(
+            xq.expect("an int4 weight's caller brings its rows quantized"),
+            q,
+            acc,
+        ),
+        PackedWeight::I8(p) => p.panel_product(
+            xq.expect("an int8 weight's caller brings its rows quantized"),
+            q,
+            acc,
+        ),
     }
 }
 
@@ -489,19 +492,41 @@ fn panel_product<T: Element>(
     })
 }
 
-/// `x · Wᵀ` for an int8 weight: `x` quantized once into this thread's buffers (see `int8.rs`),
-/// then one task per panel.
+/// How the activations of a product with `w` are quantized on `isa`, for the integer weights
+/// (int8, int4) that multiply in integers; `None` for the others.
 #[cfg(target_arch = "x86_64")]
-fn run_int8(kernel: DotKernel, x: &[f32], d: Dims, w: &super::int8::Int8Panels, out: OutPtr) {
+pub(super) fn quantizer(isa: Isa, w: &PackedWeight) -> Option<Quantizer<'_>> {
+    let kernel = || DotKernel::for_isa(isa).expect("integer weights run on the packed kernels");
+    match w {
+        PackedWeight::I8(_) => Some(Quantizer {
+            kernel: kernel(),
+            format: Format::Int8,
+            order: None,
+        }),
+        PackedWeight::Int4(p) => Some(p.quantizer(kernel())),
+        _ => None,
+    }
+}
+
+/// `x · Wᵀ` for an integer weight: `x` quantized once into this thread's buffers (see
+/// `intdot.rs`), then one task per panel.
+#[cfg(target_arch = "x86_64")]
+fn run_integer(how: Quantizer<'_>, x: &[f32], d: Dims, w: &PackedWeight, out: OutPtr) {
     let mut buf = QUANTIZED_X.take();
-    let xq = buf.quantize(kernel, TiledRows::rows(x, d.m, d.k));
-    run_panels(w.num_panels(), d, out, |q, acc| {
-        w.panel_product(kernel, xq, q, acc)
-    });
+    let xq = buf.quantize(how, TiledRows::rows(x, d.m, d.k));
+    match w {
+        PackedWeight::I8(p) => {
+            run_panels(p.num_panels(), d, out, |q, acc| p.panel_product(xq, q, acc))
+        }
+        PackedWeight::Int4(p) => {
+            run_panels(p.num_panels(), d, out, |q, acc| p.panel_product(xq, q, acc))
+        }
+        _ => unreachable!("run_integer: not an integer weight"),
+    }
     QUANTIZED_X.set(buf);
 }
 
-/// Panel `q` of `x · Wᵀ` for a 4-bit weight (MXFP4, int4) into `acc: [m, PANEL]`: each `KC`
+/// Panel `q` of `x · Wᵀ` for a 4-bit weight (MXFP4) into `acc: [m, PANEL]`: each `KC`
 /// block of positions widened by `widen(k0, kc, dst)` to the f32 of the dequantised weights,
 /// then every row tile through it as through an f32 panel — the same FMA chain, so the same
 /// bits as the dequantised weights give, whatever the batch.
@@ -531,27 +556,6 @@ fn widened_panel_product(
             };
             b.run_tiles(isa, &s.wide, false, acc);
         }
-    })
-}
-
-/// Panel `q` of `x · Wᵀ` for an int4 weight into `acc: [m, PANEL]`: a decode batch (one tile of
-/// few rows) widens each position in registers as it multiplies; more rows widen a block once
-/// for all their tiles. The same bits either way.
-#[cfg(target_arch = "x86_64")]
-fn int4_panel_product(
-    isa: Isa,
-    x: TiledRows<'_>,
-    d: Dims,
-    w: &super::int4::Int4Panels,
-    q: usize,
-    acc: &mut [f32],
-) {
-    if d.m <= super::int4::fused_rows(isa).min(x.max_mr) {
-        // One tile: rows 0..m, tile order from position 0.
-        return w.tile_product(isa, q, x.data, d.m, acc);
-    }
-    widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
-        w.widen_block(isa, q, k0, kc, dst)
     })
 }
 
@@ -591,9 +595,9 @@ thread_local! {
     static PANEL_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The activations of [`matmul_wt`] in tile order.
     static TILED_X: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The activations of an int8 [`matmul_wt`], quantized.
-    static QUANTIZED_X: std::cell::RefCell<Int8Activations> =
-        std::cell::RefCell::new(Int8Activations::default());
+    /// The activations of an integer [`matmul_wt`], quantized.
+    static QUANTIZED_X: std::cell::RefCell<IntActivations> =
+        std::cell::RefCell::new(IntActivations::default());
 }
 
 /// An element type both SIMD microkernels widen.

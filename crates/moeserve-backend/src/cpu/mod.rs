@@ -13,6 +13,7 @@ pub mod fp8;
 mod grouped;
 pub mod int4;
 pub mod int8;
+pub mod intdot;
 mod matmul;
 pub mod mxfp4;
 mod ops;

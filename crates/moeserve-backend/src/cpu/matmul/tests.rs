@@ -165,12 +165,17 @@ fn int8_is_the_integer_reference_on_every_dot_kernel_whatever_the_batch() {
         x.iter_mut().skip(k).step_by(7).for_each(|v| *v *= 50.0);
         let wv = pseudo_random(n * k, 10);
         let rows = quantize_rows_int8(WeightData::F32(&wv), n, k);
-        let w = Int8Panels::new(&rows, n, k);
+        let w = PackedWeight::I8(Int8Panels::new(&rows, n, k));
         let want = reference_product(&x, m, &rows, n, k);
         for &kernel in &kernels {
             let run = |x: &[f32], m: usize| {
                 let mut out = vec![f32::NAN; m * n];
-                run_int8(kernel, x, Dims { m, n, k }, &w, OutPtr(out.as_mut_ptr()));
+                let how = Quantizer {
+                    kernel,
+                    format: Format::Int8,
+                    order: None,
+                };
+                run_integer(how, x, Dims { m, n, k }, &w, OutPtr(out.as_mut_ptr()));
                 out
             };
             let got = run(&x, m);
@@ -262,11 +267,14 @@ fn fp8_blocks_match_the_reference_on_dequantized_weights_whatever_the_batch() {
     }
 }
 
+/// int4 multiplies in integers on the packed kernels (see `int4.rs`): the integer reference
+/// bit for bit on every dot kernel this CPU has, whatever the batch, within the activations'
+/// rounding of the dequantised weights' product; the portable path is that product.
 #[test]
-fn int4_equals_the_dequantized_weights_in_f32_bit_for_bit_whatever_the_batch() {
+fn int4_is_the_integer_reference_on_every_dot_kernel_whatever_the_batch() {
     use crate::cpu::reference::int4_weight_of;
-    // Groups of 32 (several per KC block), 128 (= KC), a whole row (k = 700, partial
-    // blocks), and act-order's shuffled groups; 45 rows pad a panel.
+    // Groups of 32, a whole row (k = 700, a partial last block), 128, and act-order's
+    // shuffled groups; 45 rows pad a panel; m: one tile, several, past 12.
     for (m, n, k, group, act_order) in [
         (1, 70, 256, 32, false),
         (3, 45, 700, 700, false),
@@ -274,35 +282,64 @@ fn int4_equals_the_dequantized_weights_in_f32_bit_for_bit_whatever_the_batch() {
         (30, 33, 96, 32, true),
         (2, 40, 160, 32, true),
     ] {
-        let x = pseudo_random(m * k, 15);
+        let mut x = pseudo_random(m * k, 15);
+        x.iter_mut().skip(k).step_by(7).for_each(|v| *v *= 50.0);
         let w = int4_weight_of(vec![n, k], group, act_order, &pseudo_random(n * k, 16));
         let deq = weight_of(DType::F32, vec![n, k], &w.to_f32_vec());
-        let run = |w: &Weight, x: &[f32], m: usize| {
+        let what = format!("{m}x{n}x{k} group {group} act-order {act_order}");
+        let run = |isa: Isa, w: &Weight, x: &[f32], m: usize| {
             let mut out = vec![0.0; m * n];
-            matmul_wt_on(isa(), x, m, w, &mut out, &mut Vec::new());
+            matmul_wt_on(isa, x, m, w, &mut out, &mut Vec::new());
             out
         };
-        let what = format!("{m}x{n}x{k} group {group} act-order {act_order}");
-        let got = run(&w, &x, m);
+        let exact = run(Isa::Scalar, &deq, &x, m);
+        assert_close(&run(Isa::Scalar, &w, &x, m), &exact, &what);
+        #[cfg(target_arch = "x86_64")]
         if isa().packs_weights() {
-            assert_eq!(got, run(&deq, &x, m), "{what}");
-        } else {
-            assert_close(&got, &run(&deq, &x, m), &what);
+            let PackedWeight::Int4(panels) = w.packed() else {
+                panic!("an int4 weight packs as int4")
+            };
+            let want = crate::cpu::int4::reference_product(&x, m, panels);
+            let mut isas = vec![isa()];
+            if isa() == Isa::Avx512 {
+                isas.push(Isa::Avx2); // AVX-VNNI or AVX2's vpmaddwd
+            }
+            for isa in isas {
+                let got = run(isa, &w, &x, m);
+                assert_eq!(got, want, "{isa:?} {what}");
+                for i in 0..m {
+                    assert_eq!(
+                        &got[i * n..(i + 1) * n],
+                        &run(isa, &w, &x[i * k..(i + 1) * k], 1)[..],
+                        "{isa:?} {what}: row {i} alone"
+                    );
+                }
+            }
+            // Half a step of the row's largest activation per position, times |w|.
+            for i in 0..m {
+                let row = &x[i * k..(i + 1) * k];
+                let amax = row.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                for j in 0..n {
+                    let wrow = &w.to_f32_vec()[j * k..(j + 1) * k];
+                    let bound: f32 = wrow.iter().map(|v| v.abs() * amax / 8388606.0).sum();
+                    let magnitude: f32 = wrow.iter().zip(row).map(|(a, b)| (a * b).abs()).sum();
+                    let d = (want[i * n + j] - exact[i * n + j]).abs();
+                    assert!(
+                        d <= bound * 1.001 + 1e-5 * magnitude,
+                        "{what} ({i}, {j}): {d} > {bound}"
+                    );
+                }
+            }
         }
-        for i in 0..m {
-            assert_eq!(
-                &got[i * n..(i + 1) * n],
-                &run(&w, &x[i * k..(i + 1) * k], 1)[..],
-                "{what}: row {i} alone"
-            );
-        }
-        // Half a byte per weight, plus 8 bytes per group and row (and act-order's index).
+        // Half a byte per weight, plus 8 bytes per group and row, 4 per block of 32 (its
+        // group) and act-order's order (whose groups here are whole blocks).
         let groups = k.div_ceil(group);
         let index = if act_order { 4 * k } else { 0 };
         let padded = n.div_ceil(PANEL) * PANEL;
         assert_eq!(
             w.kernel_bytes(),
-            padded * k / 2 + padded * groups * 8 + index
+            padded * k / 2 + padded * groups * 8 + 4 * k.div_ceil(32) + index,
+            "{what}"
         );
     }
 }
