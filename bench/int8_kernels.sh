@@ -1,35 +1,47 @@
 #!/usr/bin/env bash
-# int8's integer dot products against bf16 on one model, in one run: `moeserve bench offline`
+# The integer weight kernels against bf16 on one model, in one run: `moeserve bench offline`
 # at batch BATCH for each configuration below, alternated ROUNDS times so all see the same
 # machine state; medians of decode and prefill tokens/s and of decode's share of the read
-# bandwidth that each run probes itself. Configurations: bf16; int8 with the CPU's widest dot
-# product (AVX-512 VNNI on AVX-512 machines); int8 forced onto AVX-VNNI and onto AVX2's
-# vpmaddwd (`MOESERVE_INT8_DOT`, where the CPU has them); and bf16 and int8 with the AVX2 kernels
-# (`MOESERVE_ISA=avx2`, what a Zen 2/3 or pre-AVX-512 Intel runs) when the machine has AVX-512.
-#   bench/int8_kernels.sh [BATCH=1] [ROUNDS=3] [PROMPT_LEN=128] [OUTPUT_LEN=64]
+# bandwidth that each run probes itself. WEIGHTS=int8 (default): `--quantization int8` of the
+# preset; WEIGHTS=int4: its GPTQ int4 copy models/PRESET-gptq-int4 (`moeserve quantize --bits 4
+# --group-size 128`, ~15–25 min on 2 cores; made here if missing). Configurations: bf16; the
+# integer weights with the CPU's widest dot product (AVX-512 VNNI on AVX-512 machines); forced
+# onto AVX-VNNI and onto AVX2's vpmaddwd (`MOESERVE_INT8_DOT`, where the CPU has them); and bf16
+# and the integer weights with the AVX2 kernels (`MOESERVE_ISA=avx2`, what a Zen 2/3 or
+# pre-AVX-512 Intel runs) when the machine has AVX-512.
+#   [WEIGHTS=int8|int4] bench/int8_kernels.sh [BATCH=1] [ROUNDS=3] [PROMPT_LEN=128] [OUTPUT_LEN=64]
 # Environment: PRESET (default mixtral-bench-1b).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 batch=${1:-1}; rounds=${2:-3}; prompt_len=${3:-128}; output_len=${4:-64}
 source bench/common.sh
 has() { grep -qw "$1" /proc/cpuinfo; }
-# label | environment | quantization
-configs=("bf16||none" "int8||int8")
+weights=${WEIGHTS:-int8}
+case $weights in
+    int8) q="int8|$model" ;;
+    int4)
+        [ -f "$model-gptq-int4/config.json" ] || "$bin" quantize --model "$model" \
+            --out "$model-gptq-int4" --bits 4 --group-size 128
+        q="none|$model-gptq-int4" ;;
+    *) echo "WEIGHTS must be int8 or int4" >&2; exit 2 ;;
+esac
+# label | environment | quantization | model
+configs=("bf16||none|$model" "$weights||$q")
 if has avx512f; then
-    has avx512_vnni && configs[1]="int8 avx512-vnni||int8"
-    has avx_vnni && configs+=("int8 avx-vnni|MOESERVE_INT8_DOT=avx-vnni|int8")
-    configs+=("int8 avx2-madd|MOESERVE_INT8_DOT=avx2-madd|int8")
-    configs+=("bf16, AVX2 kernels|MOESERVE_ISA=avx2|none")
-    configs+=("int8, AVX2 kernels|MOESERVE_ISA=avx2|int8")
+    has avx512_vnni && configs[1]="$weights avx512-vnni||$q"
+    has avx_vnni && configs+=("$weights avx-vnni|MOESERVE_INT8_DOT=avx-vnni|$q")
+    configs+=("$weights avx2-madd|MOESERVE_INT8_DOT=avx2-madd|$q")
+    configs+=("bf16, AVX2 kernels|MOESERVE_ISA=avx2|none|$model")
+    configs+=("$weights, AVX2 kernels|MOESERVE_ISA=avx2|$q")
 elif has avx_vnni; then
-    configs[1]="int8 avx-vnni||int8"
-    configs+=("int8 avx2-madd|MOESERVE_INT8_DOT=avx2-madd|int8")
+    configs[1]="$weights avx-vnni||$q"
+    configs+=("$weights avx2-madd|MOESERVE_INT8_DOT=avx2-madd|$q")
 fi
 out="$work/rounds.jsonl"
 for round in $(seq "$rounds"); do
     for c in "${configs[@]}"; do
-        IFS='|' read -r label envs quant <<< "$c"
-        env $envs "$bin" bench offline --model "$model" --quantization "$quant" \
+        IFS='|' read -r label envs quant dir <<< "$c"
+        env $envs "$bin" bench offline --model "$dir" --quantization "$quant" \
             --batch "$batch" --prompt-len "$prompt_len" --output-len "$output_len" \
             --max-num-batched-tokens 4096 --kv-cache-memory 2GiB --json 2> /dev/null \
             | python3 -c "import json, sys; r = json.load(sys.stdin); r['label'] = sys.argv[1]; \
