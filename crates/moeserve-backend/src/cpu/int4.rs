@@ -380,7 +380,9 @@ impl Int4Tile {
         // SAFETY: as the caller guarantees.
         unsafe {
             match kernel {
-                DotKernel::Vnni512 => rows!(vnni512, 1 2 3 4 5 6 7 8 9 10 11 12),
+                // Few rows: one sweep, a sum per byte of x̂; more: a pass per byte.
+                DotKernel::Vnni512 if mr <= SWEEP_ROWS => rows!(vnni512_sweep, 1 2 3 4),
+                DotKernel::Vnni512 => rows!(vnni512, 5 6 7 8 9 10 11 12),
                 DotKernel::AvxVnni => rows!(avx_vnni, 1 2 3),
                 DotKernel::Avx2Madd => rows!(avx2_madd, 1 2),
             }
@@ -425,6 +427,57 @@ fn prefetch_quad(wp: *const u8) {
     let ahead = wp.wrapping_add(super::avx512::PREFETCH_BYTES);
     // SAFETY: a prefetch of any address is harmless (it never faults).
     unsafe { _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8) };
+}
+
+/// The most rows [`vnni512_sweep`] takes: six sums a row in 32 registers.
+const SWEEP_ROWS: usize = 4;
+
+/// [`vnni512`] in one sweep over the codes, unpacked once for the three bytes of `x̂`: the
+/// decode case, where the passes' unpacking would bound the speed. The same integer sums.
+///
+/// # Safety
+/// As [`vnni512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn vnni512_sweep<const MR: usize>(t: Int4Tile) {
+    use std::arch::x86_64::*;
+    unsafe {
+        let nibble = _mm512_set1_epi8(0xF);
+        for b in t.blocks.0..t.blocks.1 {
+            // [byte][row]: outputs 0–15 and 16–31 of the panel.
+            let mut lo = [[_mm512_setzero_si512(); MR]; WORDS];
+            let mut hi = [[_mm512_setzero_si512(); MR]; WORDS];
+            let (j0, j1) = t.quads(b);
+            for j in j0..j1 {
+                let wp = t.w.add(j * QUAD_BYTES);
+                prefetch_quad(wp);
+                let v = _mm512_loadu_si512(wp as *const __m512i);
+                let w0 = _mm512_and_si512(v, nibble);
+                let w1 = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                for i in 0..MR {
+                    let x = t.x.add(WORDS * (j * MR + i));
+                    let h = _mm512_set1_epi32(*x);
+                    lo[0][i] = _mm512_dpbusd_epi32(lo[0][i], w0, h);
+                    hi[0][i] = _mm512_dpbusd_epi32(hi[0][i], w1, h);
+                    for byte in 1..WORDS {
+                        let xv = _mm512_set1_epi32(*x.add(byte));
+                        lo[byte][i] = _mm512_dpbusd_epi32(lo[byte][i], xv, w0);
+                        hi[byte][i] = _mm512_dpbusd_epi32(hi[byte][i], xv, w1);
+                    }
+                }
+            }
+            for i in 0..MR {
+                let join = |s: [[__m512i; MR]; WORDS]| {
+                    let hm = _mm512_add_epi32(_mm512_slli_epi32::<8>(s[0][i]), s[1][i]);
+                    _mm512_add_epi32(_mm512_slli_epi32::<8>(hm), s[2][i])
+                };
+                for (h, dot) in [join(lo), join(hi)].into_iter().enumerate() {
+                    let (row, grids) = t.grids(i, b, 16 * h);
+                    epilogue16(dot, row, grids, t.acc.add(i * PANEL + 16 * h), b == 0);
+                }
+            }
+        }
+    }
 }
 
 /// # Safety

@@ -14,16 +14,14 @@ pub fn select(request: DeviceRequest) -> anyhow::Result<Device> {
 }
 
 /// What computes the forward on `device`, for start-up logs and reports: the CPU kernels' ISA
-/// (and with `--quantization int8` the integer dot product, e.g. `avx512 + int8 avx512-vnni`),
-/// or the GPU.
+/// and the integer dot product that int8 (`--quantization int8`) and int4 (GPTQ, AWQ) weights
+/// run on (e.g. `avx512, integer weights avx512-vnni`), or the GPU.
 pub fn kernels_name(device: &Device) -> String {
-    use moeserve_backend::cpu::{self, WeightQuantization, int8::DotKernel};
+    use moeserve_backend::cpu::{self, intdot::DotKernel};
     match device {
         Device::Cpu => match DotKernel::for_isa(cpu::isa()) {
-            Some(dot) if cpu::weight_quantization() == WeightQuantization::Int8 => {
-                format!("{} + int8 {dot}", cpu::isa())
-            }
-            _ => cpu::isa().to_string(),
+            Some(dot) => format!("{}, integer weights {dot}", cpu::isa()),
+            None => cpu::isa().to_string(),
         },
         Device::Cuda(info) => format!("cuda:{}", info.ordinal),
     }
