@@ -71,7 +71,8 @@ impl Steps<'_> {
 
 /// [`steps_allocate_nothing`] on one model per family option: plain GQA, q/k norms per head
 /// with a dense layer, q/k/v biases with a shared expert, flat q/k norms with clipping, fused
-/// expert tensors, the sigmoid router with groups and partial rotary.
+/// expert tensors, the sigmoid router with groups and partial rotary, and GPTQ (act-order:
+/// every int4 matrix gathers its activations in its own order) and AWQ int4 weights.
 ///
 /// The steps run on a pool thread: a forward started from outside the pool injects one job
 /// into rayon's queue, whose lock-free blocks (crossbeam's `Injector`) are allocated every 63
@@ -87,6 +88,8 @@ pub fn every_family_allocates_nothing() {
         "glm4-moe",
         "deepseek-v2",
         "deepseek-v3",
+        "qwen3-moe-gptq",
+        "qwen2-moe-awq",
     ] {
         pool.install(|| steps_allocate_nothing(case));
     }
