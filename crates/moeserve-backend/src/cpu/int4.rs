@@ -27,8 +27,9 @@
 //! outputs × 4 slots:
 //!
 //! ```text
-//! panel q, quad j:  codes [q][j][4c + t] = q(32q + c, slot 4j + t) | q(32q + 16 + c, slot 4j + t) << 4
-//! panel q, group g: scales [q][g][c], offsets [q][g][c] = −zero · scale      (c < 32, t < 4)
+//! panel q, quad j:  codes [q][j][4c + t] = q(32q + c, 4j + t) | q(32q + 16 + c, 4j + t) << 4
+//! panel q, group g: scales [q][g][c], offsets [q][g][c] = −zero · scale
+//!                   (c < 16 in codes, < 32 in grids; t < 4; positions are slots)
 //! ```
 //!
 //! The VNNI kernels take `Σ q·x̂ = 2^16 · Σ q·h + 2^8 · Σ m·q + Σ l·q` as three passes over

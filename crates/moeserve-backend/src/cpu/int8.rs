@@ -12,8 +12,9 @@
 //! panel q, group g: scales [q][g][c], offsets [q][g][c]
 //! ```
 //!
-//! Activations (`intdot.rs`, shared with int4): each row's group of 64 positions becomes `x ≈ x̂ · sx` with 15-bit
-//! `x̂ ∈ [−16383, 16383]` (`sx = max|x| / 16383`, round half to even), split into bytes
+//! Activations (quantized by `intdot.rs`, shared with int4): each row's group of 64 positions
+//! becomes `x ≈ x̂ · sx` with 15-bit `x̂ ∈ [−16383, 16383]` (`sx = max|x| / 16383`, round half
+//! to even), split into bytes
 //! `x̂ = 128 · h + l` (`h ∈ [−128, 127]`, `l ∈ [0, 127]`, both valid signed operands of
 //! `vpdpbusd`). Each quad of positions is two i32 words, its four `h` and its four `l`, in the
 //! tile order of the kernel ([`DotKernel::tile_rows`]); beside them the group's exact `Σx`
