@@ -292,8 +292,8 @@ fn by_panels<G: ExpertGroup + ?Sized>(
 impl<G: ExpertGroup + ?Sized> Groups<'_, G> {
     /// Every expert's rows of `data` (`[rows, k]` at the offset and width `rows` gives, in
     /// tile order) quantized for projection `which` into `buf`, at the offsets placed for it
-    /// (sized `len` in all); experts, and a large expert's rows, in parallel. `false` when no
-    /// expert has rows to quantize for it.
+    /// (sized `len` in all); experts, and a large expert's rows, in parallel. Nothing when no
+    /// expert's projection is an integer one.
     #[cfg(target_arch = "x86_64")]
     fn quantize(
         &self,
