@@ -16,7 +16,8 @@
 # moeserve's `--quantization int8` with llama.cpp's Q8_0 instead of bf16 with bf16; QUANT=q4
 # compares a GPTQ int4 checkpoint that `moeserve quantize --bits 4 --group-size 128` makes of
 # the preset (kept as models/PRESET-gptq-int4) with llama.cpp's Q4_K_M of the same bf16 weights
-# (bench/peers/quantize_gguf.py: llama.cpp's own quantizer).
+# (bench/peers/quantize_gguf.py: llama.cpp's own quantizer); with REST=int8 the layers the
+# GPTQ checkpoint keeps in float (lm_head) run moeserve's int8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prompt_len=${1:-128}; output_len=${2:-64}; rounds=${3:-3}
@@ -43,7 +44,9 @@ fi
 case ${QUANT:-bf16} in
     bf16) gguf_type=bf16; ours=(--quantization none) ;;
     int8) gguf_type=q8_0; ours=(--quantization int8) ;;
-    q4) gguf_type=q4_k_m; ours=(--quantization none) ;;
+    # REST=int8: the layers the GPTQ checkpoint left in float (lm_head, …) run int8, as
+    # Q4_K_M stores its output matrix in 6 bits.
+    q4) gguf_type=q4_k_m; ours=(--quantization "${REST:-none}") ;;
     *) echo "QUANT must be bf16, int8 or q4" >&2; exit 2 ;;
 esac
 mkdir -p target/peers
@@ -64,7 +67,7 @@ if [[ $preset = gpt-oss-* ]]; then
         mv "$gguf.tmp" "$gguf"
     fi
 elif [[ $gguf_type = q4_k_m ]]; then
-    weights="moeserve GPTQ int4 (group 128) / llama.cpp Q4_K_M"
+    weights="moeserve GPTQ int4 (group 128, float layers ${REST:-none}) / llama.cpp Q4_K_M"
     gguf=target/peers/$preset-q4_k_m.gguf
     if [[ ! -f $gguf ]]; then
         bf16=target/peers/$preset-bf16.gguf
