@@ -42,6 +42,7 @@ pub fn reserve_task_scratch(max_rows: usize) {
     rayon::broadcast(|_| {
         matmul::reserve_task_scratch(max_rows);
         grouped::reserve_task_scratch(max_rows);
+        int4::reserve_task_scratch();
     });
 }
 
