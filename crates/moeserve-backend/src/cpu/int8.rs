@@ -42,7 +42,7 @@
 //! throughput, which batch-1 decode (bandwidth-bound) does not feel.
 
 pub use super::intdot::DotKernel;
-use super::intdot::{Format, QUAD, QuantizedRows, epilogue8, epilogue16, prefetch_two_lines};
+use super::intdot::{Format, QUAD, QuantizedRows, TileGrids, prefetch_two_lines};
 use super::packed::PANEL;
 use super::quant::{GROUP, Int8Rows};
 
@@ -153,13 +153,16 @@ impl Int8Panels {
                     w: self.codes[q * quads * PANEL * QUAD..].as_ptr(),
                     k: self.k,
                     groups: (g0, (g0 + step).min(groups)),
-                    num_groups: groups,
-                    sx: x.scales[i0 * groups..].as_ptr(),
-                    sum_x: x.sums[i0 * groups..].as_ptr(),
-                    correction: x.corrections[i0 * groups..].as_ptr(),
-                    scales: self.scales[q * groups * PANEL..].as_ptr(),
-                    offsets: self.offsets[q * groups * PANEL..].as_ptr(),
-                    acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
+                    grids: TileGrids {
+                        num_blocks: groups,
+                        sx: x.scales[i0 * groups..].as_ptr(),
+                        sum_x: x.sums[i0 * groups..].as_ptr(),
+                        correction: x.corrections[i0 * groups..].as_ptr(),
+                        block_group: std::ptr::null(),
+                        scales: self.scales[q * groups * PANEL..].as_ptr(),
+                        offsets: self.offsets[q * groups * PANEL..].as_ptr(),
+                        acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
+                    },
                 };
                 // SAFETY: `kernel` was chosen for this CPU (`DotKernel::for_isa`); the tile's
                 // quads, metadata, the panel's codes and grids and `acc` cover what `DotTile`
@@ -183,17 +186,8 @@ struct DotTile {
     w: *const u8,
     k: usize,
     groups: (usize, usize),
-    /// Metadata entries per row.
-    num_groups: usize,
-    /// The tile's first row's metadata (rows `num_groups` apart).
-    sx: *const f32,
-    sum_x: *const f32,
-    correction: *const i32,
-    /// The panel's grids, `[groups, PANEL]`.
-    scales: *const f32,
-    offsets: *const f32,
-    /// `stride × PANEL` sums.
-    acc: *mut f32,
+    /// The rows' metadata (a block per group) and the panel's grids and sums.
+    grids: TileGrids,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -263,44 +257,7 @@ unsafe fn vnni512<const MR: usize>(t: DotTile) {
                     }
                 }
             }
-            let s = t.scales.add(g * PANEL);
-            let o = t.offsets.add(g * PANEL);
-            let (s, o) = ([s, s.add(16)], [o, o.add(16)]);
-            for i in 0..MR {
-                let meta = i * t.num_groups + g;
-                let row_meta = (*t.correction.add(meta), *t.sx.add(meta), *t.sum_x.add(meta));
-                for (h, dot) in [lo[i], hi[i]].into_iter().enumerate() {
-                    let a = t.acc.add(i * PANEL + 16 * h);
-                    epilogue16(dot, row_meta, (s[h], o[h]), a, g == 0);
-                }
-            }
-        }
-    }
-}
-
-/// The epilogue of group `g` for every row of an AVX2 tile (`dots[i][v]`: row `i`, outputs
-/// `8v .. 8v + 8`).
-///
-/// # Safety
-/// As [`DotTile::run`]; the CPU supports AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn epilogue_avx2<const MR: usize>(
-    t: &DotTile,
-    g: usize,
-    dots: &[[std::arch::x86_64::__m256i; 4]; MR],
-) {
-    unsafe {
-        for (i, row) in dots.iter().enumerate() {
-            let meta = i * t.num_groups + g;
-            let row_meta = (*t.correction.add(meta), *t.sx.add(meta), *t.sum_x.add(meta));
-            for (v, dot) in row.iter().enumerate() {
-                let grids = (
-                    t.scales.add(g * PANEL + 8 * v),
-                    t.offsets.add(g * PANEL + 8 * v),
-                );
-                epilogue8(*dot, row_meta, grids, t.acc.add(i * PANEL + 8 * v), g == 0);
-            }
+            t.grids.epilogue_avx512::<MR>(g, &lo, &hi);
         }
     }
 }
@@ -338,7 +295,7 @@ unsafe fn avx_vnni<const MR: usize>(t: DotTile) {
                     }
                 }
             }
-            epilogue_avx2::<MR>(&t, g, &dots);
+            t.grids.epilogue_avx2::<MR>(g, &dots);
         }
     }
 }
@@ -385,7 +342,7 @@ unsafe fn avx2_madd<const MR: usize>(t: DotTile) {
                     }
                 }
             }
-            epilogue_avx2::<MR>(&t, g, &dots);
+            t.grids.epilogue_avx2::<MR>(g, &dots);
         }
     }
 }

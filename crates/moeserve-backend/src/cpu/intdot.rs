@@ -23,6 +23,8 @@
 //! the weight's order, a padding slot reading 0.
 
 use super::matmul::TiledRows;
+#[cfg(target_arch = "x86_64")]
+use super::packed::PANEL;
 
 /// Positions per 32-bit lane of the dot products.
 pub(super) const QUAD: usize = 4;
@@ -472,6 +474,111 @@ pub(super) fn prefetch_two_lines(wp: *const u8) {
     }
 }
 
+/// What the integer kernels' epilogues read for one tile of rows against one panel: the rows'
+/// block metadata and the panel's grids.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct TileGrids {
+    /// Metadata entries (blocks) per row.
+    pub num_blocks: usize,
+    /// The tile's first row's `sx`, `Σx` and int8's `128 · Σx̂` (rows `num_blocks` apart);
+    /// `correction` null where the codes need none (int4's are unsigned).
+    pub sx: *const f32,
+    pub sum_x: *const f32,
+    pub correction: *const i32,
+    /// The group of each block, or null where blocks are the groups (int8).
+    pub block_group: *const u32,
+    /// The panel's grids, `[groups, PANEL]`.
+    pub scales: *const f32,
+    pub offsets: *const f32,
+    /// `rows × PANEL` sums, written at block 0 and added to after.
+    pub acc: *mut f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileGrids {
+    /// Block `b` of row `i` for outputs `c0..`: `((correction, sx, Σx), (scales, offsets),
+    /// sums)`.
+    ///
+    /// # Safety
+    /// `i` and `b` inside the tile; `c0` inside the panel.
+    #[inline(always)]
+    unsafe fn at(
+        &self,
+        i: usize,
+        b: usize,
+        c0: usize,
+    ) -> ((i32, f32, f32), (*const f32, *const f32), *mut f32) {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let meta = i * self.num_blocks + b;
+            let correction = if self.correction.is_null() {
+                0
+            } else {
+                *self.correction.add(meta)
+            };
+            let g = if self.block_group.is_null() {
+                b
+            } else {
+                *self.block_group.add(b) as usize
+            };
+            (
+                (correction, *self.sx.add(meta), *self.sum_x.add(meta)),
+                (
+                    self.scales.add(g * PANEL + c0),
+                    self.offsets.add(g * PANEL + c0),
+                ),
+                self.acc.add(i * PANEL + c0),
+            )
+        }
+    }
+
+    /// The epilogue of block `b` for every row of an AVX2 tile (`dots[i][v]`: row `i`, outputs
+    /// `8v .. 8v + 8`).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; the tile holds `MR` rows and block `b`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn epilogue_avx2<const MR: usize>(
+        &self,
+        b: usize,
+        dots: &[[std::arch::x86_64::__m256i; 4]; MR],
+    ) {
+        for (i, row) in dots.iter().enumerate() {
+            for (v, dot) in row.iter().enumerate() {
+                // SAFETY: as the caller guarantees.
+                unsafe {
+                    let (meta, grids, acc) = self.at(i, b, 8 * v);
+                    epilogue8(*dot, meta, grids, acc, b == 0);
+                }
+            }
+        }
+    }
+
+    /// The epilogue of block `b` for every row of an AVX-512 tile (`lo[i]`, `hi[i]`: row `i`,
+    /// outputs 0–15 and 16–31).
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F; the tile holds `MR` rows and block `b`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn epilogue_avx512<const MR: usize>(
+        &self,
+        b: usize,
+        lo: &[std::arch::x86_64::__m512i; MR],
+        hi: &[std::arch::x86_64::__m512i; MR],
+    ) {
+        for i in 0..MR {
+            for (h, dot) in [lo[i], hi[i]].into_iter().enumerate() {
+                // SAFETY: as the caller guarantees.
+                unsafe {
+                    let (meta, grids, acc) = self.at(i, b, 16 * h);
+                    epilogue16(dot, meta, grids, acc, b == 0);
+                }
+            }
+        }
+    }
+}
+
 /// The f32 epilogue of one block for 8 outputs on AVX2 (the AVX-512 kernels' operations):
 /// `acc (+)= (dot − correction) · (s · sx) + Σx · o`.
 ///
@@ -480,7 +587,7 @@ pub(super) fn prefetch_two_lines(wp: *const u8) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) unsafe fn epilogue8(
+unsafe fn epilogue8(
     dot: std::arch::x86_64::__m256i,
     (correction, sx, sum_x): (i32, f32, f32),
     (s, o): (*const f32, *const f32),
@@ -509,7 +616,7 @@ pub(super) unsafe fn epilogue8(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) unsafe fn epilogue16(
+unsafe fn epilogue16(
     dot: std::arch::x86_64::__m512i,
     (correction, sx, sum_x): (i32, f32, f32),
     (s, o): (*const f32, *const f32),
