@@ -39,6 +39,8 @@
 //! reads 4 bits per weight plus 8 bytes per group of each row: 0.27× of bf16 with groups of
 //! 128.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
@@ -87,7 +89,8 @@ pub struct Int4Panels {
     k: usize,
     groups: usize,
     /// The position at each slot ([`PADDING`] for none); `None`: slot `p` is position `p`.
-    order: Option<Vec<u32>>,
+    /// Equal orders are one allocation ([`shared_order`]).
+    order: Option<Arc<[u32]>>,
     /// Each position's slot, with `order`.
     slot_of: Option<Vec<u32>>,
     /// Slots: `order`'s length, or `k`.
@@ -112,6 +115,32 @@ pub struct Int4Source<C, S, Z> {
     /// The zero point of group `g`, row `r`, in `0..=16` (GPTQ's v1 format stores zero − 1,
     /// so a stored 15 reads as 16).
     pub zero: Z,
+}
+
+/// `order` as one allocation with every equal order alive: an expert's gate and up projections
+/// under act-order take their input's Hessian's order, so they share it and the grouped SwiGLU
+/// quantizes their input once, knowing it by the pointer alone (`Quantizer::same_as`), not by
+/// comparing `k` entries per expert and step.
+fn shared_order(order: Vec<u32>) -> Arc<[u32]> {
+    use std::collections::HashMap;
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    use std::sync::{LazyLock, Mutex, Weak};
+    type Orders = HashMap<u64, Vec<Weak<[u32]>>>;
+    static ORDERS: LazyLock<Mutex<Orders>> = LazyLock::new(Default::default);
+    let key = BuildHasherDefault::<DefaultHasher>::default().hash_one(&order);
+    let mut orders = ORDERS.lock().unwrap_or_else(|e| e.into_inner());
+    let same_hash = orders.entry(key).or_default();
+    same_hash.retain(|o| o.strong_count() > 0);
+    if let Some(shared) = same_hash
+        .iter()
+        .filter_map(Weak::upgrade)
+        .find(|o| **o == *order)
+    {
+        return shared;
+    }
+    let order: Arc<[u32]> = order.into();
+    same_hash.push(Arc::downgrade(&order));
+    order
 }
 
 /// The kernels' order of `k` positions in `groups` groups: `(order, block_group)`, the order
@@ -198,7 +227,8 @@ impl Int4Panels {
             }
         }
         let (order, block_group) = slot_order(k, groups, &group_of);
-        let slots = order.as_ref().map_or(k, Vec::len);
+        let order = order.map(shared_order);
+        let slots = order.as_ref().map_or(k, |o| o.len());
         let slot_of = order.as_ref().map(|order| {
             let mut slot_of = vec![0u32; k];
             for (s, &p) in order.iter().enumerate().filter(|(_, p)| **p != PADDING) {
@@ -559,6 +589,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn matrices_with_one_order_share_it() {
+        let (n, k) = (8, 64);
+        let act_order = || GroupOf::Index((0..k).map(|p| ((p * 37) % k / 32) as u32).collect());
+        let (a, b) = (
+            Int4Panels::new((n, k), 2, act_order(), source()).unwrap(),
+            Int4Panels::new((n, k), 2, act_order(), source()).unwrap(),
+        );
+        let other = GroupOf::Index((0..k).map(|p| ((p * 13) % k / 32) as u32).collect());
+        let c = Int4Panels::new((n, k), 2, other, source()).unwrap();
+        let (a, b, c) = (a.order.unwrap(), b.order.unwrap(), c.order.unwrap());
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &c) && *a != *c);
     }
 
     #[test]

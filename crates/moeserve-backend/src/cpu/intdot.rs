@@ -223,13 +223,14 @@ impl Quantizer<'_> {
     }
 
     /// Whether both quantize the same rows alike (an expert's gate and up projections under
-    /// GPTQ's act-order share their order, as both come from one input's Hessian).
+    /// GPTQ's act-order share their order, as both come from one input's Hessian; int4 keeps
+    /// equal orders as one allocation, so the pointers tell).
     pub fn same_as(&self, other: &Quantizer<'_>) -> bool {
         self.kernel == other.kernel
             && self.format == other.format
             && match (self.order, other.order) {
                 (None, None) => true,
-                (Some(a), Some(b)) => std::ptr::eq(a, b) || a == b,
+                (Some(a), Some(b)) => std::ptr::eq(a, b),
                 _ => false,
             }
     }
