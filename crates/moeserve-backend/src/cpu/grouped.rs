@@ -241,21 +241,17 @@ fn by_panels<G: ExpertGroup + ?Sized>(
         let inter = e.w1.shape()[0];
         let (gate, up) = (Projection::Gate.quantizer(&e), Projection::Up.quantizer(&e));
         let up_reads_gate = matches!((gate, up), (Some(g), Some(u)) if g.same_as(&u));
-        let mut place = |which: Projection, k: usize| {
-            let how = which.quantizer(&e)?;
+        let mut place = |which: Projection, how: Option<Quantizer<'_>>, k: usize| {
+            let how = how?;
             let at = lens[which as usize];
             let (words, meta) = quantized_len(how.format, e.rows, how.len(k));
             lens[which as usize] = (at.0 + words, at.1 + meta);
             Some(at)
         };
         let quantized = [
-            place(Projection::Gate, hidden),
-            if up_reads_gate {
-                None
-            } else {
-                place(Projection::Up, hidden)
-            },
-            place(Projection::Down, inter),
+            place(Projection::Gate, gate, hidden),
+            place(Projection::Up, up.filter(|_| !up_reads_gate), hidden),
+            place(Projection::Down, Projection::Down.quantizer(&e), inter),
         ];
         placed.push(Placed {
             expert: i,

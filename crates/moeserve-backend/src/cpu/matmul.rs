@@ -358,16 +358,10 @@ pub(super) fn weight_panel(
         PackedWeight::Mxfp4(p) => widened_panel_product(isa, x, d, q, acc, |k0, kc, dst| {
             p.widen_block(isa, q, k0, kc, dst)
         }),
-        PackedWeight::Int4(p) => p.panel_product(
-            xq.expect("an int4 weight's caller brings its rows quantized"),
-            q,
-            acc,
-        ),
-        PackedWeight::I8(p) => p.panel_product(
-            xq.expect("an int8 weight's caller brings its rows quantized"),
-            q,
-            acc,
-        ),
+        PackedWeight::Int4(_) | PackedWeight::I8(_) => {
+            let xq = xq.expect("an integer weight's caller brings its rows quantized");
+            integer_panel_product(packed, xq, q, acc)
+        }
     }
 }
 
@@ -514,16 +508,21 @@ pub(super) fn quantizer(isa: Isa, w: &PackedWeight) -> Option<Quantizer<'_>> {
 fn run_integer(how: Quantizer<'_>, x: &[f32], d: Dims, w: &PackedWeight, out: OutPtr) {
     let mut buf = QUANTIZED_X.take();
     let xq = buf.quantize(how, TiledRows::rows(x, d.m, d.k));
-    match w {
-        PackedWeight::I8(p) => {
-            run_panels(p.num_panels(), d, out, |q, acc| p.panel_product(xq, q, acc))
-        }
-        PackedWeight::Int4(p) => {
-            run_panels(p.num_panels(), d, out, |q, acc| p.panel_product(xq, q, acc))
-        }
-        _ => unreachable!("run_integer: not an integer weight"),
-    }
+    run_panels(d.n.div_ceil(PANEL), d, out, |q, acc| {
+        integer_panel_product(w, xq, q, acc)
+    });
     QUANTIZED_X.set(buf);
+}
+
+/// Panel `q` of an integer weight's product with `xq`, its activations quantized as
+/// [`quantizer`] says, into `acc: [m, PANEL]`.
+#[cfg(target_arch = "x86_64")]
+fn integer_panel_product(w: &PackedWeight, xq: QuantizedRows<'_>, q: usize, acc: &mut [f32]) {
+    match w {
+        PackedWeight::I8(p) => p.panel_product(xq, q, acc),
+        PackedWeight::Int4(p) => p.panel_product(xq, q, acc),
+        _ => unreachable!("not an integer weight"),
+    }
 }
 
 /// Panel `q` of `x · Wᵀ` for a 4-bit weight (MXFP4) into `acc: [m, PANEL]`: each `KC`
