@@ -82,6 +82,12 @@ struct OfflineReport {
     fma_peak_gflops: Option<f64>,
     /// prefill_gflops / fma_peak_gflops.
     prefill_peak_fraction: Option<f64>,
+    /// Mean over decode steps of the matmul FLOPs a step did (2 per multiply-add: the
+    /// dense and routed experts' matrices of every token, and the lm_head).
+    decode_flops_per_step: f64,
+    /// The roofline of a decode step over its measured time: max(weight bytes ÷ read
+    /// bandwidth, FLOPs ÷ FMA peak), both measured in this run, ÷ the step's time.
+    decode_roofline_fraction: Option<f64>,
 }
 
 pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
@@ -188,6 +194,11 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
         )
     };
     let prompt_tokens = (args.batch * args.prompt_len) as f64;
+    let decode_flops_per_step = 2.0
+        * (decode_tokens as f64 / decode_steps as f64)
+        * (model.active_matmul_params() + model.lm_head_params()) as f64;
+    let step_seconds = decode_seconds / decode_steps as f64;
+    let bytes_per_step = bytes / decode_steps as f64;
     let prefill_flops = 2.0
         * (prompt_tokens * model.active_matmul_params() as f64
             + args.batch as f64 * model.lm_head_params() as f64);
@@ -205,13 +216,18 @@ pub fn run(args: BenchOfflineArgs) -> anyhow::Result<()> {
         decode_steps,
         decode_seconds,
         decode_tokens_per_s: decode_tokens as f64 / decode_seconds,
-        decode_weight_bytes_per_step: bytes / decode_steps as f64,
+        decode_weight_bytes_per_step: bytes_per_step,
         decode_gbps: bytes / decode_seconds / 1e9,
-        decode_step_ms: decode_seconds / decode_steps as f64 * 1e3,
+        decode_step_ms: step_seconds * 1e3,
         stream_gbps,
         decode_bandwidth_fraction: stream_gbps.map(|s| bytes / decode_seconds / 1e9 / s),
         fma_peak_gflops,
         prefill_peak_fraction: fma_peak_gflops.map(|p| prefill_flops / prefill_seconds / 1e9 / p),
+        decode_flops_per_step,
+        decode_roofline_fraction: stream_gbps.zip(fma_peak_gflops).map(|(bw, peak)| {
+            let bound = (bytes_per_step / (bw * 1e9)).max(decode_flops_per_step / (peak * 1e9));
+            bound / step_seconds
+        }),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -246,6 +262,14 @@ fn print_report(r: &OfflineReport) {
              f32 FMA peak {peak:.0} GFLOP/s → prefill at {:.0} % of it",
             100.0 * r.decode_gbps / bw,
             100.0 * r.prefill_gflops / peak
+        );
+    }
+    if let Some(roofline) = r.decode_roofline_fraction {
+        println!(
+            "decode roofline: {:.1} GFLOP per step → {:.0} % of max(bytes ÷ bandwidth, FLOPs ÷ \
+             peak)",
+            r.decode_flops_per_step / 1e9,
+            100.0 * roofline
         );
     }
 }
