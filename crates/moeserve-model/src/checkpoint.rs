@@ -281,8 +281,8 @@ impl Checkpoint {
             && weight_quantization() == WeightQuantization::None
             && moeserve_backend::cpu::isa().packs_weights()
         {
-            use moeserve_backend::cpu::packed::{PackedPanels, PackedWeight};
-            fn columns<T: bytemuck::Pod + Default>(
+            use moeserve_backend::cpu::packed::{PackedPanels, PackedWeight, PanelSlot};
+            fn columns<T: bytemuck::Pod + Default + PanelSlot>(
                 e: &[u8],
                 k: usize,
                 c: (usize, usize),

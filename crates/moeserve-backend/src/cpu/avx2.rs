@@ -15,46 +15,72 @@ use super::packed::PANEL;
 /// Activation rows per microkernel call.
 pub(super) const MAX_MR: usize = 3;
 
-/// An element type that can be widened to 8 f32 lanes at once.
+/// An element type whose panel positions (32 columns, see `packed.rs`) can be widened to f32,
+/// 8 lanes at a time.
 pub(super) trait Lanes8: Copy {
+    /// Columns `8j .. 8j + 8` of the panel position at `p`, `j < 4`.
+    ///
     /// # Safety
-    /// `p` must point at 8 readable elements and the CPU must support AVX2, FMA and F16C.
-    unsafe fn load8(p: *const Self) -> __m256;
+    /// `p` must point at a position's 32 readable elements and the CPU must support AVX2, FMA
+    /// and F16C.
+    unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256;
 }
 
 impl Lanes8 for f32 {
     #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        unsafe { _mm256_loadu_ps(p) }
+    unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256 {
+        unsafe { _mm256_loadu_ps(p.add(8 * J)) }
     }
 }
 
 impl Lanes8 for bf16 {
-    /// bf16 → f32 is a 16-bit left shift of the raw bits.
+    /// The panel pairs column `c` (low half) with `c + 16` (high half) in 32-bit lane `c`
+    /// ([`super::packed::PanelSlot`]): columns 0–7 and 16–23 are the lanes of the first 32
+    /// bytes shifted up by 16 and masked, 8–15 and 24–31 those of the next 32.
     #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
+    unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256 {
         unsafe {
-            let raw = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+            let lanes = _mm256_loadu_si256(p.add(16 * (J % 2)) as *const __m256i);
+            let wide = if J < 2 {
+                _mm256_slli_epi32(lanes, 16)
+            } else {
+                _mm256_and_si256(lanes, _mm256_set1_epi32(0xffff_0000_u32 as i32))
+            };
+            _mm256_castsi256_ps(wide)
         }
     }
 }
 
 impl Lanes8 for f16 {
     #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.add(8 * J) as *const __m128i)) }
     }
 }
 
 impl Lanes8 for super::fp8::E4m3 {
     /// As the AVX-512 variant: the f16 of value / 2^8 (the 2^8 is in the panel's scales).
     #[inline(always)]
-    unsafe fn load8(p: *const Self) -> __m256 {
+    unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256 {
         unsafe {
+            let p = p.add(8 * J);
             let wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(p as *const __m128i));
             let bits = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(!0x4000));
             _mm256_cvtph_ps(bits)
+        }
+    }
+}
+
+/// Columns `8j .. 8j + 8` of the position at `p` for a run-time `j < 4`, which the unrolled
+/// loops below turn into constants.
+#[inline(always)]
+unsafe fn load_columns<T: Lanes8>(p: *const T, j: usize) -> __m256 {
+    unsafe {
+        match j {
+            0 => T::load_columns::<0>(p),
+            1 => T::load_columns::<1>(p),
+            2 => T::load_columns::<2>(p),
+            _ => T::load_columns::<3>(p),
         }
     }
 }
@@ -84,7 +110,7 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
             }
             let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
             for j in 0..4 {
-                let w = T::load8(wp.add(8 * j));
+                let w = load_columns(wp, j);
                 for (row, x) in acc.iter_mut().zip(&xs) {
                     row[j] = _mm256_fmadd_ps(w, *x, row[j]);
                 }
@@ -98,17 +124,22 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
     }
 }
 
-/// `dst[i] = src[i]` widened to f32, 8 lanes at a time (`src.len()` a multiple of 8).
+/// The panel positions of `src` widened to f32 in `dst`, columns in order (`src.len()` a
+/// multiple of [`PANEL`]).
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn widen<T: Lanes8>(src: &[T], dst: &mut [f32]) {
-    assert!(src.len().is_multiple_of(8) && dst.len() == src.len());
-    for (s, d) in src.chunks_exact(8).zip(dst.chunks_exact_mut(8)) {
+    assert!(src.len().is_multiple_of(PANEL) && dst.len() == src.len());
+    for (s, d) in src.chunks_exact(PANEL).zip(dst.chunks_exact_mut(PANEL)) {
         let p = s.as_ptr();
         _mm_prefetch::<_MM_HINT_T2>(p.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8);
-        // SAFETY: both chunks hold 8 elements.
-        unsafe { _mm256_storeu_ps(d.as_mut_ptr(), T::load8(p)) };
+        // SAFETY: both chunks hold a position's 32 elements.
+        unsafe {
+            for j in 0..4 {
+                _mm256_storeu_ps(d.as_mut_ptr().add(8 * j), load_columns(p, j));
+            }
+        }
     }
 }

@@ -23,51 +23,60 @@ use super::packed::PANEL;
 /// arrives, which caps the misses in flight.
 pub(super) const PREFETCH_BYTES: usize = 8192;
 
-/// An element type that can be widened to 16 f32 lanes at once.
+/// An element type whose panel positions (32 columns, see `packed.rs`) can be widened to f32.
 pub(super) trait Lanes: Copy {
+    /// Columns 0–15 and 16–31 of the panel position at `p`.
+    ///
     /// # Safety
-    /// `p` must point at 16 readable elements and the CPU must support AVX-512F/BW.
-    unsafe fn load16(p: *const Self) -> __m512;
+    /// `p` must point at a position's 32 readable elements and the CPU must support
+    /// AVX-512F/BW.
+    unsafe fn load_position(p: *const Self) -> [__m512; 2];
+}
+
+/// A position of 16-lane loads: columns in order.
+macro_rules! by_sixteen {
+    ($load16:expr) => {
+        #[inline(always)]
+        unsafe fn load_position(p: *const Self) -> [__m512; 2] {
+            unsafe { [$load16(p), $load16(p.add(16))] }
+        }
+    };
 }
 
 impl Lanes for f32 {
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        unsafe { _mm512_loadu_ps(p) }
-    }
+    by_sixteen!(|p: *const f32| _mm512_loadu_ps(p));
 }
 
 impl Lanes for bf16 {
-    /// bf16 → f32 is a 16-bit left shift of the raw bits.
+    /// bf16 → f32 is a 16-bit left shift of the raw bits, and a bf16 in the high half of a
+    /// 32-bit lane already is its f32: the panel pairs column `c` (low half) with `c + 16`
+    /// (high half) in lane `c` ([`super::packed::PanelSlot`]), so a shift and a mask widen the
+    /// whole position.
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
+    unsafe fn load_position(p: *const Self) -> [__m512; 2] {
         unsafe {
-            let raw = _mm256_loadu_si256(p as *const __m256i);
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+            let lanes = _mm512_loadu_si512(p as *const __m512i);
+            let low = _mm512_slli_epi32(lanes, 16);
+            let high = _mm512_and_si512(lanes, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+            [_mm512_castsi512_ps(low), _mm512_castsi512_ps(high)]
         }
     }
 }
 
+/// e4m3 → the f16 of value / 2^8 → f32: sign-extended to 16 bits and shifted up by 7, the
+/// exponent and mantissa land in an f16's and the sign's copies in bits 15 and 14; clearing bit
+/// 14 leaves the sign alone. The 2^8 is in the panel's scales
+/// ([`super::packed::PackedWeight::F8`]), so this is exact and four instructions.
 impl Lanes for super::fp8::E4m3 {
-    /// e4m3 → the f16 of value / 2^8 → f32: sign-extended to 16 bits and shifted up by 7, the
-    /// exponent and mantissa land in an f16's and the sign's copies in bits 15 and 14; clearing
-    /// bit 14 leaves the sign alone. The 2^8 is in the panel's scales
-    /// ([`super::packed::PackedWeight::F8`]), so this is exact and four instructions.
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        unsafe {
-            let wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i));
-            let bits = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(!0x4000));
-            _mm512_cvtph_ps(bits)
-        }
-    }
+    by_sixteen!(|p: *const super::fp8::E4m3| {
+        let wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i));
+        let bits = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(!0x4000));
+        _mm512_cvtph_ps(bits)
+    });
 }
 
 impl Lanes for f16 {
-    #[inline(always)]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
-    }
+    by_sixteen!(|p: *const f16| _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)));
 }
 
 /// Operands of one microkernel call.
@@ -112,7 +121,7 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
             if t.prefetch {
                 _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
             }
-            let (w0, w1) = (T::load16(wp), T::load16(wp.add(16)));
+            let [w0, w1] = T::load_position(wp);
             for i in 0..MR {
                 let xv = _mm512_set1_ps(*t.x.add(p * MR + i));
                 lo[i] = _mm512_fmadd_ps(w0, xv, lo[i]);
@@ -126,19 +135,23 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
     }
 }
 
-/// `dst[i] = src[i]` widened to f32, 16 lanes at a time (`src.len()` a multiple of 16),
-/// prefetching the weight stream [`PREFETCH_BYTES`] ahead as the microkernel does (the tiles
-/// that then read `dst` do not prefetch).
+/// The panel positions of `src` widened to f32 in `dst`, columns in order (`src.len()` a
+/// multiple of [`PANEL`]), prefetching the weight stream [`PREFETCH_BYTES`] ahead as the
+/// microkernel does (the tiles that then read `dst` do not prefetch).
 ///
 /// # Safety
 /// The CPU supports AVX-512F/BW.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn widen<T: Lanes>(src: &[T], dst: &mut [f32]) {
-    assert!(src.len().is_multiple_of(16) && dst.len() == src.len());
-    for (s, d) in src.chunks_exact(16).zip(dst.chunks_exact_mut(16)) {
+    assert!(src.len().is_multiple_of(PANEL) && dst.len() == src.len());
+    for (s, d) in src.chunks_exact(PANEL).zip(dst.chunks_exact_mut(PANEL)) {
         let p = s.as_ptr();
         _mm_prefetch::<_MM_HINT_T2>(p.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
-        // SAFETY: both chunks hold 16 elements.
-        unsafe { _mm512_storeu_ps(d.as_mut_ptr(), T::load16(p)) };
+        // SAFETY: both chunks hold a position's 32 elements.
+        unsafe {
+            let [low, high] = T::load_position(p);
+            _mm512_storeu_ps(d.as_mut_ptr(), low);
+            _mm512_storeu_ps(d.as_mut_ptr().add(16), high);
+        }
     }
 }

@@ -6,6 +6,11 @@
 //! ```text
 //! panel q, position p:  w[32q + 0][p], w[32q + 1][p], …, w[32q + 31][p]
 //! ```
+//! bf16 panels store a position's two halves interleaved instead (see [`PanelSlot`]):
+//!
+//! ```text
+//! panel q, position p:  w[32q + 0][p], w[32q + 16][p], w[32q + 1][p], w[32q + 17][p], …
+//! ```
 //! Packing happens once per weight, on first use (see `Weight::packed`).
 
 use std::sync::Arc;
@@ -48,6 +53,34 @@ pub enum PackedWeight {
     Int4(Arc<Int4Panels>),
 }
 
+/// Where a panel position keeps its columns.
+pub trait PanelSlot {
+    /// Columns `c` and `c + 16` share the 32-bit lane `c` of a position (`c` in the low half).
+    /// For bf16 that lets the kernels widen a whole position with one shift (`lane << 16`: the
+    /// low columns) and one mask (`lane & 0xffff0000`: the high ones), loads folded in, instead
+    /// of a zero-extension and a shift per 16 columns: half the vector ALU work on the ports
+    /// the FMAs need.
+    const PAIRED_HALVES: bool = false;
+}
+
+impl PanelSlot for f32 {}
+impl PanelSlot for f16 {}
+impl PanelSlot for E4m3 {}
+impl PanelSlot for bf16 {
+    const PAIRED_HALVES: bool = true;
+}
+
+/// The slot of column `c` (`< PANEL`) within a position of a `T` panel.
+#[inline]
+pub fn slot<T: PanelSlot>(c: usize) -> usize {
+    const HALF: usize = PANEL / 2;
+    if T::PAIRED_HALVES {
+        2 * (c % HALF) + c / HALF
+    } else {
+        c
+    }
+}
+
 /// `num_panels × k × PANEL` elements.
 #[derive(Clone)]
 pub struct PackedPanels<T> {
@@ -56,14 +89,15 @@ pub struct PackedPanels<T> {
     pub data: Vec<T>,
 }
 
-impl<T: Copy + Default> PackedPanels<T> {
+impl<T: Copy + Default + PanelSlot> PackedPanels<T> {
     pub(super) fn pack(src: &[T], n: usize, k: usize) -> Self {
         let mut data = zeroed_panels::<T>(n, k);
         for (q, panel) in data.chunks_exact_mut(k * PANEL).enumerate() {
             for r in 0..PANEL.min(n - q * PANEL) {
                 let row = &src[(q * PANEL + r) * k..(q * PANEL + r + 1) * k];
+                let at = slot::<T>(r);
                 for (p, v) in row.iter().enumerate() {
-                    panel[p * PANEL + r] = *v;
+                    panel[p * PANEL + at] = *v;
                 }
             }
         }
@@ -85,8 +119,8 @@ impl<T: Copy + Default> PackedPanels<T> {
                 .enumerate()
             {
                 debug_assert!(p < k);
-                for (c, v) in position[..rows].iter_mut().enumerate() {
-                    *v = stored[first + (q * PANEL + c) * step];
+                for c in 0..rows {
+                    position[slot::<T>(c)] = stored[first + (q * PANEL + c) * step];
                 }
             }
         }
@@ -148,14 +182,14 @@ impl PackedWeight {
 
     /// Element `(r, p)` of a float weight's panels (f32, f16, bf16), as f32.
     pub fn float_value(&self, r: usize, p: usize) -> f32 {
-        let at = |n: usize, k: usize| {
-            debug_assert!(r < n && p < k);
-            ((r / PANEL) * k + p) * PANEL + r % PANEL
-        };
+        fn at<T: PanelSlot>(w: &PackedPanels<T>, r: usize, p: usize) -> usize {
+            debug_assert!(r < w.n && p < w.k);
+            ((r / PANEL) * w.k + p) * PANEL + slot::<T>(r % PANEL)
+        }
         match self {
-            PackedWeight::F32(w) => w.data[at(w.n, w.k)],
-            PackedWeight::F16(w) => w.data[at(w.n, w.k)].to_f32(),
-            PackedWeight::BF16(w) => w.data[at(w.n, w.k)].to_f32(),
+            PackedWeight::F32(w) => w.data[at(w, r, p)],
+            PackedWeight::F16(w) => w.data[at(w, r, p)].to_f32(),
+            PackedWeight::BF16(w) => w.data[at(w, r, p)].to_f32(),
             _ => unreachable!("only float panels are read back element by element"),
         }
     }
@@ -222,6 +256,34 @@ mod tests {
         // Row 32 is the first row of panel 1; rows 33.. are padding.
         assert_eq!(packed.panel(1)[0], src[32 * k]);
         assert_eq!(packed.panel(1)[1], 0.0);
+    }
+
+    #[test]
+    fn bf16_panels_pair_each_column_with_the_one_16_later() {
+        let (n, k) = (40, 2);
+        let src: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(i as f32)).collect();
+        let packed = PackedPanels::pack(&src, n, k);
+        // Position 1 of panel 0: row 0, row 16, row 1, row 17, …
+        let position = &packed.panel(0)[PANEL..2 * PANEL];
+        for c in 0..16 {
+            assert_eq!(position[2 * c], src[c * k + 1]);
+            assert_eq!(position[2 * c + 1], src[(c + 16) * k + 1]);
+        }
+        // Every element reads back through float_value, padding rows included as zeros.
+        let w = PackedWeight::BF16(packed);
+        for r in 0..n {
+            for p in 0..k {
+                assert_eq!(w.float_value(r, p), src[r * k + p].to_f32());
+            }
+        }
+        let PackedWeight::BF16(packed) = w else {
+            unreachable!()
+        };
+        // Panel 1 holds rows 32..40: slots of rows 40.. (padding) are zero.
+        let position = &packed.panel(1)[..PANEL];
+        for c in 8..PANEL {
+            assert_eq!(position[slot::<bf16>(c)], bf16::ZERO);
+        }
     }
 
     #[test]
