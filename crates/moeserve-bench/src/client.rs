@@ -4,8 +4,9 @@
 //!
 //! NOTE: servers send a chunk only when a token adds text, and a token may add none (byte-level
 //! tokenizers hold back partial UTF-8; a random model's tokens may decode to nothing). With
-//! `stream_logprobs` the request asks for `logprobs: 0`, so every token arrives in its own chunk
-//! and a chunk with a logprob counts as content even without text.
+//! `stream_logprobs` the request asks for `logprobs: 1` (llama.cpp's server reads 0 as none), so
+//! every token arrives in its own chunk and a chunk with a logprob counts as content even
+//! without text.
 
 use std::time::{Duration, Instant};
 
@@ -35,7 +36,7 @@ pub struct EndpointConfig<'a> {
     pub api_key: Option<&'a str>,
     /// Bound on one whole request.
     pub request_timeout: Duration,
-    /// Ask for `logprobs: 0` so that every token is seen (see the module note).
+    /// Ask for `logprobs: 1` so that every token is seen (see the module note).
     pub stream_logprobs: bool,
 }
 
@@ -84,7 +85,7 @@ impl Endpoint {
             "stream_options": {"include_usage": true},
         });
         if self.stream_logprobs {
-            body["logprobs"] = json!(0);
+            body["logprobs"] = json!(1);
         }
         let mut request = self.client.post(&self.url).json(&body);
         if let Some(key) = &self.api_key {
@@ -120,12 +121,7 @@ impl Endpoint {
                 if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
                     usage = Some(u.clone());
                 }
-                let choice = &chunk["choices"][0];
-                let has_text = choice["text"].as_str().is_some_and(|t| !t.is_empty());
-                let has_logprob = choice["logprobs"]["tokens"]
-                    .as_array()
-                    .is_some_and(|t| !t.is_empty());
-                if !(has_text || has_logprob) {
+                if !carries_a_token(&chunk["choices"][0]) {
                     continue;
                 }
                 content_chunks += 1;
@@ -153,6 +149,16 @@ impl Endpoint {
         timing.prompt_tokens = count("prompt_tokens").unwrap_or(0);
         Ok(timing)
     }
+}
+
+/// Whether a streamed completion choice carries a token: text, or a logprob in either format
+/// servers send — OpenAI's completions `logprobs.tokens` (vLLM, moeserve) or the chat-style
+/// `logprobs.content` (llama.cpp's server).
+fn carries_a_token(choice: &Value) -> bool {
+    let non_empty = |v: &Value| v.as_array().is_some_and(|a| !a.is_empty());
+    choice["text"].as_str().is_some_and(|t| !t.is_empty())
+        || non_empty(&choice["logprobs"]["tokens"])
+        || non_empty(&choice["logprobs"]["content"])
 }
 
 /// `http://host:port[/v1[/completions]]` → the completions URL.
@@ -209,6 +215,23 @@ impl SseEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_is_text_or_a_logprob_in_either_format() {
+        let choice = |v: Value| carries_a_token(&v);
+        assert!(choice(json!({"text": "a", "logprobs": null})));
+        assert!(choice(
+            json!({"text": "", "logprobs": {"tokens": [""], "token_logprobs": [-1.0]}})
+        ));
+        assert!(choice(
+            json!({"text": "", "logprobs": {"content": [{"id": 7, "logprob": -1.0}]}})
+        ));
+        assert!(!choice(
+            json!({"text": "", "logprobs": null, "finish_reason": "length"})
+        ));
+        assert!(!choice(json!({"text": "", "logprobs": {"tokens": []}})));
+        assert!(!choice(json!(null)));
+    }
 
     #[test]
     fn urls_are_completed_to_the_completions_endpoint() {

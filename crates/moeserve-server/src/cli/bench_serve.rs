@@ -42,7 +42,7 @@ pub struct BenchServeArgs {
     /// JSONL prompts ({"prompt": "text" | [ids], "max_tokens"?: n}) instead of random ones.
     #[arg(long)]
     dataset: Option<PathBuf>,
-    /// Ask for `logprobs: 0` so every token arrives as its own chunk, even one whose text is
+    /// Ask for `logprobs: 1` so every token arrives as its own chunk, even one whose text is
     /// empty (random models, byte-level tokenizers); costs the server a little.
     #[arg(long)]
     stream_logprobs: bool,
