@@ -53,92 +53,81 @@ fn main() {
         );
     }
     let rounds = 1_000_000u64;
-    let report = |what: &str, start: Instant, per_round: u64| {
-        let ns = start.elapsed().as_secs_f64() * 1e9 / (rounds * per_round) as f64;
-        // 16 × 16 outputs × 32 products, 2 FLOPs each.
-        println!(
-            "{what}: {ns:.2} ns per TDPBF16PS ({:.0} GFLOP/s)",
-            16384.0 / ns
-        );
-    };
-    let start = Instant::now();
-    for _ in 0..rounds {
-        // SAFETY: tiles configured and loaded above.
-        unsafe {
-            asm!(
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tdpbf16ps tmm1, tmm6, tmm7",
-                "tdpbf16ps tmm2, tmm6, tmm7",
-                "tdpbf16ps tmm3, tmm6, tmm7",
-                options(nostack)
-            )
-        };
+    // Times `rounds` runs of one asm block of `$per` multiplies (operands: `{b}` the round's
+    // tile, `{c}` the next one, `{s}` the row stride) and prints the time per multiply. asm!
+    // refuses operands a template does not name, so blocks that use fewer name the rest in an
+    // assembler comment.
+    macro_rules! per_multiply {
+        ($what:expr, $per:expr, $($line:literal),+) => {{
+            let start = Instant::now();
+            for i in 0..rounds {
+                // SAFETY: the tiles are configured and tmm6/tmm7 loaded above; every load
+                // reads one 1 KiB tile of `tiles`.
+                unsafe {
+                    asm!(
+                        $($line),+,
+                        b = in(reg) tile(i), c = in(reg) tile(i + 1), s = in(reg) 64usize,
+                        options(nostack)
+                    )
+                };
+            }
+            let ns = start.elapsed().as_secs_f64() * 1e9 / (rounds * $per) as f64;
+            // 16 × 16 outputs × 32 products, 2 FLOPs each.
+            println!("{}: {ns:.2} ns per TDPBF16PS ({:.0} GFLOP/s)", $what, 16384.0 / ns);
+        }};
     }
-    report("4 independent sums", start, 4);
-    let start = Instant::now();
-    for _ in 0..rounds {
-        // SAFETY: as above.
-        unsafe {
-            asm!(
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                options(nostack)
-            )
-        };
-    }
-    report("one dependent sum", start, 4);
-    let start = Instant::now();
-    for i in 0..rounds {
-        // SAFETY: as above; both loads read one 1 KiB tile of `tiles`.
-        unsafe {
-            asm!(
-                "tileloadd tmm6, [{b} + {s}*1]",
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tileloadd tmm5, [{b} + {s}*1]",
-                "tdpbf16ps tmm1, tmm5, tmm7",
-                b = in(reg) tile(i), s = in(reg) 64usize, options(nostack)
-            )
-        };
-    }
-    report("a 1 KiB tile load (L1) before each", start, 2);
-    let start = Instant::now();
-    for i in 0..rounds {
-        // SAFETY: as above.
-        unsafe {
-            asm!(
-                "tileloadd tmm6, [{b} + {s}*1]",
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tdpbf16ps tmm1, tmm6, tmm7",
-                "tileloadd tmm5, [{b} + {s}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm7",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                b = in(reg) tile(i), s = in(reg) 64usize, options(nostack)
-            )
-        };
-    }
-    report("a tile load per two", start, 4);
-    let start = Instant::now();
-    for i in 0..rounds {
-        // SAFETY: as above. Each multiply reads a tile loaded one step earlier (two sets of
-        // registers), so a load has a step's multiplies to arrive behind.
-        unsafe {
-            asm!(
-                "tileloadd tmm4, [{b} + {s}*1]",
-                "tileloadd tmm5, [{b} + {s}*1]",
-                "tdpbf16ps tmm0, tmm6, tmm7",
-                "tdpbf16ps tmm1, tmm7, tmm6",
-                "tileloadd tmm6, [{c} + {s}*1]",
-                "tileloadd tmm7, [{c} + {s}*1]",
-                "tdpbf16ps tmm2, tmm4, tmm5",
-                "tdpbf16ps tmm3, tmm5, tmm4",
-                b = in(reg) tile(i), c = in(reg) tile(i + 1), s = in(reg) 64usize,
-                options(nostack)
-            )
-        };
-    }
-    report("a tile load before each, one step ahead", start, 4);
+    per_multiply!(
+        "4 independent sums",
+        4,
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tdpbf16ps tmm1, tmm6, tmm7",
+        "tdpbf16ps tmm2, tmm6, tmm7",
+        "tdpbf16ps tmm3, tmm6, tmm7",
+        "/* {b} {c} {s} */"
+    );
+    per_multiply!(
+        "one dependent sum",
+        4,
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "/* {b} {c} {s} */"
+    );
+    per_multiply!(
+        "a 1 KiB tile load (L1) before each",
+        2,
+        "tileloadd tmm6, [{b} + {s}*1]",
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tileloadd tmm5, [{b} + {s}*1]",
+        "tdpbf16ps tmm1, tmm5, tmm7",
+        "/* {c} */"
+    );
+    per_multiply!(
+        "a tile load per two",
+        4,
+        "tileloadd tmm6, [{b} + {s}*1]",
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tdpbf16ps tmm1, tmm6, tmm7",
+        "tileloadd tmm5, [{b} + {s}*1]",
+        "tdpbf16ps tmm2, tmm5, tmm7",
+        "tdpbf16ps tmm3, tmm5, tmm7",
+        "/* {c} */"
+    );
+    // Each multiply reads tiles loaded one step earlier (two sets of registers), so a load
+    // has a step's multiplies to arrive behind.
+    per_multiply!(
+        "a tile load before each, one step ahead",
+        4,
+        "tileloadd tmm4, [{b} + {s}*1]",
+        "tileloadd tmm5, [{b} + {s}*1]",
+        "tdpbf16ps tmm0, tmm6, tmm7",
+        "tdpbf16ps tmm1, tmm7, tmm6",
+        "tileloadd tmm6, [{c} + {s}*1]",
+        "tileloadd tmm7, [{c} + {s}*1]",
+        "tdpbf16ps tmm2, tmm4, tmm5",
+        "tdpbf16ps tmm3, tmm5, tmm4"
+    );
     // SAFETY: releases this thread's tiles.
     unsafe { asm!("tilerelease", options(nostack)) };
 }
