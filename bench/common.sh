@@ -8,3 +8,16 @@ model=models/$preset
 [ -f "$model/config.json" ] || "$bin" make-model --preset "$preset" --out "$model"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# The llama.cpp that llama-cpp-python 0.3.36 vendors, unpacked from its sdist (fetched with
+# `$1 -m pip`) under target/peers once: prints its path.
+llama_cpp_source() {
+    local src=target/peers/llama-cpp-python-0.3.36/vendor/llama.cpp
+    if [[ ! -f $src/CMakeLists.txt ]]; then
+        mkdir -p target/peers
+        "$1" -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+            "llama-cpp-python==0.3.36" -d target/peers >&2
+        tar -xzf target/peers/llama_cpp_python-0.3.36.tar.gz -C target/peers
+        mv target/peers/llama_cpp_python-0.3.36 target/peers/llama-cpp-python-0.3.36
+    fi
+    echo "$src"
+}

@@ -54,13 +54,8 @@ if [[ $preset = gpt-oss-* ]]; then
     [[ $gguf_type = bf16 ]] || { echo "GPT-OSS presets run as stored (no QUANT)" >&2; exit 2; }
     weights="MXFP4 experts as released, the rest bf16"
     gguf=target/peers/$preset.gguf
-    src=${LLAMA_CPP_SRC:-target/peers/llama-cpp-python-0.3.36/vendor/llama.cpp}
-    if [[ ! -f $gguf && ! -f $src/convert_hf_to_gguf.py ]]; then
-        "$py" -m pip download --quiet --no-deps --no-binary llama-cpp-python \
-            "llama-cpp-python==0.3.36" -d target/peers
-        tar -xzf target/peers/llama_cpp_python-0.3.36.tar.gz -C target/peers
-        mv target/peers/llama_cpp_python-0.3.36 target/peers/llama-cpp-python-0.3.36
-    fi
+    src=${LLAMA_CPP_SRC:-}
+    [[ -f $gguf || -n $src ]] || src=$(llama_cpp_source "$py")
     if [[ ! -f $gguf ]]; then
         "${CONVERT_PYTHON:-.venv-ref/bin/python}" bench/peers/convert_gpt_oss.py "$src" "$model" \
             "$gguf.tmp"

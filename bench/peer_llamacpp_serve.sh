@@ -36,14 +36,7 @@ if ! "$venv/bin/python" -c "import gguf, numpy" 2> /dev/null || [[ ! -x $venv/bi
 fi
 llama_server=${LLAMA_SERVER:-target/peers/llama-server-build/bin/llama-server}
 if [[ ! -x $llama_server ]]; then
-    src=target/peers/llama-cpp-python-0.3.36/vendor/llama.cpp
-    if [[ ! -f $src/CMakeLists.txt ]]; then
-        mkdir -p target/peers
-        "$venv/bin/pip" download --quiet --no-deps --no-binary llama-cpp-python \
-            "llama-cpp-python==0.3.36" -d target/peers
-        tar -xzf target/peers/llama_cpp_python-0.3.36.tar.gz -C target/peers
-        mv target/peers/llama_cpp_python-0.3.36 target/peers/llama-cpp-python-0.3.36
-    fi
+    src=$(llama_cpp_source "$venv/bin/python")
     flags=()
     if grep -qw amx_tile /proc/cpuinfo; then
         no_amx='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
