@@ -86,12 +86,14 @@ unsafe fn load_columns<T: Lanes8>(p: *const T, j: usize) -> __m256 {
 }
 
 /// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block; the
-/// operands as for the AVX-512 kernel ([`super::avx512::PanelTile`]).
+/// operands as for the AVX-512 kernel ([`super::avx512::PanelTile`]), `WIDEN` as there.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C and the pointers cover the sizes `PanelTile` describes.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::PanelTile<T>) {
+pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize, const WIDEN: bool>(
+    t: super::avx512::PanelTile<T>,
+) {
     let mut acc = [[_mm256_setzero_ps(); 4]; MR];
     unsafe {
         if !t.first {
@@ -111,6 +113,9 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
             let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
             for j in 0..4 {
                 let w = load_columns(wp, j);
+                if WIDEN {
+                    _mm256_storeu_ps(t.widen_to.add(p * PANEL + 8 * j), w);
+                }
                 for (row, x) in acc.iter_mut().zip(&xs) {
                     row[j] = _mm256_fmadd_ps(w, *x, row[j]);
                 }
@@ -119,26 +124,6 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
         for (i, row) in acc.iter().enumerate() {
             for (j, a) in row.iter().enumerate() {
                 _mm256_storeu_ps(t.acc.add(i * PANEL + 8 * j), *a);
-            }
-        }
-    }
-}
-
-/// The panel positions of `src` widened to f32 in `dst`, columns in order (`src.len()` a
-/// multiple of [`PANEL`]).
-///
-/// # Safety
-/// The CPU supports AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn widen<T: Lanes8>(src: &[T], dst: &mut [f32]) {
-    assert!(src.len().is_multiple_of(PANEL) && dst.len() == src.len());
-    for (s, d) in src.chunks_exact(PANEL).zip(dst.chunks_exact_mut(PANEL)) {
-        let p = s.as_ptr();
-        _mm_prefetch::<_MM_HINT_T2>(p.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8);
-        // SAFETY: both chunks hold a position's 32 elements.
-        unsafe {
-            for j in 0..4 {
-                _mm256_storeu_ps(d.as_mut_ptr().add(8 * j), load_columns(p, j));
             }
         }
     }

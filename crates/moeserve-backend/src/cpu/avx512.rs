@@ -93,12 +93,18 @@ pub(super) struct PanelTile<T> {
     pub acc: *mut f32,
     /// The first block of the panel: the sums start from zero.
     pub first: bool,
-    /// `w` is the weight stream itself (not a block already widened into a scratch buffer,
-    /// whose source [`widen`] prefetched): prefetch ahead of it.
+    /// `w` is the weight stream itself (not a block already widened into a scratch buffer
+    /// by the first tile, which prefetched): prefetch ahead of it.
     pub prefetch: bool,
+    /// Where a widening call ([`panel_tile`]'s `WIDEN`) stores each position of `w`, widened
+    /// to f32, as it reads it (`kc × PANEL` elements), for the block's other row tiles; null
+    /// otherwise.
+    pub widen_to: *mut f32,
 }
 
-/// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block.
+/// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block;
+/// with `WIDEN`, also each position widened to f32 into `t.widen_to` (a separate
+/// instantiation, so the plain kernels' register use does not change).
 ///
 /// Sums are carried through `acc` from block to block without rounding (an `f32` stored and
 /// reloaded is the same `f32`), so a blocked product equals one unbroken FMA chain.
@@ -106,7 +112,7 @@ pub(super) struct PanelTile<T> {
 /// # Safety
 /// The CPU supports AVX-512F/BW and the pointers cover the sizes described on [`PanelTile`].
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
+pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize, const WIDEN: bool>(t: PanelTile<T>) {
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
     unsafe {
@@ -122,6 +128,10 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
                 _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
             }
             let [w0, w1] = T::load_position(wp);
+            if WIDEN {
+                _mm512_storeu_ps(t.widen_to.add(p * PANEL), w0);
+                _mm512_storeu_ps(t.widen_to.add(p * PANEL + 16), w1);
+            }
             for i in 0..MR {
                 let xv = _mm512_set1_ps(*t.x.add(p * MR + i));
                 lo[i] = _mm512_fmadd_ps(w0, xv, lo[i]);
@@ -131,27 +141,6 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize>(t: PanelTile<T>) {
         for i in 0..MR {
             _mm512_storeu_ps(t.acc.add(i * PANEL), lo[i]);
             _mm512_storeu_ps(t.acc.add(i * PANEL + 16), hi[i]);
-        }
-    }
-}
-
-/// The panel positions of `src` widened to f32 in `dst`, columns in order (`src.len()` a
-/// multiple of [`PANEL`]), prefetching the weight stream [`PREFETCH_BYTES`] ahead as the
-/// microkernel does (the tiles that then read `dst` do not prefetch).
-///
-/// # Safety
-/// The CPU supports AVX-512F/BW.
-#[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn widen<T: Lanes>(src: &[T], dst: &mut [f32]) {
-    assert!(src.len().is_multiple_of(PANEL) && dst.len() == src.len());
-    for (s, d) in src.chunks_exact(PANEL).zip(dst.chunks_exact_mut(PANEL)) {
-        let p = s.as_ptr();
-        _mm_prefetch::<_MM_HINT_T2>(p.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
-        // SAFETY: both chunks hold a position's 32 elements.
-        unsafe {
-            let [low, high] = T::load_position(p);
-            _mm512_storeu_ps(d.as_mut_ptr(), low);
-            _mm512_storeu_ps(d.as_mut_ptr().add(16), high);
         }
     }
 }

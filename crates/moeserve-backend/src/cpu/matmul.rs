@@ -414,8 +414,8 @@ fn run_panels(
 ///
 /// The panel is walked in blocks of `KC` positions; each block (16–32 KiB) stays in L1 while
 /// every tile of activation rows runs through it, the tiles' running sums carried in `acc`
-/// between blocks. With more than one tile, a 16-bit block is widened to f32 once so the inner
-/// loop is loads and FMAs only. Every output is the same FMA chain over `p = 0..k` in order
+/// between blocks. With more than one tile, the first tile stores a 16-bit block widened to
+/// f32 as it streams it, so the other tiles' inner loop is loads and FMAs only. Every output is the same FMA chain over `p = 0..k` in order
 /// whatever the tiling, so results do not depend on the batch. With FP8 block scales a block is
 /// one block of the weight (or a `KC` part of a wider one): its sums start from zero and are
 /// added to the running sums as `partial · scale`.
@@ -464,14 +464,7 @@ fn panel_product<T: Element>(
             };
             if widen {
                 wide.resize(block.len(), 0.0);
-                // SAFETY: the caller's `isa` is supported; a block is kc × 32 elements.
-                unsafe {
-                    match isa {
-                        Isa::Avx2 => super::avx2::widen(block, wide),
-                        _ => super::avx512::widen(block, wide),
-                    }
-                };
-                b.run_tiles(isa, wide, false, sums);
+                b.run_tiles_widening(isa, block, wide, sums);
             } else {
                 b.run_tiles(isa, block, true, sums);
             }
@@ -651,44 +644,104 @@ impl Block<'_> {
     /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
     /// `prefetch`: `block` is the weight stream itself (not a widened copy).
     fn run_tiles<U: Element>(self, isa: Isa, block: &[U], prefetch: bool, acc: &mut [f32]) {
-        use super::avx512::{PanelTile, panel_tile};
         for (i0, mr) in row_tiles(self.d.m, self.x.max_mr) {
-            let t = PanelTile {
-                x: self.x.data[i0 * self.d.k + self.k0 * mr..].as_ptr(),
-                w: block.as_ptr(),
-                kc: self.kc,
-                acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
-                first: self.first,
-                prefetch,
-            };
-            // SAFETY: the caller's `isa` is supported; x holds the tile's kc positions from k0
-            // (mr each), the block kc × 32 elements, acc mr × 32.
+            // SAFETY: the caller's `isa` is supported; the block is kc × 32 elements.
             unsafe {
-                if isa == Isa::Avx2 {
-                    use super::avx2::panel_tile as tile;
-                    match mr {
-                        3 => tile::<U, 3>(t),
-                        2 => tile::<U, 2>(t),
-                        1 => tile::<U, 1>(t),
-                        _ => unreachable!("AVX2 row tiles hold 1..=3 rows"),
-                    }
-                    continue;
+                self.tile::<U, false>(
+                    isa,
+                    (i0, mr),
+                    block.as_ptr(),
+                    prefetch,
+                    std::ptr::null_mut(),
+                    acc,
+                )
+            };
+        }
+    }
+
+    /// [`Self::run_tiles`] of a 16- or 8-bit `block` for more rows than one tile: the first
+    /// tile reads the weight stream and writes each position widened to f32 into `wide` as it
+    /// goes, the others read `wide` from L1 — the stream's misses overlap the first tile's
+    /// FMAs instead of stalling a separate widening pass, and the widening is done once.
+    fn run_tiles_widening<U: Element>(
+        self,
+        isa: Isa,
+        block: &[U],
+        wide: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        debug_assert_eq!(block.len(), wide.len());
+        let wide = wide.as_mut_ptr();
+        for (t, tile) in row_tiles(self.d.m, self.x.max_mr).enumerate() {
+            // SAFETY: the caller's `isa` is supported; the block and `wide` are kc × 32
+            // elements, and the first tile writes `wide` before the others read it.
+            unsafe {
+                if t == 0 {
+                    self.tile::<U, true>(isa, tile, block.as_ptr(), true, wide, acc)
+                } else {
+                    self.tile::<f32, false>(
+                        isa,
+                        tile,
+                        wide.cast_const(),
+                        false,
+                        std::ptr::null_mut(),
+                        acc,
+                    )
                 }
-                match mr {
-                    12 => panel_tile::<U, 12>(t),
-                    11 => panel_tile::<U, 11>(t),
-                    10 => panel_tile::<U, 10>(t),
-                    9 => panel_tile::<U, 9>(t),
-                    8 => panel_tile::<U, 8>(t),
-                    7 => panel_tile::<U, 7>(t),
-                    6 => panel_tile::<U, 6>(t),
-                    5 => panel_tile::<U, 5>(t),
-                    4 => panel_tile::<U, 4>(t),
-                    3 => panel_tile::<U, 3>(t),
-                    2 => panel_tile::<U, 2>(t),
-                    1 => panel_tile::<U, 1>(t),
-                    _ => unreachable!("row tiles hold 1..={MAX_MR} rows"),
-                }
+            }
+        }
+    }
+
+    /// The row tile `(i0, mr)` through the block at `w`; with `WIDEN`, also the block
+    /// widened into `widen_to`.
+    ///
+    /// # Safety
+    /// `isa` is supported; `w` (and `widen_to` with `WIDEN`) cover kc × 32 elements.
+    unsafe fn tile<U: Element, const WIDEN: bool>(
+        self,
+        isa: Isa,
+        (i0, mr): (usize, usize),
+        w: *const U,
+        prefetch: bool,
+        widen_to: *mut f32,
+        acc: &mut [f32],
+    ) {
+        use super::avx512::{PanelTile, panel_tile};
+        let t = PanelTile {
+            x: self.x.data[i0 * self.d.k + self.k0 * mr..].as_ptr(),
+            w,
+            kc: self.kc,
+            acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
+            first: self.first,
+            prefetch,
+            widen_to,
+        };
+        // SAFETY: the caller's `isa` is supported; x holds the tile's kc positions from k0
+        // (mr each), the block kc × 32 elements (caller), acc mr × 32.
+        unsafe {
+            if isa == Isa::Avx2 {
+                use super::avx2::panel_tile as tile;
+                return match mr {
+                    3 => tile::<U, 3, WIDEN>(t),
+                    2 => tile::<U, 2, WIDEN>(t),
+                    1 => tile::<U, 1, WIDEN>(t),
+                    _ => unreachable!("AVX2 row tiles hold 1..=3 rows"),
+                };
+            }
+            match mr {
+                12 => panel_tile::<U, 12, WIDEN>(t),
+                11 => panel_tile::<U, 11, WIDEN>(t),
+                10 => panel_tile::<U, 10, WIDEN>(t),
+                9 => panel_tile::<U, 9, WIDEN>(t),
+                8 => panel_tile::<U, 8, WIDEN>(t),
+                7 => panel_tile::<U, 7, WIDEN>(t),
+                6 => panel_tile::<U, 6, WIDEN>(t),
+                5 => panel_tile::<U, 5, WIDEN>(t),
+                4 => panel_tile::<U, 4, WIDEN>(t),
+                3 => panel_tile::<U, 3, WIDEN>(t),
+                2 => panel_tile::<U, 2, WIDEN>(t),
+                1 => panel_tile::<U, 1, WIDEN>(t),
+                _ => unreachable!("row tiles hold 1..={MAX_MR} rows"),
             }
         }
     }
