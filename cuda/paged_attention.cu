@@ -3,6 +3,9 @@
 // position p attends to its own sequence's slots first..=p, found through the block table.
 // `first` is 0, or p + 1 - sliding_window with a window (HF admits keys j with p - j < window).
 // GPT-OSS's sinks (one logit per head, or null) join the softmax's denominator and add no value.
+// Multi-head latent attention (DeepSeek-V2/V3) runs on the same kernel: one "KV head" whose key is
+// the whole cached latent row (`kv_lora_rank + qk_rope_head_dim`) and whose value is the row's
+// first `kv_lora_rank` elements (k_cache and v_cache the same buffer, value_dim < head_dim).
 //
 // One block per (token, head); keys are visited in tiles of TILE with an online softmax
 // (running max and sum, the FlashAttention recurrence), so any context length fits in shared
@@ -18,17 +21,21 @@
 struct PagedAttentionParams {
     int num_heads;
     int num_kv_heads;
-    int head_dim;
+    int head_dim;        // a key's width (and the query's)
+    int value_dim;       // a value's width (and the output's); head_dim for grouped-query attention
+    int k_row;           // elements between consecutive slots of k_cache
+    int v_row;           // of v_cache
     int block_size;
     int max_blocks_per_seq;
     int sliding_window;  // 0 = none
-    float scale;         // head_dim^-0.5
+    float scale;         // head_dim^-0.5, or MLA's softmax scale
 };
 
-// q, out: [num_tokens, num_heads * head_dim]; k_cache, v_cache: one layer,
-// [num_blocks * block_size, num_kv_heads * head_dim]; block_tables: [num_seqs,
+// q: [num_tokens, num_heads * head_dim]; out: [num_tokens, num_heads * value_dim]; k_cache,
+// v_cache: one layer, [num_blocks * block_size, k_row] and [.., v_row], kv head g's key at
+// g * head_dim of a row and its value at g * value_dim; block_tables: [num_seqs,
 // max_blocks_per_seq]; token_seq, positions: [num_tokens].
-// Grid (num_tokens, num_heads); blockDim.x a multiple of 32 with head_dim <= 4 * blockDim.x;
+// Grid (num_tokens, num_heads); blockDim.x a multiple of 32 with value_dim <= 4 * blockDim.x;
 // dynamic shared memory (head_dim + TILE + 32) floats.
 template <typename T>
 __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
@@ -38,9 +45,8 @@ __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v
     extern __shared__ float smem[];
     float* q_s = smem;
     float* scores = smem + p.head_dim;
-    const int t = blockIdx.x, h = blockIdx.y, d = p.head_dim;
+    const int t = blockIdx.x, h = blockIdx.y, d = p.head_dim, dv = p.value_dim;
     const int kv_head = h / (p.num_heads / p.num_kv_heads);
-    const int kv_dim = p.num_kv_heads * d;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     const T* qh = q + ((i64)t * p.num_heads + h) * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) q_s[i] = to_f32(qh[i]);
@@ -55,7 +61,7 @@ __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v
         for (int j = warp; j < n; j += num_warps) {
             const int key = tile_start + j;
             const i64 slot = (i64)table[key / p.block_size] * p.block_size + key % p.block_size;
-            const T* kr = k_cache + slot * kv_dim + (i64)kv_head * d;
+            const T* kr = k_cache + slot * p.k_row + (i64)kv_head * d;
             float s = 0.0f;
             for (int i = lane; i < d; i += 32) s += q_s[i] * to_f32(kr[i]);
             s = warp_sum(s);
@@ -71,12 +77,12 @@ __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v
         for (int j = 0; j < n; ++j) {
             const int key = tile_start + j;
             const i64 slot = (i64)table[key / p.block_size] * p.block_size + key % p.block_size;
-            const T* vr = v_cache + slot * kv_dim + (i64)kv_head * d;
+            const T* vr = v_cache + slot * p.v_row + (i64)kv_head * dv;
             const float weight = expf(scores[j] - new_max);
             running_sum += weight;
             for (int r = 0; r < MAX_DIMS_PER_THREAD; ++r) {
                 const int i = threadIdx.x + r * blockDim.x;
-                if (i < d) acc[r] += weight * to_f32(vr[i]);
+                if (i < dv) acc[r] += weight * to_f32(vr[i]);
             }
         }
         running_max = new_max;
@@ -89,11 +95,11 @@ __device__ void paged_attention(T* out, const T* q, const T* k_cache, const T* v
         running_sum = running_sum * correction + expf(sink - new_max);
         for (int r = 0; r < MAX_DIMS_PER_THREAD; ++r) acc[r] *= correction;
     }
-    T* oh = out + ((i64)t * p.num_heads + h) * d;
+    T* oh = out + ((i64)t * p.num_heads + h) * dv;
     const float inv_sum = 1.0f / running_sum;
     for (int r = 0; r < MAX_DIMS_PER_THREAD; ++r) {
         const int i = threadIdx.x + r * blockDim.x;
-        if (i < d) oh[i] = from_f32<T>(acc[r] * inv_sum);
+        if (i < dv) oh[i] = from_f32<T>(acc[r] * inv_sum);
     }
 }
 

@@ -38,11 +38,13 @@ MOESERVE_FOR_EACH_DTYPE(DEFINE_RMS_NORM)
 
 // RMSNorm in place over rows of `width` (Qwen3-MoE's q/k norm per head: width = head_dim, the
 // rows are every token's heads; OLMoE's over the whole projection: width = q_dim or kv_dim).
+// Rows start `stride` apart (width, or more: MLA's `kv_a_layernorm` norms the first
+// kv_lora_rank elements of each latent row and leaves the rotary key after them).
 // Grid: one block per row; any multiple of 32 threads up to 1024.
 template <typename T>
-__device__ void rms_norm_rows(T* x, const T* weight, int width, float eps) {
+__device__ void rms_norm_rows(T* x, const T* weight, int width, int stride, float eps) {
     __shared__ float scratch[32];
-    T* row = x + (i64)blockIdx.x * width;
+    T* row = x + (i64)blockIdx.x * stride;
     float sum_sq = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         const float v = to_f32(row[i]);
@@ -56,7 +58,7 @@ __device__ void rms_norm_rows(T* x, const T* weight, int width, float eps) {
 
 #define DEFINE_RMS_NORM_ROWS(SUFFIX, T)                                                         \
     extern "C" __global__ void rms_norm_rows_##SUFFIX(T* x, const T* weight, int width,         \
-                                                      float eps) {                              \
-        rms_norm_rows<T>(x, weight, width, eps);                                                \
+                                                      int stride, float eps) {                  \
+        rms_norm_rows<T>(x, weight, width, stride, eps);                                        \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_RMS_NORM_ROWS)

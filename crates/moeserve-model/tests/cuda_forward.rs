@@ -51,14 +51,15 @@ fn gpu_available() -> bool {
     }
 }
 
-/// A Mixtral, a family with dense layers and q/k norms (Qwen3-MoE), and one with a gated shared
-/// expert and q/k/v biases (Qwen2-MoE): the runs that are not fixture parity.
-const MIXED_CASES: [&str; 3] = ["mixtral-gqa", "qwen3-moe", "qwen2-moe"];
+/// A Mixtral, a family with dense layers and q/k norms (Qwen3-MoE), one with a gated shared
+/// expert and q/k/v biases (Qwen2-MoE), and DeepSeek-V3 (multi-head latent attention over the
+/// paged latent cache, sigmoid grouped routing on the host): the runs that are not fixture
+/// parity.
+const MIXED_CASES: [&str; 4] = ["mixtral-gqa", "qwen3-moe", "qwen2-moe", "deepseek-v3"];
 
-/// The fixtures of the families CUDA runs: all but DeepSeek's multi-head latent attention
-/// (CPU-only so far, refused by name on the device).
+/// The fixtures of the families CUDA runs: all of them.
 fn cuda_cases() -> impl Iterator<Item = &'static str> {
-    all_cases().filter(|case| !case.starts_with("deepseek"))
+    all_cases()
 }
 
 fn load(case: &str) -> MoeModel {

@@ -1,7 +1,7 @@
 //! The element types the kernels are instantiated for, and how Rust names them.
 
 use cudarc::cublas::result::CublasError;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::NcclType;
 use half::{bf16, f16};
@@ -30,6 +30,18 @@ pub trait CudaElement:
         b: &B,
         c: &mut C,
     ) -> Result<(), CublasError>;
+
+    /// cuBLAS strided batched GEMM on this type, as [`CudaElement::gemm`].
+    ///
+    /// # Safety
+    /// As `cudarc::cublas::Gemm::gemm_strided_batched`: the config must fit the buffers.
+    unsafe fn gemm_strided_batched<A: DevicePtr<Self>, B: DevicePtr<Self>, C: DevicePtrMut<Self>>(
+        blas: &CudaBlas,
+        cfg: StridedBatchedConfig<Self>,
+        a: &A,
+        b: &B,
+        c: &mut C,
+    ) -> Result<(), CublasError>;
 }
 
 macro_rules! element {
@@ -52,6 +64,20 @@ macro_rules! element {
             ) -> Result<(), CublasError> {
                 // SAFETY: forwarded; the caller upholds `Gemm::gemm`'s contract.
                 unsafe { <CudaBlas as Gemm<$t>>::gemm(blas, cfg, a, b, c) }
+            }
+            unsafe fn gemm_strided_batched<
+                A: DevicePtr<Self>,
+                B: DevicePtr<Self>,
+                C: DevicePtrMut<Self>,
+            >(
+                blas: &CudaBlas,
+                cfg: StridedBatchedConfig<Self>,
+                a: &A,
+                b: &B,
+                c: &mut C,
+            ) -> Result<(), CublasError> {
+                // SAFETY: forwarded; the caller upholds the contract.
+                unsafe { <CudaBlas as Gemm<$t>>::gemm_strided_batched(blas, cfg, a, b, c) }
             }
         }
     };

@@ -19,10 +19,11 @@ pub enum KernelFile {
     Sampling,
     Init,
     Elementwise,
+    Mla,
 }
 
 impl KernelFile {
-    pub const ALL: [KernelFile; 11] = [
+    pub const ALL: [KernelFile; 12] = [
         KernelFile::Embedding,
         KernelFile::RmsNorm,
         KernelFile::Rope,
@@ -34,6 +35,7 @@ impl KernelFile {
         KernelFile::Sampling,
         KernelFile::Init,
         KernelFile::Elementwise,
+        KernelFile::Mla,
     ];
 
     /// The file name under `cuda/`.
@@ -50,6 +52,7 @@ impl KernelFile {
             KernelFile::Sampling => "sampling.cu",
             KernelFile::Init => "init.cu",
             KernelFile::Elementwise => "elementwise.cu",
+            KernelFile::Mla => "mla.cu",
         }
     }
 
@@ -67,6 +70,7 @@ impl KernelFile {
             KernelFile::Sampling => include_str!("../../../../cuda/sampling.cu"),
             KernelFile::Init => include_str!("../../../../cuda/init.cu"),
             KernelFile::Elementwise => include_str!("../../../../cuda/elementwise.cu"),
+            KernelFile::Mla => include_str!("../../../../cuda/mla.cu"),
         }
     }
 
@@ -84,6 +88,7 @@ impl KernelFile {
             KernelFile::Sampling => &["argmax_logprob"],
             KernelFile::Init => &["fill_uniform"],
             KernelFile::Elementwise => &["add_bias", "add_segment_bias", "clamp", "add_gated"],
+            KernelFile::Mla => &["mla_rope", "mla_copy_rope", "write_latent"],
         }
     }
 

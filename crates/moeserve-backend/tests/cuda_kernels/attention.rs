@@ -187,3 +187,77 @@ for_each_dtype!(
     paged_attention_with_sinks_and_a_window,
     paged_attention_with_sinks_and_a_window
 );
+
+/// Multi-head latent attention on the same kernel: every head's latent query scores the whole
+/// cached rows (`kv_lora_rank + qk_rope_head_dim`, DeepSeek-V3's 512 + 64) and sums their first
+/// `kv_lora_rank` elements, with the config's softmax scale.
+fn latent_attention_matches_the_reference<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let c = case(64, None);
+    let (heads, rank, latent, scale) = (16, 512, 576, 0.0723f32);
+    let (bs, n) = (c.shape.block_size, c.tokens.len());
+    let (q, q_f32) = rounded::<T>(&random(n * heads * latent, 30, 1.0));
+    let (cache, cache_f32) = rounded::<T>(&random(c.num_blocks * bs * latent, 31, 1.0));
+    let table: Vec<i32> = c.tables.concat();
+    let token_seq: Vec<i32> = c.tokens.iter().map(|(s, _)| *s as i32).collect();
+    let positions: Vec<i32> = c.tokens.iter().map(|(_, p)| *p as i32).collect();
+    let (q_d, cache_d) = (upload(gpu, &q), upload(gpu, &cache));
+    let (table_d, seq_d, pos_d) = (
+        gpu.upload(&table).unwrap(),
+        gpu.upload(&token_seq).unwrap(),
+        gpu.upload(&positions).unwrap(),
+    );
+    let mut out = gpu.zeros::<T>(n * heads * rank).unwrap();
+    ops::latent_attention(
+        gpu,
+        ops::LatentAttentionArgs {
+            out: out.as_view_mut(),
+            q: q_d.as_view(),
+            cache: cache_d.as_view(),
+            block_tables: table_d.as_view(),
+            token_seq: seq_d.as_view(),
+            positions: pos_d.as_view(),
+            num_heads: heads,
+            latent_dim: latent,
+            value_dim: rank,
+            block_size: bs,
+            max_blocks_per_seq: c.shape.max_blocks_per_seq,
+            scale,
+        },
+    )
+    .unwrap();
+    let mut want = vec![0.0; n * heads * rank];
+    for (t, (seq, pos)) in c.tokens.iter().enumerate() {
+        let rows: Vec<&[f32]> = (0..=*pos)
+            .map(|p| {
+                let slot = c.tables[*seq][p / bs] as usize * bs + p % bs;
+                &cache_f32[slot * latent..][..latent]
+            })
+            .collect();
+        for h in 0..heads {
+            let qh = &q_f32[(t * heads + h) * latent..][..latent];
+            let mut scores: Vec<f32> = rows
+                .iter()
+                .map(|row| qh.iter().zip(*row).map(|(a, b)| a * b).sum::<f32>() * scale)
+                .collect();
+            cpu::softmax_in_place(&mut scores);
+            let oh = &mut want[(t * heads + h) * rank..][..rank];
+            for (p, row) in scores.iter().zip(&rows) {
+                oh.iter_mut()
+                    .zip(&row[..rank])
+                    .for_each(|(o, v)| *o += p * v);
+            }
+        }
+    }
+    assert_close(
+        "latent_attention",
+        T::DTYPE,
+        &download_f32(gpu, &out),
+        &want,
+        chained_tolerance(T::DTYPE),
+    );
+}
+for_each_dtype!(
+    latent_attention_matches_the_reference,
+    latent_attention_matches_the_reference
+);

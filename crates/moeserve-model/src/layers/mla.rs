@@ -162,10 +162,24 @@ impl MlaAttention {
             LayerWeight::QBProj => low_rank.map(|l| l.3),
             LayerWeight::KvAProj => Some(&self.kv_a_proj),
             LayerWeight::KvABias => self.kv_a_bias.as_ref(),
+            LayerWeight::KvANorm => Some(&self.kv_a_norm),
             LayerWeight::OProj => Some(&self.o_proj),
             LayerWeight::OBias => self.o_bias.as_ref(),
             _ => None,
         }
+    }
+
+    /// Per head, `W_uk[h]ᵀ: [kv_lora_rank, qk_nope_head_dim]` (absorbed into the query); the
+    /// CUDA model uploads them stacked.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn absorb_key(&self) -> &[Weight] {
+        &self.absorb_key
+    }
+
+    /// Per head, `W_uv[h]: [v_head_dim, kv_lora_rank]` (expands the latent output).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn expand_value(&self) -> &[Weight] {
+        &self.expand_value
     }
 
     /// `kv_a_layernorm` over the latent part of every row of `latent: [num_tokens, latent_dim]`

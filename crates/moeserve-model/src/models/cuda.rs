@@ -156,9 +156,11 @@ fn backend(e: CudaError) -> ModelError {
 
 /// A layer's attention weights; biases and q/k norms where the family has them.
 struct DeviceAttention<T> {
-    q: CudaSlice<T>,
-    k: CudaSlice<T>,
-    v: CudaSlice<T>,
+    /// `q_proj` (none under multi-head latent attention with a query LoRA), `k_proj` and
+    /// `v_proj` (none under MLA), `o_proj`.
+    q: Option<CudaSlice<T>>,
+    k: Option<CudaSlice<T>>,
+    v: Option<CudaSlice<T>>,
     o: CudaSlice<T>,
     /// `[q, k, v, o]` biases.
     biases: [Option<CudaSlice<T>>; 4],
@@ -166,6 +168,25 @@ struct DeviceAttention<T> {
     k_norm: Option<CudaSlice<T>>,
     /// `[num_heads]` sink logits (GPT-OSS).
     sinks: Option<CudaSlice<f32>>,
+    /// Multi-head latent attention's weights (DeepSeek-V2/V3).
+    latent: Option<DeviceLatent<T>>,
+}
+
+/// One layer's multi-head latent attention weights beside `q_proj` and `o_proj`: the query
+/// LoRA (`q_a_proj` + bias, `q_a_layernorm`, `q_b_proj`) when the config has one,
+/// `kv_a_proj_with_mqa` (+ bias), `kv_a_layernorm`, and `kv_b_proj` cut per head as on the CPU
+/// (`layers/mla.rs`): `W_uk[h]ᵀ` stacked `[heads, kv_lora_rank, qk_nope]` (absorbed into the
+/// query) and `W_uv[h]` stacked `[heads, v_head_dim, kv_lora_rank]`.
+struct DeviceLatent<T> {
+    q_a: Option<CudaSlice<T>>,
+    q_a_bias: Option<CudaSlice<T>>,
+    q_a_norm: Option<CudaSlice<T>>,
+    q_b: Option<CudaSlice<T>>,
+    kv_a: CudaSlice<T>,
+    kv_a_bias: Option<CudaSlice<T>>,
+    kv_a_norm: CudaSlice<T>,
+    absorb_key: CudaSlice<T>,
+    expand_value: CudaSlice<T>,
 }
 
 /// A SwiGLU MLP: `[w1; w3]` stacked (`[2 · intermediate, hidden]`, one GEMM) and `w2`.
@@ -206,7 +227,8 @@ struct DeviceLayer<T> {
     mlp: DeviceFeedForward<T>,
 }
 
-/// One layer's KV cache, `[num_slots, kv_dim]` each.
+/// One layer's KV cache, `[num_slots, key_dim]` and `[num_slots, value_dim]` (MLA: the latent
+/// rows, and no values).
 struct LayerCache<T> {
     k: CudaSlice<T>,
     v: CudaSlice<T>,
@@ -229,9 +251,9 @@ impl<T> DeviceLayer<T> {
         match role {
             LayerWeight::InputNorm => Some(&self.input_norm),
             LayerWeight::PostNorm => Some(&self.post_norm),
-            LayerWeight::QProj => Some(&a.q),
-            LayerWeight::KProj => Some(&a.k),
-            LayerWeight::VProj => Some(&a.v),
+            LayerWeight::QProj => a.q.as_ref(),
+            LayerWeight::KProj => a.k.as_ref(),
+            LayerWeight::VProj => a.v.as_ref(),
             LayerWeight::OProj => Some(&a.o),
             LayerWeight::QBias => a.biases[0].as_ref(),
             LayerWeight::KBias => a.biases[1].as_ref(),
@@ -239,13 +261,13 @@ impl<T> DeviceLayer<T> {
             LayerWeight::OBias => a.biases[3].as_ref(),
             LayerWeight::QNorm => a.q_norm.as_ref(),
             LayerWeight::KNorm => a.k_norm.as_ref(),
-            // Multi-head latent attention: refused by `DeviceModel::build`.
-            LayerWeight::QAProj
-            | LayerWeight::QABias
-            | LayerWeight::QANorm
-            | LayerWeight::QBProj
-            | LayerWeight::KvAProj
-            | LayerWeight::KvABias => None,
+            LayerWeight::QAProj => a.latent.as_ref()?.q_a.as_ref(),
+            LayerWeight::QABias => a.latent.as_ref()?.q_a_bias.as_ref(),
+            LayerWeight::QANorm => a.latent.as_ref()?.q_a_norm.as_ref(),
+            LayerWeight::QBProj => a.latent.as_ref()?.q_b.as_ref(),
+            LayerWeight::KvAProj => a.latent.as_ref().map(|m| &m.kv_a),
+            LayerWeight::KvABias => a.latent.as_ref()?.kv_a_bias.as_ref(),
+            LayerWeight::KvANorm => a.latent.as_ref().map(|m| &m.kv_a_norm),
         }
     }
 }
@@ -269,16 +291,10 @@ impl<T: CudaElement> DeviceModel<T> {
         source: &mut dyn WeightSource<T>,
     ) -> Result<Self> {
         let c = config;
-        if c.mla.is_some() {
-            return Err(ModelError::InvalidInput {
-                message: format!(
-                    "{}: multi-head latent attention runs on the CPU backend only so far \
-                     (--device cpu)",
-                    c.architecture
-                ),
-            });
-        }
-        let slots = layout.num_slots() * layout.key_dim;
+        let (key_slots, value_slots) = (
+            layout.num_slots() * layout.key_dim,
+            layout.num_slots() * layout.value_dim,
+        );
         let corrections: Vec<_> = (0..c.num_hidden_layers)
             .map(|l| source.correction_bias(l))
             .collect();
@@ -300,25 +316,65 @@ impl<T: CudaElement> DeviceModel<T> {
         let per_layer = corrections.into_iter().zip(sinks).zip(expert_biases);
         for (l, ((correction_bias, sinks), expert_bias)) in per_layer.enumerate() {
             let a = &c.attention;
+            let kv_b = match c.mla {
+                Some(_) => Some((get(Tensor::AbsorbKey(l))?, get(Tensor::ExpandValue(l))?)),
+                None => None,
+            };
             let mut attn = |role| get(Tensor::Attention(l, role));
-            let bias = |on: bool, role, attn: &mut dyn FnMut(_) -> Result<_>| {
+            // The weight of `role` when `on` (the config says the layer has it).
+            let some = |on: bool, role, attn: &mut dyn FnMut(_) -> Result<_>| {
                 on.then(|| attn(role)).transpose()
             };
-            let has_norm = a.qk_norm != QkNorm::None;
-            let attention = DeviceAttention {
-                q: attn(LayerWeight::QProj)?,
-                k: attn(LayerWeight::KProj)?,
-                v: attn(LayerWeight::VProj)?,
-                o: attn(LayerWeight::OProj)?,
-                biases: [
-                    bias(a.qkv_bias, LayerWeight::QBias, &mut attn)?,
-                    bias(a.qkv_bias, LayerWeight::KBias, &mut attn)?,
-                    bias(a.qkv_bias, LayerWeight::VBias, &mut attn)?,
-                    bias(a.o_bias, LayerWeight::OBias, &mut attn)?,
-                ],
-                q_norm: bias(has_norm, LayerWeight::QNorm, &mut attn)?,
-                k_norm: bias(has_norm, LayerWeight::KNorm, &mut attn)?,
-                sinks: sinks.map(|s| gpu.upload(&s)).transpose().map_err(backend)?,
+            let sinks = sinks.map(|s| gpu.upload(&s)).transpose().map_err(backend)?;
+            let attention = match (&c.mla, kv_b) {
+                (Some(m), Some((absorb_key, expand_value))) => {
+                    let low_rank = m.q_lora_rank.is_some();
+                    DeviceAttention {
+                        q: some(!low_rank, LayerWeight::QProj, &mut attn)?,
+                        k: None,
+                        v: None,
+                        o: attn(LayerWeight::OProj)?,
+                        biases: [
+                            None,
+                            None,
+                            None,
+                            some(m.bias, LayerWeight::OBias, &mut attn)?,
+                        ],
+                        q_norm: None,
+                        k_norm: None,
+                        sinks,
+                        latent: Some(DeviceLatent {
+                            q_a: some(low_rank, LayerWeight::QAProj, &mut attn)?,
+                            q_a_bias: some(low_rank && m.bias, LayerWeight::QABias, &mut attn)?,
+                            q_a_norm: some(low_rank, LayerWeight::QANorm, &mut attn)?,
+                            q_b: some(low_rank, LayerWeight::QBProj, &mut attn)?,
+                            kv_a: attn(LayerWeight::KvAProj)?,
+                            kv_a_bias: some(m.bias, LayerWeight::KvABias, &mut attn)?,
+                            kv_a_norm: attn(LayerWeight::KvANorm)?,
+                            absorb_key,
+                            expand_value,
+                        }),
+                    }
+                }
+                _ => {
+                    let has_norm = a.qk_norm != QkNorm::None;
+                    DeviceAttention {
+                        q: Some(attn(LayerWeight::QProj)?),
+                        k: Some(attn(LayerWeight::KProj)?),
+                        v: Some(attn(LayerWeight::VProj)?),
+                        o: attn(LayerWeight::OProj)?,
+                        biases: [
+                            some(a.qkv_bias, LayerWeight::QBias, &mut attn)?,
+                            some(a.qkv_bias, LayerWeight::KBias, &mut attn)?,
+                            some(a.qkv_bias, LayerWeight::VBias, &mut attn)?,
+                            some(a.o_bias, LayerWeight::OBias, &mut attn)?,
+                        ],
+                        q_norm: some(has_norm, LayerWeight::QNorm, &mut attn)?,
+                        k_norm: some(has_norm, LayerWeight::KNorm, &mut attn)?,
+                        sinks,
+                        latent: None,
+                    }
+                }
             };
             let mlp = if c.sparse_layers[l] {
                 let experts = 0..c.num_local_experts;
@@ -368,8 +424,9 @@ impl<T: CudaElement> DeviceModel<T> {
                 mlp,
             });
             kv.push(LayerCache {
-                k: gpu.zeros(slots).map_err(backend)?,
-                v: gpu.zeros(slots).map_err(backend)?,
+                k: gpu.zeros(key_slots).map_err(backend)?,
+                // One element where there are no values (MLA): no empty allocation.
+                v: gpu.zeros(value_slots.max(1)).map_err(backend)?,
             });
         }
         let (embed, norm, lm_head) = (
@@ -411,9 +468,9 @@ impl<T: CudaElement> DeviceModel<T> {
                 message: format!("KV block copy {src} → {dst} outside the cache's {n} blocks"),
             });
         }
-        let row = self.layout.key_dim * bs;
+        let (key_row, value_row) = (self.layout.key_dim * bs, self.layout.value_dim * bs);
         for cache in &mut self.kv {
-            for rows in [&mut cache.k, &mut cache.v] {
+            for (rows, row) in [(&mut cache.k, key_row), (&mut cache.v, value_row)] {
                 self.gpu
                     .copy_within(rows, src * row, dst * row, row)
                     .map_err(backend)?;

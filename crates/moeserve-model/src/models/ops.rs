@@ -70,13 +70,16 @@ pub(crate) enum LayerWeight {
     QNorm,
     KNorm,
     /// Multi-head latent attention's: `q_a_proj` (+ bias), `q_a_layernorm`, `q_b_proj`,
-    /// `kv_a_proj_with_mqa` (+ bias).
+    /// `kv_a_proj_with_mqa` (+ bias), `kv_a_layernorm`.
     QAProj,
     QABias,
     QANorm,
     QBProj,
     KvAProj,
     KvABias,
+    /// Read by the CUDA step (the CPU's `MlaAttention` norms with its own field).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    KvANorm,
 }
 
 /// Where a step's values may be read by a trace or a calibration pass.

@@ -124,19 +124,39 @@ pub fn add_gated<T: CudaElement>(
 /// whole projection).
 pub fn rms_norm_rows<T: CudaElement>(
     b: &CudaBackend,
-    mut x: CudaViewMut<'_, T>,
+    x: CudaViewMut<'_, T>,
     weight: CudaView<'_, T>,
     eps: f32,
 ) -> Result<(), CudaError> {
-    let rows = rows_of("rms_norm_rows", x.len(), weight.len())?;
+    let width = weight.len();
+    rms_norm_row_prefixes(b, x, weight, width, eps)
+}
+
+/// RMSNorm in place of the first `weight.len()` elements of each row of `x`, rows `stride`
+/// wide (MLA's `kv_a_layernorm` on the latent part of each cached row).
+pub fn rms_norm_row_prefixes<T: CudaElement>(
+    b: &CudaBackend,
+    mut x: CudaViewMut<'_, T>,
+    weight: CudaView<'_, T>,
+    stride: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    check("rms_norm_rows", weight.len() <= stride, || {
+        format!("weight of {} wider than rows of {stride}", weight.len())
+    })?;
+    let rows = rows_of("rms_norm_rows", x.len(), stride)?;
     if rows == 0 {
         return Ok(());
     }
     let f = typed(b, KernelFile::RmsNorm, "rms_norm_rows", T::SUFFIX)?;
-    let width = weight.len() as i32;
+    let (width, stride) = (weight.len() as i32, stride as i32);
     let mut l = b.stream().launch_builder(&f);
-    l.arg(&mut x).arg(&weight).arg(&width).arg(&eps);
-    // SAFETY: x is rows · width long, checked above; one block per row.
+    l.arg(&mut x)
+        .arg(&weight)
+        .arg(&width)
+        .arg(&stride)
+        .arg(&eps);
+    // SAFETY: x is rows · stride long, checked above, and width ≤ stride; one block per row.
     unsafe { l.launch(per_row(rows, ROW_THREADS)) }?;
     Ok(())
 }

@@ -7,12 +7,18 @@ use cudarc::driver::LaunchConfig;
 
 mod attention;
 mod elementwise;
+mod mla;
 mod moe;
 mod rows;
 mod sampling;
 
-pub use attention::{AttentionShape, PagedAttentionArgs, paged_attention};
-pub use elementwise::{add_bias, add_gated, add_segment_bias, clamp, rms_norm_rows};
+pub use attention::{
+    AttentionShape, LatentAttentionArgs, PagedAttentionArgs, latent_attention, paged_attention,
+};
+pub use elementwise::{
+    add_bias, add_gated, add_segment_bias, clamp, rms_norm_row_prefixes, rms_norm_rows,
+};
+pub use mla::{LatentRopeArgs, LatentShape, mla_copy_rope, mla_rope, write_latent};
 pub use moe::{
     DeviceRouting, RouteArgs, moe_permute, moe_segment_offsets, moe_unpermute, route_top_k,
 };

@@ -1,18 +1,24 @@
 //! One step of [`CudaMoeModel`](super::CudaMoeModel) on the device: the decoder's operations
 //! (`ops::DecoderOps`) over the step's buffers, the weights of `cuda.rs` and the kernels of
 //! `cuda/`. Routing is made on the device for Mixtral's softmax when dropless on one GPU, else on
-//! the host with the CPU's router; a shared expert is added after the routed ones.
+//! the host with the CPU's router; a shared expert is added after the routed ones. Multi-head
+//! latent attention runs as on the CPU (`layers/mla.rs`): the key up-projection absorbed into
+//! the query, attention over the cached latent rows, the value up-projection after it; the
+//! per-head products are one strided batched cuBLAS call each.
 
-use moeserve_backend::cuda::gemm::{GemmShape, GroupedGemm, grouped_expert_matmul, matmul_wt};
-use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, RmsNormArgs};
+use moeserve_backend::cuda::gemm::{
+    GemmShape, GroupedGemm, StridedBatch, grouped_expert_matmul, matmul_wt,
+    strided_batched_matmul_wt,
+};
+use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, LatentShape, RmsNormArgs};
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
 use moeserve_core::ExpertId;
 
 use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
 use super::host_step::{HostRouting, StepInputs, dropless_routing};
-use super::{DeviceFeedForward, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
-use crate::config::ModelConfig;
-use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write};
+use super::{DeviceFeedForward, DeviceLatent, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
+use crate::config::{MlaConfig, ModelConfig};
+use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write, read_write_mut};
 use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RouterConfig, Scoring, route_with_bias};
 
@@ -134,8 +140,44 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             tables: gpu.upload(&x.block_tables)?,
             logit_rows: gpu.upload(&x.logit_rows)?,
         };
-        let [normed, q, k, v, attn, delta] =
-            [t * h, t * qd, t * kvd, t * kvd, t * qd, t * h].map(|n| gpu.zeros::<T>(n));
+        // Every activation's width, in `Act` order; `None` for those the family does not use
+        // (one element each).
+        let widths = match &c.mla {
+            None => [
+                Some(h),
+                Some(qd),
+                Some(kvd),
+                Some(kvd),
+                Some(qd),
+                Some(h),
+                None,
+                None,
+                None,
+                None,
+            ],
+            Some(m) => {
+                let heads = c.num_attention_heads;
+                [
+                    Some(h),
+                    Some(heads * m.qk_head_dim()),
+                    None,
+                    None,
+                    Some(heads * m.v_head_dim),
+                    Some(h),
+                    m.q_lora_rank,
+                    Some(m.latent_dim()),
+                    Some(heads * m.latent_dim()),
+                    Some(heads * m.kv_lora_rank),
+                ]
+            }
+        };
+        let mut acts = Vec::with_capacity(Act::COUNT);
+        for width in widths {
+            acts.push(gpu.zeros::<T>(width.map_or(1, |w| t * w))?);
+        }
+        let Ok(acts) = <[CudaSlice<T>; Act::COUNT]>::try_from(acts) else {
+            unreachable!("one width per activation")
+        };
         let moe = MoeBuffers {
             router_logits: gpu.zeros(t * e)?,
             topk_ids: gpu.zeros(pairs)?,
@@ -163,20 +205,7 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             inputs,
             wants,
             observe,
-            // Multi-head latent attention's four activations: never used (`DeviceModel::build`
-            // refuses MLA), one element each.
-            acts: [
-                normed?,
-                q?,
-                k?,
-                v?,
-                attn?,
-                delta?,
-                gpu.zeros(1)?,
-                gpu.zeros(1)?,
-                gpu.zeros(1)?,
-                gpu.zeros(1)?,
-            ],
+            acts,
             moe,
             mlp,
             logits: Vec::new(),
@@ -192,6 +221,32 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
         weights.layers[layer]
             .weight(role)
             .unwrap_or_else(|| panic!("layer {layer} has no {role:?} (the config says it has)"))
+    }
+
+    fn mla(&self) -> &'m MlaConfig {
+        let config: &'m ModelConfig = self.m.config;
+        config.mla.as_ref().expect("an MLA config")
+    }
+
+    fn latent_shape(&self) -> LatentShape {
+        let m = self.mla();
+        LatentShape {
+            num_heads: self.m.config.num_attention_heads,
+            nope: m.qk_nope_head_dim,
+            rope: m.qk_rope_head_dim,
+            rank: m.kv_lora_rank,
+        }
+    }
+
+    fn latent_weights(&self, layer: usize) -> &'m DeviceLatent<T> {
+        let weights: &'m DeviceWeights<T> = self.m.weights;
+        weights.layers[layer]
+            .attention
+            .latent
+            .as_ref()
+            .unwrap_or_else(|| {
+                panic!("layer {layer} has no latent attention (the config says it has)")
+            })
     }
 
     /// `out = mlp(Normed)` for a dense MLP or a shared expert: `[w1; w3]` GEMM → SwiGLU → `w2`.
@@ -301,34 +356,125 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
         ops::rms_norm_rows(self.m.gpu, x.as_view_mut(), weight.as_view(), eps)
     }
 
-    // Multi-head latent attention: `DeviceModel::build` refuses MLA configs, so a step never
-    // reaches these until the CUDA kernels for it exist.
-    fn mla_norm_query(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    fn mla_norm_query(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let weight = self.layer_weight(layer, LayerWeight::QANorm);
+        let x = &mut self.acts[Act::QLowRank.index()];
+        let eps = MlaConfig::LATENT_NORM_EPS;
+        ops::rms_norm_rows(self.m.gpu, x.as_view_mut(), weight.as_view(), eps)
     }
 
-    fn mla_norm_latent(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    fn mla_norm_latent(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let weight = self.layer_weight(layer, LayerWeight::KvANorm);
+        let width = self.mla().latent_dim();
+        let x = &mut self.acts[Act::Latent.index()];
+        let eps = MlaConfig::LATENT_NORM_EPS;
+        ops::rms_norm_row_prefixes(self.m.gpu, x.as_view_mut(), weight.as_view(), width, eps)
     }
 
     fn mla_rope(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+        let (shape, interleave) = (self.latent_shape(), self.mla().rope_interleave);
+        let (q, latent) = read_write_mut(&mut self.acts, Act::Q, Act::Latent);
+        ops::mla_rope(
+            self.m.gpu,
+            ops::LatentRopeArgs {
+                q: q.as_view_mut(),
+                latent: latent.as_view_mut(),
+                positions: self.inputs.positions.as_view(),
+                inv_freq: self.m.weights.inv_freq.as_view(),
+                shape,
+                interleave,
+                scaling: self.m.weights.rope_scaling,
+            },
+        )
     }
 
-    fn mla_absorb_query(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    fn mla_absorb_query(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let (gpu, s, t) = (self.m.gpu, self.latent_shape(), self.num_tokens());
+        let (qk, latent) = (s.nope + s.rope, s.rank + s.rope);
+        let w = &self.latent_weights(layer).absorb_key;
+        let (q, latent_q) = read_write(&mut self.acts, Act::Q, Act::LatentQ);
+        ops::mla_copy_rope(gpu, q.as_view(), latent_q.as_view_mut(), s)?;
+        // Per head h and token: latent_q[.., h, ..rank] = W_uk[h]ᵀ · q[.., h, ..nope] (W_uk[h]ᵀ
+        // stored `[rank, nope]`: the `[n, k]` weight of `x · wᵀ`).
+        strided_batched_matmul_wt(
+            gpu,
+            &q.as_view(),
+            &w.as_view(),
+            &mut latent_q.as_view_mut(),
+            StridedBatch {
+                batch: s.num_heads,
+                shape: GemmShape {
+                    m: t,
+                    n: s.rank,
+                    k: s.nope,
+                },
+                x_row: s.num_heads * qk,
+                x_batch: qk,
+                y_row: s.num_heads * latent,
+                y_batch: latent,
+            },
+        )
     }
 
-    fn mla_write_latent(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    fn mla_write_latent(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let width = self.mla().latent_dim();
+        let cache = &mut self.kv[layer];
+        ops::write_latent(
+            self.m.gpu,
+            self.acts[Act::Latent.index()].as_view(),
+            cache.k.as_view_mut(),
+            self.inputs.slots.as_view(),
+            width,
+        )
     }
 
-    fn mla_attention(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    fn mla_attention(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let (s, scale) = (self.latent_shape(), self.mla().softmax_scale);
+        let cache = &self.kv[layer];
+        let (q, out) = read_write(&mut self.acts, Act::LatentQ, Act::LatentAttn);
+        ops::latent_attention(
+            self.m.gpu,
+            ops::LatentAttentionArgs {
+                out: out.as_view_mut(),
+                q: q.as_view(),
+                cache: cache.k.as_view(),
+                block_tables: self.inputs.tables.as_view(),
+                token_seq: self.inputs.token_seq.as_view(),
+                positions: self.inputs.positions.as_view(),
+                num_heads: s.num_heads,
+                latent_dim: s.rank + s.rope,
+                value_dim: s.rank,
+                block_size: self.m.block_size,
+                max_blocks_per_seq: self.x.max_blocks,
+                scale,
+            },
+        )
     }
 
-    fn mla_expand_values(&mut self, _layer: usize) -> std::result::Result<(), CudaError> {
-        unreachable!("DeviceModel::build refuses multi-head latent attention")
+    fn mla_expand_values(&mut self, layer: usize) -> std::result::Result<(), CudaError> {
+        let (gpu, s, t) = (self.m.gpu, self.latent_shape(), self.num_tokens());
+        let v = self.mla().v_head_dim;
+        let w = &self.latent_weights(layer).expand_value;
+        let (x, out) = read_write(&mut self.acts, Act::LatentAttn, Act::Attn);
+        // Per head h: attn[:, h, ..] = latent_attn[:, h, ..] · W_uv[h]ᵀ (W_uv[h]: `[v, rank]`).
+        strided_batched_matmul_wt(
+            gpu,
+            &x.as_view(),
+            &w.as_view(),
+            &mut out.as_view_mut(),
+            StridedBatch {
+                batch: s.num_heads,
+                shape: GemmShape {
+                    m: t,
+                    n: v,
+                    k: s.rank,
+                },
+                x_row: s.num_heads * s.rank,
+                x_batch: s.rank,
+                y_row: s.num_heads * v,
+                y_batch: v,
+            },
+        )
     }
 
     fn clamp(&mut self, x: Act, limit: f32) -> std::result::Result<(), CudaError> {

@@ -35,6 +35,11 @@ pub(super) enum Tensor {
     SharedW2(usize),
     /// `[1, hidden]`: the shared expert's sigmoid gate (Qwen2-MoE).
     SharedGate(usize),
+    /// Multi-head latent attention's pieces of `kv_b_proj`, every head's stacked:
+    /// `W_uk[h]ᵀ` as `[heads, kv_lora_rank, qk_nope_head_dim]` and `W_uv[h]` as
+    /// `[heads, v_head_dim, kv_lora_rank]`.
+    AbsorbKey(usize),
+    ExpandValue(usize),
 }
 
 pub(super) trait WeightSource<T> {
@@ -81,6 +86,11 @@ pub(super) fn stacked_w13<T: CudaElement>(expert: &Expert) -> Vec<T> {
     both
 }
 
+/// Matrices of one shape, one after another.
+fn stacked<T: CudaElement>(matrices: &[Weight]) -> Vec<T> {
+    matrices.iter().flat_map(host_values::<T>).collect()
+}
+
 /// The weights of a loaded model, uploaded.
 pub(super) struct HostWeights<'a>(pub &'a MoeModel);
 
@@ -95,6 +105,12 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
                 .shared
                 .as_ref()
                 .expect("the config says the layer has a shared expert")
+        };
+        let latent = |l: usize| {
+            layer(l)
+                .self_attn
+                .latent()
+                .expect("the config says the layer has latent attention")
         };
         let dense = |l: usize| match &layer(l).mlp {
             FeedForward::Dense(mlp) => mlp,
@@ -121,6 +137,8 @@ impl<T: CudaElement> WeightSource<T> for HostWeights<'_> {
                 .gate
                 .as_ref()
                 .expect("the config says the shared expert is gated"),
+            Tensor::AbsorbKey(l) => return gpu.upload(&stacked(latent(l).absorb_key())),
+            Tensor::ExpandValue(l) => return gpu.upload(&stacked(latent(l).expand_value())),
         };
         gpu.upload(&host_values::<T>(w))
     }
@@ -161,7 +179,22 @@ pub(super) struct RandomWeights {
 impl<T: CudaElement> WeightSource<T> for RandomWeights {
     fn tensor(&mut self, gpu: &CudaBackend, t: Tensor) -> Result<CudaSlice<T>, CudaError> {
         let c = &self.config;
-        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        let (h, kv, heads) = (c.hidden_size, c.kv_dim(), c.num_attention_heads);
+        // The query's width and o_proj's input (MLA: heads of qk_head_dim, of v_head_dim).
+        let (q, o_in) = match &c.mla {
+            Some(m) => (heads * m.qk_head_dim(), heads * m.v_head_dim),
+            None => (c.q_dim(), c.q_dim()),
+        };
+        // MLA's q LoRA rank, kv LoRA rank, latent row, nope and value widths.
+        let (q_rank, r, latent, nope, v) = c.mla.as_ref().map_or((0, 0, 0, 0, 0), |m| {
+            (
+                m.q_lora_rank.unwrap_or(0),
+                m.kv_lora_rank,
+                m.latent_dim(),
+                m.qk_nope_head_dim,
+                m.v_head_dim,
+            )
+        });
         let (i, dense_i) = (c.moe_intermediate_size, c.intermediate_size);
         let shared_i = c.shared_expert.map_or(0, |s| s.intermediate_size);
         let (q_norm, k_norm) = match c.attention.qk_norm {
@@ -176,21 +209,23 @@ impl<T: CudaElement> WeightSource<T> for RandomWeights {
             Tensor::Attention(_, role) => match role {
                 LayerWeight::QProj => (q * h, h),
                 LayerWeight::KProj | LayerWeight::VProj => (kv * h, h),
-                LayerWeight::OProj => (h * q, q),
+                LayerWeight::OProj => (h * o_in, o_in),
                 LayerWeight::QBias => (q, h),
                 LayerWeight::KBias | LayerWeight::VBias => (kv, h),
-                LayerWeight::OBias => (h, q),
+                LayerWeight::OBias => (h, o_in),
                 LayerWeight::QNorm => (q_norm, 0),
                 LayerWeight::KNorm => (k_norm, 0),
                 LayerWeight::InputNorm | LayerWeight::PostNorm => (h, 0),
-                // Multi-head latent attention: refused by `DeviceModel::build`.
-                LayerWeight::QAProj
-                | LayerWeight::QABias
-                | LayerWeight::QANorm
-                | LayerWeight::QBProj
-                | LayerWeight::KvAProj
-                | LayerWeight::KvABias => unreachable!("no MLA model on CUDA"),
+                LayerWeight::QAProj => (q_rank * h, h),
+                LayerWeight::QABias => (q_rank, h),
+                LayerWeight::QANorm => (q_rank, 0),
+                LayerWeight::QBProj => (q * q_rank, q_rank),
+                LayerWeight::KvAProj => (latent * h, h),
+                LayerWeight::KvABias => (latent, h),
+                LayerWeight::KvANorm => (r, 0),
             },
+            Tensor::AbsorbKey(_) => (heads * r * nope, r),
+            Tensor::ExpandValue(_) => (heads * v * r, r),
             Tensor::Gate(_) => (c.num_local_experts * h, h),
             Tensor::W13(..) => (2 * i * h, h),
             Tensor::W2(..) => (h * i, i),
