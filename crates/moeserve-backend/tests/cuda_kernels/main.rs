@@ -10,6 +10,7 @@
 mod attention;
 mod common;
 mod elementwise;
+mod mla;
 mod moe;
 mod nccl;
 mod sampling;
