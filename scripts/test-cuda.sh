@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA backend's checks on a machine without a GPU (CI): fetches NVRTC 13.0 from PyPI
 # (scripts/fetch-nvrtc.sh), builds `moeserve` with `--features cuda`, compiles every kernel of
-# cuda/ for sm_80 and sm_90 (a kernel that does not compile fails here), and runs `--device`
-# selection against the CUDA-enabled binary. The kernel parity tests (tests/cuda_kernels) and the
-# GPU forward's fixture tests (moeserve-model's tests/cuda_forward.rs) compile and, with no GPU,
-# return early; bench/gpu_check.sh runs them on a GPU.
+# cuda/ for sm_80 and sm_90 (a kernel that does not compile fails here), runs `--device`
+# selection against the CUDA-enabled binary, then the dry run of bench/gpu_check.sh. The kernel
+# parity tests (tests/cuda_kernels) and the GPU forward's fixture tests (moeserve-model's
+# tests/cuda_forward.rs) compile and, with no GPU, return early; bench/gpu_check.sh runs them on
+# a GPU.
 #
 # Builds share target/release with the CPU build: the feature-on crates get their own hashes
 # there, so the two coexist; the plain binary is re-linked at the end so target/release/moeserve
@@ -24,4 +25,7 @@ cargo test --release -p moeserve-model --features cuda --lib models::cuda "$@"
 cargo test --release -p moeserve-model --features cuda --test cuda_forward "$@"
 echo "== cuda: --device selection with the CUDA-enabled binary"
 cargo test --release -p moeserve-server --features cuda --test device_selection "$@"
+echo "== cuda: bench/gpu_check.sh --build, then --dry-run (every step up to the first GPU call)"
+bench/gpu_check.sh --build > /dev/null
+bench/gpu_check.sh --dry-run
 cargo build --release --bin moeserve

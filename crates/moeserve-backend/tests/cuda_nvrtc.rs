@@ -6,7 +6,7 @@
 //! skip them on a machine without it; CI sets 1).
 #![cfg(feature = "cuda")]
 
-use moeserve_backend::cuda::kernels::KernelFile;
+use moeserve_backend::cuda::kernels::{self, KernelFile};
 use moeserve_backend::cuda::nvrtc;
 
 /// The architectures CI compiles for: PTX for compute_80 and compute_90, which the driver turns
@@ -66,9 +66,10 @@ fn every_kernel_compiles_for_sm80_and_sm90_with_its_entry_points() {
 
 #[test]
 fn every_cu_file_in_the_cuda_folder_is_built_in() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
+    // Found at run time: on the GPU machine the checkout is not where this was built.
+    let dir = kernels::sources_dir();
     let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
+        .unwrap_or_else(|e| panic!("{}: {e} (set MOESERVE_CUDA_SOURCES)", dir.display()))
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|name| name.ends_with(".cu"))
         .collect();

@@ -2,6 +2,9 @@
 //! `moeserve` carries its kernel sources and compiles them for the device at start-up), and the
 //! entry points each one must define.
 
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
 /// `cuda/common.cuh`, prepended to every source before NVRTC compiles it.
 pub const COMMON: &str = include_str!("../../../../cuda/common.cuh");
 
@@ -120,5 +123,41 @@ impl KernelFile {
             self.file_name(),
             self.source()
         )
+    }
+}
+
+/// The `cuda/` folder of this checkout, found at run time: `$MOESERVE_CUDA_SOURCES` when set
+/// (`bench/gpu_check.sh` sets it: test binaries built on one machine run from another checkout
+/// on the GPU machine), else the folder next to the crate this was built from. The binary
+/// itself never reads it (the sources are built in); the tests that compare the two do.
+pub fn sources_dir() -> PathBuf {
+    sources_dir_from(std::env::var_os(SOURCES_ENV))
+}
+
+/// The variable [`sources_dir`] reads.
+pub const SOURCES_ENV: &str = "MOESERVE_CUDA_SOURCES";
+
+fn sources_dir_from(var: Option<OsString>) -> PathBuf {
+    match var {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sources_are_where_the_variable_says_else_beside_the_build() {
+        assert_eq!(
+            sources_dir_from(Some("/elsewhere/cuda".into())),
+            PathBuf::from("/elsewhere/cuda")
+        );
+        for unset in [None, Some(OsString::new())] {
+            let dir = sources_dir_from(unset);
+            assert!(dir.ends_with("../../cuda"), "{}", dir.display());
+            assert!(dir.join("common.cuh").is_file(), "{}", dir.display());
+        }
     }
 }

@@ -22,10 +22,17 @@ pub struct NcclGroup {
 // thread) hands all its communicators over together.
 unsafe impl Send for NcclGroup {}
 
+/// Whether NCCL loads. cudarc looks for `libnccl.so` (and `.so.1`, `.so.10`–`.so.13`), not
+/// NCCL's soname `libnccl.so.2` alone: where only that is installed, a `libnccl.so` link to it
+/// on `LD_LIBRARY_PATH` makes it load (`bench/gpu_check.sh` makes one; see `cuda/README.md`).
+pub fn nccl_present() -> bool {
+    // SAFETY: only tries to dlopen the library candidates (cudarc panics on a missing one).
+    unsafe { cudarc::nccl::sys::is_culib_present() }
+}
+
 impl NcclGroup {
     pub fn new(streams: Vec<Arc<CudaStream>>) -> Result<Self, CudaError> {
-        // SAFETY: only tries to dlopen the library candidates (cudarc panics on a missing one).
-        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        if !nccl_present() {
             return Err(CudaError::MissingLibrary {
                 library: "libnccl.so.2",
                 purpose: "exchanges expert rows between GPUs (--expert-parallel-size)",

@@ -15,8 +15,10 @@ pub fn gpu() -> Option<&'static CudaBackend> {
                 .expect("the kernels compile and load on this device");
             Some(b)
         }
-        Err(e) if std::env::var("MOESERVE_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
-            panic!("MOESERVE_REQUIRE_GPU=1 but there is no usable CUDA device: {e}")
+        Err(e)
+            if std::env::var("MOESERVE_REQUIRE_GPU").is_ok_and(|v| v != "0" && !v.is_empty()) =>
+        {
+            panic!("MOESERVE_REQUIRE_GPU is set but there is no usable CUDA device: {e}")
         }
         Err(e) => {
             eprintln!("no CUDA device, kernel test not run ({e})");
