@@ -415,8 +415,9 @@ fn run_panels(
 /// The panel is walked in blocks of `KC` positions; each block (16–32 KiB) stays in L1 while
 /// every tile of activation rows runs through it, the tiles' running sums carried in `acc`
 /// between blocks. With more than one tile, the first tile stores a 16-bit block widened to
-/// f32 as it streams it, so the other tiles' inner loop is loads and FMAs only. Every output is the same FMA chain over `p = 0..k` in order
-/// whatever the tiling, so results do not depend on the batch. With FP8 block scales a block is
+/// f32 as it streams it, so the other tiles' inner loop is loads and FMAs only. Every output is
+/// the same FMA chain over `p = 0..k` in order whatever the tiling, so results do not depend on
+/// the batch. With FP8 block scales a block is
 /// one block of the weight (or a `KC` part of a wider one): its sums start from zero and are
 /// added to the running sums as `partial · scale`.
 #[cfg(target_arch = "x86_64")]
