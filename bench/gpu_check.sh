@@ -123,7 +123,6 @@ for line in sys.stdin:
               "{d2d_copy_gbs:.0f} |".format(**r))
 PY
 
-say() { echo "$*" | tee -a "$RESULTS"; }
 row() {
     ROWS+=("| $1 | $2 | $3 |")
     echo "   -> $2 ($3)" | tee -a "$LOG"
