@@ -27,6 +27,20 @@ impl LatentShape {
     fn latent_dim(&self) -> usize {
         self.rank + self.rope
     }
+
+    /// `num_heads, qk_head_dim, nope, rope, latent_dim, kv_lora_rank`: the kernels' `int`
+    /// arguments, in mla.cu's order.
+    fn kernel_args(&self) -> [i32; 6] {
+        [
+            self.num_heads,
+            self.qk_head_dim(),
+            self.nope,
+            self.rope,
+            self.latent_dim(),
+            self.rank,
+        ]
+        .map(|v| v as i32)
+    }
 }
 
 /// RoPE in place on each query head's rotary slice and each latent row's rotary key.
@@ -66,15 +80,7 @@ pub fn mla_rope<T: CudaElement>(
         return Ok(());
     }
     let f = typed(b, KernelFile::Mla, "mla_rope", T::SUFFIX)?;
-    let [heads, qk, nope, rope, latent, rank] = [
-        s.num_heads,
-        s.qk_head_dim(),
-        s.nope,
-        s.rope,
-        s.latent_dim(),
-        s.rank,
-    ]
-    .map(|v| v as i32);
+    let [heads, qk, nope, rope, latent, rank] = s.kernel_args();
     let interleave = a.interleave as i32;
     let mut l = b.stream().launch_builder(&f);
     l.arg(&mut a.q)
@@ -119,15 +125,7 @@ pub fn mla_copy_rope<T: CudaElement>(
         return Ok(());
     }
     let f = typed(b, KernelFile::Mla, "mla_copy_rope", T::SUFFIX)?;
-    let [heads, qk, nope, rope, latent, rank] = [
-        s.num_heads,
-        s.qk_head_dim(),
-        s.nope,
-        s.rope,
-        s.latent_dim(),
-        s.rank,
-    ]
-    .map(|v| v as i32);
+    let [heads, qk, nope, rope, latent, rank] = s.kernel_args();
     let mut l = b.stream().launch_builder(&f);
     l.arg(&q)
         .arg(&mut latent_q)
