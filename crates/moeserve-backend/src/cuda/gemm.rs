@@ -9,6 +9,7 @@ use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
+use super::tally::Work;
 use super::{CudaBackend, CudaElement, CudaError, CudaView, CudaViewMut};
 
 /// `m` rows of activations, `n` outputs, `k` inputs.
@@ -54,6 +55,9 @@ fn gemm_raw<T: CudaElement>(
     if s.m == 0 || s.n == 0 {
         return Ok(());
     }
+    b.count(Work::Gemm);
+    // cuBLAS runs on the thread's current context, which another GPU's work may have set.
+    b.bind_context()?;
     // SAFETY: the three lengths match the shape, which is what cuBLAS reads and writes.
     unsafe { T::gemm(b.blas(), config::<T>(s), w, x, y) }?;
     Ok(())
@@ -145,6 +149,8 @@ pub fn strided_batched_matmul_wt<T: CudaElement>(
     if sb.batch == 0 || s.m == 0 || s.n == 0 {
         return Ok(());
     }
+    b.count(Work::Gemm);
+    b.bind_context()?;
     // SAFETY: every matrix of the batch lies inside its buffer (extents checked above).
     unsafe { T::gemm_strided_batched(b.blas(), strided_config(sb), w, x, y) }?;
     Ok(())

@@ -19,6 +19,7 @@ pub mod kernels;
 pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
+mod tally;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -27,10 +28,14 @@ use std::sync::{Arc, Mutex};
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 pub use element::CudaElement;
 pub use error::CudaError;
+pub use tally::WorkCounts;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
 use kernels::KernelFile;
+use tally::{Tally, Work};
 
 use crate::device::CudaDeviceInfo;
 
@@ -112,8 +117,17 @@ fn compiled_ptx(
     Ok(ptx)
 }
 
-/// One CUDA device: its context, one stream, a cuBLAS handle on that stream, and the kernel
-/// modules compiled so far.
+/// An entry point: its file, its name and its element suffix (`""` for untyped kernels).
+type EntryPoint = (KernelFile, &'static str, &'static str);
+
+/// One CUDA device: its context, one stream, a cuBLAS handle on that stream, the kernel
+/// modules compiled so far and their entry points resolved so far, and the counts of what it
+/// queued ([`WorkCounts`]).
+///
+/// All of a backend's work is on its one stream, so cudarc's per-allocation event tracking
+/// (an event recorded and waited on at every use of every buffer) is off for its device:
+/// ordering on one stream needs none. Work that crosses devices (expert parallelism's peer
+/// copies) synchronises explicitly.
 pub struct CudaBackend {
     info: CudaDeviceInfo,
     stream: Arc<CudaStream>,
@@ -122,6 +136,9 @@ pub struct CudaBackend {
     arch: String,
     include_dir: PathBuf,
     modules: Mutex<HashMap<KernelFile, Arc<CudaModule>>>,
+    /// Entry points resolved once (`cuModuleGetFunction`), then looked up here per launch.
+    functions: Mutex<HashMap<EntryPoint, CudaFunction>>,
+    tally: Tally,
 }
 
 impl CudaBackend {
@@ -132,6 +149,9 @@ impl CudaBackend {
         let ctx = open_device(ordinal)?;
         let info = device_info(&ctx)?;
         let include_dir = nvrtc::cuda_include_dir()?;
+        // SAFETY: buffers of this backend are used on its stream only; cross-device work
+        // synchronises the source's stream before a peer reads it (see the type's comment).
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let (major, minor) = info.compute_capability;
@@ -142,7 +162,24 @@ impl CudaBackend {
             arch: format!("compute_{major}{minor}"),
             include_dir,
             modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            tally: Tally::default(),
         })
+    }
+
+    /// What this backend has queued and waited for so far.
+    pub fn counts(&self) -> WorkCounts {
+        self.tally.snapshot()
+    }
+
+    /// Makes this device's context current on the calling thread (cuBLAS and NCCL calls use
+    /// the current context; kernel launches and copies bind their own).
+    pub fn bind_context(&self) -> Result<(), CudaError> {
+        Ok(self.stream.context().bind_to_thread()?)
+    }
+
+    pub(crate) fn count(&self, work: Work) {
+        self.tally.add(work);
     }
 
     pub fn info(&self) -> &CudaDeviceInfo {
@@ -174,24 +211,133 @@ impl CudaBackend {
         Ok(module.load_function(name)?)
     }
 
-    /// Compiles and loads every kernel file now, so the first step does not pay for it.
-    pub fn load_all_kernels(&self) -> Result<(), CudaError> {
-        for file in KernelFile::ALL {
-            self.function(file, &file.entry_points()[0])?;
+    /// The kernel `name` (`{name}_{suffix}` when `suffix` is not empty) of `file`, for one
+    /// launch (counted): resolved on first use, then taken from the backend's table.
+    pub(crate) fn kernel(
+        &self,
+        file: KernelFile,
+        name: &'static str,
+        suffix: &'static str,
+    ) -> Result<CudaFunction, CudaError> {
+        self.count(Work::Kernel);
+        let key = (file, name, suffix);
+        if let Some(f) = self.functions.lock().expect("no lookup panics").get(&key) {
+            return Ok(f.clone());
         }
+        let full = match suffix {
+            "" => name.to_string(),
+            _ => format!("{name}_{suffix}"),
+        };
+        let f = self.function(file, &full)?;
+        self.functions
+            .lock()
+            .expect("no lookup panics")
+            .insert(key, f.clone());
+        Ok(f)
+    }
+
+    /// Compiles and loads every kernel file now and resolves every entry point, so the first
+    /// step pays for neither.
+    pub fn load_all_kernels(&self) -> Result<(), CudaError> {
+        let mut functions = HashMap::new();
+        for file in KernelFile::ALL {
+            for name in file.typed_kernels() {
+                for suffix in ["f32", "f16", "bf16"] {
+                    let f = self.function(file, &format!("{name}_{suffix}"))?;
+                    functions.insert((file, *name, suffix), f);
+                }
+            }
+            for name in file.untyped_kernels() {
+                functions.insert((file, *name, ""), self.function(file, name)?);
+            }
+        }
+        self.functions
+            .lock()
+            .expect("no lookup panics")
+            .extend(functions);
         Ok(())
     }
 
     /// Copies `host` to a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        self.count(Work::Allocation);
+        self.count(Work::HtoD);
         Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// Copies `host` into `dst` (of the same length), queued on the stream; the host memory is
+    /// staged by the driver before this returns, so it may be reused at once.
+    pub fn copy_htod<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), CudaError> {
+        check_same_len("copy_htod", host.len(), dst.len())?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.count(Work::HtoD);
+        Ok(self.stream.memcpy_htod(host, dst)?)
+    }
+
+    /// Copies `src` into `dst` (of the same length) on the device, queued on the stream.
+    pub fn copy_dtod<T: DeviceRepr>(
+        &self,
+        src: &impl DevicePtr<T>,
+        dst: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), CudaError> {
+        check_same_len("copy_dtod", src.len(), dst.len())?;
+        if src.len() == 0 {
+            return Ok(());
+        }
+        self.count(Work::DtoD);
+        Ok(self.stream.memcpy_dtod(src, dst)?)
+    }
+
+    /// Queues a copy of `src` into the pinned `dst` (of the same length); it is there once
+    /// [`CudaBackend::read_pinned`] returns.
+    pub fn copy_dtoh_pinned<T: DeviceRepr>(
+        &self,
+        src: &impl DevicePtr<T>,
+        dst: &mut PinnedHostSlice<T>,
+    ) -> Result<(), CudaError> {
+        check_same_len("copy_dtoh_pinned", src.len(), dst.len())?;
+        self.count(Work::DtoH);
+        Ok(self.stream.memcpy_dtoh(src, dst)?)
+    }
+
+    /// Waits for the copies queued into `pinned` and returns its contents (one host sync).
+    pub fn read_pinned<'p, T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        pinned: &'p PinnedHostSlice<T>,
+    ) -> Result<&'p [T], CudaError> {
+        self.count(Work::Sync);
+        Ok(pinned.as_slice()?)
+    }
+
+    /// Page-locked host memory of `len` elements, for copies back that do not stage through
+    /// the driver (cached, not write-combined: the host reads it).
+    pub fn pinned<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>, CudaError> {
+        // SAFETY: T is valid as zero bits; the memory is filled by copies before it is read,
+        // and `read_pinned` waits for them.
+        let mut host = unsafe { self.stream.context().alloc_pinned_with_flags(len.max(1), 0) }?;
+        host.as_mut_slice()?.iter_mut().for_each(|v| {
+            // SAFETY: all-zero bits are a valid T.
+            *v = unsafe { std::mem::zeroed() }
+        });
+        Ok(host)
     }
 
     /// Copies a device buffer back (waits for the stream).
     pub fn download<T: DeviceRepr + Default + Clone>(
         &self,
-        device: &CudaSlice<T>,
+        device: &impl DevicePtr<T>,
     ) -> Result<Vec<T>, CudaError> {
+        self.count(Work::DtoH);
+        self.count(Work::Sync);
         let host = self.stream.clone_dtoh(device)?;
         // A copy into pageable memory completes before it returns; synchronising makes the
         // contract explicit rather than relying on that.
@@ -204,7 +350,18 @@ impl CudaBackend {
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>, CudaError> {
+        self.count(Work::Allocation);
+        self.count(Work::Memset);
         Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    /// Zeroes `buf` on the stream.
+    pub fn memset_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), CudaError> {
+        self.count(Work::Memset);
+        Ok(self.stream.memset_zeros(buf)?)
     }
 
     /// Copies `len` elements of `buf` from offset `from` to offset `to` on the device (the two
@@ -224,6 +381,7 @@ impl CudaBackend {
         if len == 0 {
             return Ok(());
         }
+        self.count(Work::DtoD);
         // Two views of one buffer: split it where the later range starts.
         let (mut head, mut tail) = buf.split_at_mut(from.max(to));
         if from < to {
@@ -238,6 +396,15 @@ impl CudaBackend {
 
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.count(Work::Sync);
         Ok(self.stream.synchronize()?)
+    }
+}
+
+fn check_same_len(op: &'static str, got: usize, expected: usize) -> Result<(), CudaError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(CudaError::length(op, "destination", expected, got))
     }
 }

@@ -78,12 +78,21 @@ pub(super) fn check(
     }
 }
 
-/// `{name}_{f32|f16|bf16}` of `file`.
+/// `{name}_{f32|f16|bf16}` of `file`, for one launch.
 pub(super) fn typed(
     b: &CudaBackend,
     file: KernelFile,
-    name: &str,
-    suffix: &str,
+    name: &'static str,
+    suffix: &'static str,
 ) -> Result<cudarc::driver::CudaFunction, CudaError> {
-    b.function(file, &format!("{name}_{suffix}"))
+    b.kernel(file, name, suffix)
+}
+
+/// The single-instantiation kernel `name` of `file`, for one launch.
+pub(super) fn untyped(
+    b: &CudaBackend,
+    file: KernelFile,
+    name: &'static str,
+) -> Result<cudarc::driver::CudaFunction, CudaError> {
+    b.kernel(file, name, "")
 }

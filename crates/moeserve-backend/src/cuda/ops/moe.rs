@@ -2,7 +2,9 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{MAX_EXPERTS, MAX_TOP_K, ROUTER_WARPS, ROW_THREADS, check, check_len, per_row, typed};
+use super::{
+    MAX_EXPERTS, MAX_TOP_K, ROUTER_WARPS, ROW_THREADS, check, check_len, per_row, typed, untyped,
+};
 use crate::cuda::kernels::KernelFile;
 use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaView, CudaViewMut};
 
@@ -52,7 +54,7 @@ pub fn route_top_k<T: CudaElement>(
     if let Some(bias) = &a.bias {
         check_len("route_top_k", "bias", bias.len(), e)?;
     }
-    b.stream().memset_zeros(&mut a.expert_counts)?;
+    b.memset_zeros(&mut a.expert_counts)?;
     if n == 0 {
         return Ok(());
     }
@@ -97,7 +99,7 @@ pub fn moe_segment_offsets(
 ) -> Result<(), CudaError> {
     let e = expert_counts.len();
     check_len("moe_segment_offsets", "offsets", offsets.len(), e + 1)?;
-    let f = b.function(KernelFile::MoePermute, "moe_segment_offsets")?;
+    let f = untyped(b, KernelFile::MoePermute, "moe_segment_offsets")?;
     let (num_experts, cap) = (e as i32, capacity.unwrap_or(0) as i32);
     let mut l = b.stream().launch_builder(&f);
     l.arg(&expert_counts)

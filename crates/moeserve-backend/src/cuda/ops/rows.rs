@@ -3,7 +3,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{ROW_THREADS, check, check_len, per_row, typed};
+use super::{ROW_THREADS, check, check_len, per_row, typed, untyped};
 use crate::cpu::GatedActivation;
 use crate::cuda::kernels::KernelFile;
 use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaView, CudaViewMut};
@@ -61,7 +61,7 @@ pub fn gather_rows(b: &CudaBackend, mut a: GatherRowsArgs<'_>) -> Result<(), Cud
     if n == 0 {
         return Ok(());
     }
-    let f = b.function(KernelFile::Embedding, "gather_rows_f32")?;
+    let f = untyped(b, KernelFile::Embedding, "gather_rows_f32")?;
     let hidden = h as i32;
     let mut l = b.stream().launch_builder(&f);
     l.arg(&a.src).arg(&a.rows).arg(&mut a.dst).arg(&hidden);

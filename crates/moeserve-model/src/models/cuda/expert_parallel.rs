@@ -197,11 +197,17 @@ impl<T: CudaElement> ExpertGpus<T> {
                         continue;
                     }
                     let b = self.backend(gpu0, device);
-                    let expert = match (0..n).find_map(|d| self.held[d][layer].get(&e)) {
-                        Some(source) => GpuExpert {
-                            w13: b.stream().clone_dtod(&source.w13)?,
-                            w2: b.stream().clone_dtod(&source.w2)?,
-                        },
+                    let source = (0..n).find_map(|d| Some((d, self.held[d][layer].get(&e)?)));
+                    let expert = match source {
+                        Some((from, source)) => {
+                            // Event tracking is off: the source's own stream must have finished
+                            // writing it before another device's stream reads it.
+                            self.backend(gpu0, from).synchronize()?;
+                            GpuExpert {
+                                w13: peer_copy(b, &source.w13)?,
+                                w2: peer_copy(b, &source.w2)?,
+                            }
+                        }
                         None => {
                             let host =
                                 ep.held_expert(device, layer, ExpertId(e)).ok_or_else(|| {
@@ -220,6 +226,11 @@ impl<T: CudaElement> ExpertGpus<T> {
                     };
                     added.push((device, e, expert));
                 }
+            }
+            // The copies read their sources until they finish: wait before freeing any.
+            let receivers: BTreeSet<usize> = added.iter().map(|(d, ..)| *d).collect();
+            for device in receivers {
+                self.backend(gpu0, device).synchronize()?;
             }
             for (device, e, expert) in added {
                 self.held[device][layer].insert(e, expert);
@@ -364,6 +375,17 @@ impl<T: CudaElement> ExpertGpus<T> {
         }
         Ok(out)
     }
+}
+
+/// A copy of `src` (on another GPU) on `b`'s device, by the driver's peer copy.
+fn peer_copy<T: CudaElement>(
+    b: &CudaBackend,
+    src: &CudaSlice<T>,
+) -> Result<CudaSlice<T>, CudaError> {
+    // SAFETY: every element is written by the copy before anything reads it.
+    let mut dst = unsafe { b.stream().alloc::<T>(src.len()) }?;
+    b.copy_dtod(src, &mut dst)?;
+    Ok(dst)
 }
 
 #[cfg(test)]
