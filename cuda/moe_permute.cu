@@ -36,18 +36,35 @@ __device__ void moe_permute(const T* x, const int* topk_ids, const int* slots, c
     if (threadIdx.x == 0) pair_of_row[row] = pair;
 }
 
-// out[t] = Σ_j topk_weights[t, j] · expert_out[row(t, j)] over kept pairs, in rank order (the CPU
-// combine's order). expert_out: [offsets[E], hidden]; out: [num_tokens, hidden].
-// Grid: one block per token.
+// out[t] = Σ_j topk_weights[t, j] · expert_out[row(t, j)] over kept pairs, in ascending expert
+// order as the CPU's combine (and HF's per-expert `index_add_` loop) sums them. With
+// `sort_by_id` the token's pairs are ordered here by `topk_ids` (the router's expert ids, best
+// first); without, the host laid them out in that order already (its ids are then segments).
+// expert_out: [offsets[E], hidden]; out: [num_tokens, hidden]. Grid: one block per token.
+#define UNPERMUTE_MAX_TOP_K 16
 template <typename T>
 __device__ void moe_unpermute(const T* expert_out, const int* topk_ids, const float* topk_weights,
                               const int* slots, const int* offsets, T* out, int top_k,
-                              int hidden) {
+                              int hidden, int sort_by_id) {
     const int t = blockIdx.x;
+    int order[UNPERMUTE_MAX_TOP_K];
+    for (int j = 0; j < top_k; ++j) order[j] = j;
+    if (sort_by_id) {
+        // Insertion sort, stable: equal ids keep rank order.
+        for (int j = 1; j < top_k; ++j) {
+            const int v = order[j], id = topk_ids[t * top_k + v];
+            int i = j - 1;
+            while (i >= 0 && topk_ids[t * top_k + order[i]] > id) {
+                order[i + 1] = order[i];
+                --i;
+            }
+            order[i + 1] = v;
+        }
+    }
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j) {
-            const int pair = t * top_k + j, slot = slots[pair];
+            const int pair = t * top_k + order[j], slot = slots[pair];
             if (slot < 0) continue;
             const i64 row = offsets[topk_ids[pair]] + slot;
             acc += topk_weights[pair] * to_f32(expert_out[row * hidden + i]);
@@ -65,8 +82,8 @@ __device__ void moe_unpermute(const T* expert_out, const int* topk_ids, const fl
     }                                                                                          \
     extern "C" __global__ void moe_unpermute_##SUFFIX(                                         \
         const T* expert_out, const int* topk_ids, const float* topk_weights, const int* slots, \
-        const int* offsets, T* out, int top_k, int hidden) {                                   \
+        const int* offsets, T* out, int top_k, int hidden, int sort_by_id) {                   \
         moe_unpermute<T>(expert_out, topk_ids, topk_weights, slots, offsets, out, top_k,       \
-                         hidden);                                                              \
+                         hidden, sort_by_id);                                                  \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_MOE_PERMUTE)

@@ -88,7 +88,13 @@ impl Executor {
                         ),
                     });
                 }
-                let gpu = CudaMoeModel::new(model, layout, info.ordinal)?;
+                let mut gpu = CudaMoeModel::new(model, layout, info.ordinal)?;
+                // Sized once for the largest step, so steps allocate nothing on the device.
+                gpu.reserve(
+                    limits.max_num_batched_tokens,
+                    limits.max_num_seqs,
+                    limits.max_model_len,
+                )?;
                 Ok(Executor::Cuda(Box::new(gpu)))
             }
         }

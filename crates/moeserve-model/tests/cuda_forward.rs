@@ -23,7 +23,9 @@ use common::*;
 use moeserve_core::DType;
 use moeserve_core::ExpertPlacement;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::models::{CudaMoeModel, ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
+use moeserve_model::models::{
+    CudaMoeModel, ForwardOptions, ForwardTrace, LogitsFor, MoeModel, StepShape, step_plan,
+};
 use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
 };
@@ -207,6 +209,62 @@ fn greedy_tokens_and_logprobs_match_transformers_in_f32() {
             }
         }
         eprintln!("{case}: f32 on the GPU, largest |Δlogprob| {worst:.2e}");
+    }
+}
+
+/// A decode step queues what `step_plan` says (kernels, GEMMs, copies, host waits) and
+/// allocates nothing once reserved: a dropless Mixtral-style step waits for the host once.
+#[test]
+fn a_decode_step_does_what_its_plan_says() {
+    if !gpu_available() {
+        return;
+    }
+    for case in cuda_cases() {
+        let model = load(case);
+        let reference = read_reference(&fixtures_dir().join(case));
+        let prompt = &reference.prompts[0].prompt_ids;
+        let mut seqs = GpuSequences::new(&model, DType::BF16, 1, prompt.len() + 2);
+        seqs.gpu
+            .reserve(prompt.len() + 2, 1, prompt.len() + 2)
+            .expect("reserve");
+        let logits = seqs.step(&[(0, prompt)], LogitsFor::LastTokens);
+        let token = argmax(&logits);
+        let table: Vec<u32> = (0..(prompt.len() + 1).div_ceil(BLOCK_SIZE) as u32).collect();
+        let seq = [SequenceSlice {
+            query_start: 0,
+            query_len: 1,
+            context_len: prompt.len() + 1,
+            block_table: &table,
+        }];
+        let mut record = MoeStepRecord::default();
+        let before = seqs.gpu.work_counts();
+        let opts = ForwardOptions {
+            moe: MoeOptions {
+                record: Some(&mut record),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let batch = ForwardBatch {
+            token_ids: &[token],
+            sequences: &seq,
+        };
+        seqs.gpu.forward(&batch, opts).expect("GPU forward");
+        let did = seqs.gpu.work_counts() - before;
+        let c = model.config();
+        let shape = StepShape {
+            // Host-routed layers run one cuBLAS call per active expert.
+            active_experts: c.num_experts_per_tok,
+            ..StepShape::decode(1)
+        };
+        let plan = step_plan(c, shape);
+        assert_eq!(did, plan, "{case}: the decode step's work against its plan");
+        eprintln!("{case}: a decode step {did:?}");
+        assert_eq!(
+            record.layers.len(),
+            c.num_moe_layers(),
+            "{case}: routing record"
+        );
     }
 }
 

@@ -23,10 +23,11 @@ pub enum KernelFile {
     Init,
     Elementwise,
     Mla,
+    MoeGemm,
 }
 
 impl KernelFile {
-    pub const ALL: [KernelFile; 12] = [
+    pub const ALL: [KernelFile; 13] = [
         KernelFile::Embedding,
         KernelFile::RmsNorm,
         KernelFile::Rope,
@@ -39,6 +40,7 @@ impl KernelFile {
         KernelFile::Init,
         KernelFile::Elementwise,
         KernelFile::Mla,
+        KernelFile::MoeGemm,
     ];
 
     /// The file name under `cuda/`.
@@ -56,6 +58,7 @@ impl KernelFile {
             KernelFile::Init => "init.cu",
             KernelFile::Elementwise => "elementwise.cu",
             KernelFile::Mla => "mla.cu",
+            KernelFile::MoeGemm => "moe_gemm.cu",
         }
     }
 
@@ -74,6 +77,7 @@ impl KernelFile {
             KernelFile::Init => include_str!("../../../../cuda/init.cu"),
             KernelFile::Elementwise => include_str!("../../../../cuda/elementwise.cu"),
             KernelFile::Mla => include_str!("../../../../cuda/mla.cu"),
+            KernelFile::MoeGemm => include_str!("../../../../cuda/moe_gemm.cu"),
         }
     }
 
@@ -92,6 +96,7 @@ impl KernelFile {
             KernelFile::Init => &["fill_uniform"],
             KernelFile::Elementwise => &["add_bias", "add_segment_bias", "clamp", "add_gated"],
             KernelFile::Mla => &["mla_rope", "mla_copy_rope", "write_latent"],
+            KernelFile::MoeGemm => &["moe_grouped_gemm"],
         }
     }
 

@@ -25,15 +25,16 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
+pub use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, PinnedHostSlice,
+    ValidAsZeroBits,
+};
 pub use element::CudaElement;
 pub use error::CudaError;
 pub use tally::WorkCounts;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{
-    CudaFunction, CudaModule, DevicePtr, DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
-};
+use cudarc::driver::{CudaFunction, CudaModule, DevicePtr, DevicePtrMut};
 use kernels::KernelFile;
 use tally::{Tally, Work};
 
@@ -295,23 +296,30 @@ impl CudaBackend {
     }
 
     /// Queues a copy of `src` into the pinned `dst` (of the same length); it is there once
-    /// [`CudaBackend::read_pinned`] returns.
+    /// the stream is synchronised ([`CudaBackend::pinned_contents`]).
     pub fn copy_dtoh_pinned<T: DeviceRepr>(
         &self,
         src: &impl DevicePtr<T>,
         dst: &mut PinnedHostSlice<T>,
     ) -> Result<(), CudaError> {
-        check_same_len("copy_dtoh_pinned", src.len(), dst.len())?;
+        if dst.len() < src.len() {
+            return Err(CudaError::length(
+                "copy_dtoh_pinned",
+                "destination",
+                src.len(),
+                dst.len(),
+            ));
+        }
         self.count(Work::DtoH);
         Ok(self.stream.memcpy_dtoh(src, dst)?)
     }
 
-    /// Waits for the copies queued into `pinned` and returns its contents (one host sync).
-    pub fn read_pinned<'p, T: DeviceRepr + ValidAsZeroBits>(
+    /// The contents of `pinned` once the copies queued into it are done: call after
+    /// [`CudaBackend::synchronize`] (this waits for them too, but is not counted as a sync).
+    pub fn pinned_contents<'p, T: DeviceRepr + ValidAsZeroBits>(
         &self,
         pinned: &'p PinnedHostSlice<T>,
     ) -> Result<&'p [T], CudaError> {
-        self.count(Work::Sync);
         Ok(pinned.as_slice()?)
     }
 

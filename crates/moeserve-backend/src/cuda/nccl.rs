@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::nccl::{Comm, NcclType};
 
-use super::{CudaError, CudaSlice, CudaStream};
+use super::{CudaError, CudaStream, CudaView, CudaViewMut};
 
 /// Communicators over the local GPUs, rank `r` on `streams[r]`.
 pub struct NcclGroup {
@@ -51,9 +51,9 @@ impl NcclGroup {
     /// elements each peer sends it. A rank that sends (receives) nothing passes `None`.
     pub fn all_to_all_v<T: NcclType>(
         &self,
-        send: &[Option<&CudaSlice<T>>],
+        send: &[Option<CudaView<'_, T>>],
         send_counts: &[Vec<usize>],
-        recv: &mut [Option<&mut CudaSlice<T>>],
+        recv: &mut [Option<CudaViewMut<'_, T>>],
     ) -> Result<(), CudaError> {
         let n = self.comms.len();
         let shape_ok = send.len() == n
@@ -71,7 +71,7 @@ impl NcclGroup {
                 send_counts[r].iter().sum(),
                 (0..n).map(|p| send_counts[p][r]).sum(),
             );
-            let send_len = send[r].map_or(0, |b| b.len());
+            let send_len = send[r].as_ref().map_or(0, |b| b.len());
             let recv_len = recv[r].as_ref().map_or(0, |b| b.len());
             if sent > send_len || received > recv_len {
                 return Err(CudaError::InvalidArgument {
@@ -85,7 +85,7 @@ impl NcclGroup {
         let issued = (|| {
             for (r, comm) in self.comms.iter().enumerate() {
                 // Checked above: a rank with a count to send or receive has that buffer.
-                if let Some(buf) = send[r] {
+                if let Some(buf) = &send[r] {
                     let mut offset = 0;
                     for (p, count) in send_counts[r].iter().enumerate() {
                         if *count > 0 {
@@ -94,7 +94,7 @@ impl NcclGroup {
                         offset += count;
                     }
                 }
-                if let Some(buf) = recv[r].as_deref_mut() {
+                if let Some(buf) = recv[r].as_mut() {
                     let mut offset = 0;
                     for (p, counts) in send_counts.iter().enumerate() {
                         let count = counts[r];

@@ -254,6 +254,7 @@ fn moe_layer_matches_the_scalar_experts<T: CudaElement>() {
         slots: routed.slots.as_view(),
         offsets: offsets_d.as_view(),
         top_k,
+        ids_by_rank: true,
     };
     let mut permuted = gpu.zeros::<T>(pairs * hidden).unwrap();
     let mut pair_of_row = gpu.zeros::<i32>(pairs).unwrap();
@@ -306,7 +307,10 @@ fn moe_layer_matches_the_scalar_experts<T: CudaElement>() {
     let mut want = vec![0.0f32; tokens * hidden];
     for t in 0..tokens {
         let xt = &x_f32[t * hidden..][..hidden];
-        for j in 0..top_k {
+        // Summed in ascending expert order, as the CPU combines.
+        let mut order: Vec<usize> = (0..top_k).collect();
+        order.sort_by_key(|j| ids[t * top_k + j]);
+        for j in order {
             let e = ids[t * top_k + j] as usize;
             let mut gu = vec![0.0; 2 * inter];
             cpu::reference::matmul_wt(xt, 1, &w13[e].1, 2 * inter, &mut gu);
@@ -332,4 +336,66 @@ fn moe_layer_matches_the_scalar_experts<T: CudaElement>() {
 for_each_dtype!(
     moe_layer_matches_the_scalar_experts,
     moe_layer_matches_the_scalar_experts
+);
+
+/// The experts' GEMM that reads the segment offsets on the device, against the per-segment
+/// scalar product: empty segments, one row, exactly one pass of rows, one past it, several
+/// passes; widths with and without 16-byte loads; an output width that leaves a block's last
+/// warps without columns.
+fn device_offset_gemm_matches_each_segments_product<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    let rows_per_expert = [0usize, 1, ops::MOE_GEMM_ROWS, ops::MOE_GEMM_ROWS + 1, 40, 3];
+    let experts = rows_per_expert.len();
+    let offsets: Vec<i32> = std::iter::once(0)
+        .chain(rows_per_expert.iter().scan(0, |acc, r| {
+            *acc += *r as i32;
+            Some(*acc)
+        }))
+        .collect();
+    let rows = *offsets.last().unwrap() as usize;
+    for (n, k) in [(50usize, 64usize), (24, 37)] {
+        let (x, x_f32) = rounded::<T>(&random(rows * k, 11 + k as u64, 1.0));
+        let weights: Vec<(Vec<T>, Vec<f32>)> = (0..experts)
+            .map(|e| rounded::<T>(&random(n * k, 100 + e as u64, 0.5)))
+            .collect();
+        let w_d: Vec<CudaSlice<T>> = weights.iter().map(|(w, _)| upload(gpu, w)).collect();
+        // SAFETY: `w_d` outlives the table (both live to the end of this iteration).
+        let table = unsafe { ops::ExpertTable::new(gpu, &w_d, n, k) }.unwrap();
+        let x_d = upload(gpu, &x);
+        let offsets_d = gpu.upload(&offsets).unwrap();
+        let mut y = gpu.zeros::<T>(rows * n).unwrap();
+        ops::moe_grouped_gemm(
+            gpu,
+            x_d.as_view(),
+            &table,
+            y.as_view_mut(),
+            offsets_d.as_view(),
+        )
+        .unwrap();
+        let mut want = vec![0.0f32; rows * n];
+        for e in 0..experts {
+            let (r0, r1) = (offsets[e] as usize, offsets[e + 1] as usize);
+            if r1 == r0 {
+                continue;
+            }
+            cpu::reference::matmul_wt(
+                &x_f32[r0 * k..r1 * k],
+                r1 - r0,
+                &weights[e].1,
+                n,
+                &mut want[r0 * n..r1 * n],
+            );
+        }
+        assert_close(
+            &format!("moe_grouped_gemm n {n} k {k}"),
+            T::DTYPE,
+            &download_f32(gpu, &y),
+            &want,
+            tolerance(T::DTYPE),
+        );
+    }
+}
+for_each_dtype!(
+    device_offset_gemm_matches_each_segments_product,
+    device_offset_gemm_matches_each_segments_product
 );

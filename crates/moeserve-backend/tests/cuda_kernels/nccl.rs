@@ -48,8 +48,8 @@ fn all_to_all_v_delivers_each_chunk_to_its_peer_in_source_order() {
                 .unwrap()
         })
         .collect();
-    let send_refs: Vec<Option<&CudaSlice<f32>>> = send.iter().map(Some).collect();
-    let mut recv_refs: Vec<Option<&mut CudaSlice<f32>>> = recv.iter_mut().map(Some).collect();
+    let send_refs: Vec<_> = send.iter().map(|b| Some(b.as_view())).collect();
+    let mut recv_refs: Vec<_> = recv.iter_mut().map(|b| Some(b.as_view_mut())).collect();
     group
         .all_to_all_v(&send_refs, &counts, &mut recv_refs)
         .unwrap();

@@ -14,7 +14,14 @@
 //! layer in the weights' dtype, addressed by the slots of the engine's block tables, as on the
 //! CPU.
 //!
-//! Routing: dropless steps route on the device (`moe_router.cu`). With a capacity factor the
+//! A step runs in a workspace sized once (`workspace.rs`, [`CudaMoeModel::reserve`]): no
+//! device allocation per step. Its inputs go up in six copies; its logits and routing record
+//! come back into pinned memory at the end, with one wait. `plan.rs` says what a step queues
+//! ([`step_plan`]), and the GPU test checks the backend's counts against it.
+//!
+//! Routing: dropless steps route on the device (`moe_router.cu`); a small step's experts then
+//! run on the GEMM that reads the segment offsets on the device (`moe_gemm.cu`), so no layer
+//! waits for the host. With a capacity factor the
 //! router logits are copied back and routed on the host by the CPU's own `moe::route` (drop,
 //! reroute and spill exactly as on the CPU, in token order; the router kernel's atomics would
 //! hand out slots in arrival order), then the device permutes by that routing. A shared expert
@@ -27,12 +34,15 @@
 
 mod expert_parallel;
 mod host_step;
+mod plan;
 mod step;
 mod weights;
+mod workspace;
 
 use half::{bf16, f16};
 use moeserve_backend::BackendError;
-use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
+use moeserve_backend::cuda::ops::ExpertTable;
+use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice, WorkCounts};
 use moeserve_backend::device::CudaDeviceInfo;
 use moeserve_core::DType;
 
@@ -46,6 +56,9 @@ use expert_parallel::ExpertGpus;
 use host_step::step_inputs;
 use step::{CudaStep, Observed, StepMode, StepModel};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource};
+use workspace::{StepDims, StepWorkspace};
+
+pub use plan::{StepShape, step_plan};
 
 /// A model of any family and its KV cache on one CUDA device.
 pub struct CudaMoeModel {
@@ -139,6 +152,34 @@ impl CudaMoeModel {
         }
     }
 
+    /// Sizes the step's buffers for the engine's largest step once, so that steps allocate
+    /// nothing on the device: `max_tokens` (`--max-num-batched-tokens`) tokens of up to
+    /// `max_sequences` sequences with contexts up to `max_context` (`--max-model-len`) tokens,
+    /// logits for each sequence's last token (a step asking for every token's logits grows
+    /// the logits' buffers once).
+    pub fn reserve(
+        &mut self,
+        max_tokens: usize,
+        max_sequences: usize,
+        max_context: usize,
+    ) -> Result<()> {
+        match &mut self.model {
+            Typed::F32(m) => m.reserve(max_tokens, max_sequences, max_context),
+            Typed::F16(m) => m.reserve(max_tokens, max_sequences, max_context),
+            Typed::BF16(m) => m.reserve(max_tokens, max_sequences, max_context),
+        }
+    }
+
+    /// What the model's device has queued and waited for so far (see
+    /// `StepPlan` for what a step should cost).
+    pub fn work_counts(&self) -> WorkCounts {
+        match &self.model {
+            Typed::F32(m) => m.gpu.counts(),
+            Typed::F16(m) => m.gpu.counts(),
+            Typed::BF16(m) => m.gpu.counts(),
+        }
+    }
+
     /// Copies every layer's keys and values of block `src` into block `dst` (a forked
     /// sequence's own copy of a shared partial block); queued before the next step's kernels.
     pub fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
@@ -148,6 +189,19 @@ impl CudaMoeModel {
             Typed::BF16(m) => m.copy_block(src, dst),
         }
     }
+}
+
+/// The widest dense MLP or shared expert of the model (0 when it has none).
+fn widest_mlp<T>(weights: &DeviceWeights<T>) -> usize {
+    weights
+        .layers
+        .iter()
+        .filter_map(|l| match &l.mlp {
+            DeviceFeedForward::Dense(mlp) => Some(mlp.intermediate),
+            DeviceFeedForward::Sparse(moe) => moe.shared.as_ref().map(|s| s.0.intermediate),
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 fn backend(e: CudaError) -> ModelError {
@@ -209,6 +263,9 @@ struct DeviceMoe<T> {
     w13: Vec<CudaSlice<T>>,
     /// Per expert `[hidden, intermediate]`.
     w2: Vec<CudaSlice<T>>,
+    /// Device pointers to `w13` and `w2`, for the GEMM that reads the segment offsets on the
+    /// device (the vectors above are never changed after the tables are made).
+    tables: Option<(ExpertTable<T>, ExpertTable<T>)>,
     /// The experts' biases (GPT-OSS): `[E, 2 · intermediate]` (gate, up) and `[E, hidden]`.
     expert_bias: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Always computed, outside the capacity; `gate: [1, hidden]` scales it by a sigmoid.
@@ -278,6 +335,8 @@ struct DeviceModel<T> {
     layout: KvCacheLayout,
     weights: DeviceWeights<T>,
     kv: Vec<LayerCache<T>>,
+    /// The step's buffers, sized by [`CudaMoeModel::reserve`] (else grown by the steps).
+    workspace: StepWorkspace<T>,
     /// Set up at the first step with expert parallelism.
     experts: Option<ExpertGpus<T>>,
 }
@@ -389,18 +448,30 @@ impl<T: CudaElement> DeviceModel<T> {
                     )),
                     None => None,
                 };
+                let w13: Vec<_> = experts
+                    .clone()
+                    .map(|e| get(Tensor::W13(l, e)))
+                    .collect::<Result<_>>()?;
+                let w2: Vec<_> = experts
+                    .map(|e| get(Tensor::W2(l, e)))
+                    .collect::<Result<_>>()?;
+                let (h, inter) = (c.hidden_size, c.moe_intermediate_size);
+                // SAFETY: the tables live beside `w13` and `w2` in the layer, which never
+                // change them.
+                let tables = unsafe {
+                    (
+                        ExpertTable::new(&gpu, &w13, 2 * inter, h).map_err(backend)?,
+                        ExpertTable::new(&gpu, &w2, h, inter).map_err(backend)?,
+                    )
+                };
                 DeviceFeedForward::Sparse(Box::new(DeviceMoe {
                     gate: get(Tensor::Gate(l))?,
                     router_bias: None,
                     router_bias_host: None,
                     correction_bias,
-                    w13: experts
-                        .clone()
-                        .map(|e| get(Tensor::W13(l, e)))
-                        .collect::<Result<_>>()?,
-                    w2: experts
-                        .map(|e| get(Tensor::W2(l, e)))
-                        .collect::<Result<_>>()?,
+                    w13,
+                    w2,
+                    tables: Some(tables),
                     expert_bias: match expert_bias {
                         Some((gate_up, down)) => Some((
                             gpu.upload(&gate_up).map_err(backend)?,
@@ -451,14 +522,52 @@ impl<T: CudaElement> DeviceModel<T> {
             inv_freq: gpu.upload(&rope.inv_freq).map_err(backend)?,
             rope_scaling: rope.attention_scaling,
         };
+        let first = StepDims {
+            tokens: 1,
+            table_entries: 1,
+            logit_rows: 1,
+            segments: c.num_local_experts,
+        };
+        let workspace =
+            StepWorkspace::new(&gpu, &c, widest_mlp(&weights), first).map_err(backend)?;
         Ok(DeviceModel {
             weights,
             kv,
             config: c,
             layout,
             gpu,
+            workspace,
             experts: None,
         })
+    }
+
+    fn reserve(
+        &mut self,
+        max_tokens: usize,
+        max_sequences: usize,
+        max_context: usize,
+    ) -> Result<()> {
+        let blocks = max_context.div_ceil(self.layout.block_size).max(1);
+        let dims = StepDims {
+            tokens: max_tokens.max(1),
+            table_entries: max_sequences.max(1) * blocks,
+            logit_rows: max_sequences.max(1),
+            segments: self.segments(),
+        };
+        self.workspace.fit(&self.gpu, dims).map_err(backend)
+    }
+
+    /// The most segments an MoE layer's rows fall into: one per expert, or per physical slot
+    /// of the expert-parallel placement.
+    fn segments(&self) -> usize {
+        let placed = self.experts.as_ref().map(|g| {
+            let p = g.placement();
+            (0..p.num_layers())
+                .map(|l| p.num_physical(l))
+                .max()
+                .unwrap_or(0)
+        });
+        placed.unwrap_or(0).max(self.config.num_local_experts)
     }
 
     fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
@@ -538,12 +647,20 @@ impl<T: CudaElement> DeviceModel<T> {
                 }
             }
         };
+        let dims = StepDims {
+            tokens: x.ids.len(),
+            table_entries: x.block_tables.len(),
+            logit_rows: x.logit_rows.len(),
+            segments: self.segments(),
+        };
+        self.workspace.fit(&self.gpu, dims).map_err(backend)?;
         let DeviceModel {
             gpu,
             config,
             layout,
             weights,
             kv,
+            workspace,
             experts,
         } = self;
         let mut step = CudaStep::new(
@@ -554,6 +671,8 @@ impl<T: CudaElement> DeviceModel<T> {
                 weights,
                 experts: experts.as_ref().filter(|_| wants.expert_parallel),
             },
+            workspace,
+            dims,
             kv,
             &x,
             wants,

@@ -40,6 +40,15 @@ impl CudaMoeModel {
         match self.never {}
     }
 
+    pub fn reserve(
+        &mut self,
+        _max_tokens: usize,
+        _max_sequences: usize,
+        _max_context: usize,
+    ) -> Result<()> {
+        match self.never {}
+    }
+
     pub fn copy_block(&mut self, _src: usize, _dst: usize) -> Result<()> {
         match self.never {}
     }

@@ -19,5 +19,7 @@ pub(crate) mod ops;
 pub(crate) mod workspace;
 
 pub use cuda::CudaMoeModel;
+#[cfg(feature = "cuda")]
+pub use cuda::{StepShape, step_plan};
 pub use decoder::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 pub use workspace::ForwardWorkspace;

@@ -20,7 +20,8 @@ pub use elementwise::{
 };
 pub use mla::{LatentRopeArgs, LatentShape, mla_copy_rope, mla_rope, write_latent};
 pub use moe::{
-    DeviceRouting, RouteArgs, moe_permute, moe_segment_offsets, moe_unpermute, route_top_k,
+    DeviceRouting, ExpertTable, MOE_GEMM_ROWS, RouteArgs, moe_grouped_gemm, moe_permute,
+    moe_segment_offsets, moe_unpermute, route_top_k,
 };
 pub use rows::{
     EmbeddingArgs, GatherRowsArgs, RmsNormArgs, RopeArgs, WriteKvArgs, embedding, fill_uniform,

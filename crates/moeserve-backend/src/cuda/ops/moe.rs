@@ -1,12 +1,15 @@
-//! The MoE block's device kernels: router, segment offsets, permute and unpermute.
+//! The MoE block's device kernels: router, segment offsets, permute, the experts' GEMM with
+//! device-side offsets, and unpermute.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::marker::PhantomData;
+
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{
     MAX_EXPERTS, MAX_TOP_K, ROUTER_WARPS, ROW_THREADS, check, check_len, per_row, typed, untyped,
 };
 use crate::cuda::kernels::KernelFile;
-use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaView, CudaViewMut};
+use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut};
 
 /// The router: softmax, top-k, renormalise, capacity slots (see moe_router.cu).
 pub struct RouteArgs<'a, T> {
@@ -120,7 +123,14 @@ pub struct DeviceRouting<'a> {
     /// `[num_experts + 1]`
     pub offsets: CudaView<'a, i32>,
     pub top_k: usize,
+    /// Whether `topk_ids` are expert ids best first (the router kernel's), which the combine
+    /// sorts to sum in ascending expert order; `false` when the host already laid each token's
+    /// pairs out in that order (its ids may then be segments of a placement).
+    pub ids_by_rank: bool,
 }
+
+/// Most pairs per token the combine orders (moe_permute.cu).
+const UNPERMUTE_MAX_TOP_K: usize = 16;
 
 /// Scatters token rows into per-expert segments: `permuted: [≥ kept pairs, hidden]`.
 pub fn moe_permute<T: CudaElement>(
@@ -159,7 +169,8 @@ pub fn moe_permute<T: CudaElement>(
     Ok(())
 }
 
-/// Weighted sum of each token's expert outputs back in token order: `out: [num_tokens, hidden]`.
+/// Weighted sum of each token's expert outputs back in token order, each token's pairs in
+/// ascending expert order (the CPU's): `out: [num_tokens, hidden]`.
 pub fn moe_unpermute<T: CudaElement>(
     b: &CudaBackend,
     expert_out: CudaView<'_, T>,
@@ -184,8 +195,14 @@ pub fn moe_unpermute<T: CudaElement>(
         routing.topk_weights.len(),
         pairs,
     )?;
+    check(
+        "moe_unpermute",
+        routing.top_k <= UNPERMUTE_MAX_TOP_K,
+        || format!("top_k {} above {UNPERMUTE_MAX_TOP_K}", routing.top_k),
+    )?;
     let f = typed(b, KernelFile::MoePermute, "moe_unpermute", T::SUFFIX)?;
     let (top_k, hidden) = (routing.top_k as i32, h as i32);
+    let sort_by_id = i32::from(routing.ids_by_rank);
     let mut l = b.stream().launch_builder(&f);
     l.arg(&expert_out)
         .arg(&routing.topk_ids)
@@ -194,8 +211,104 @@ pub fn moe_unpermute<T: CudaElement>(
     l.arg(&routing.offsets)
         .arg(&mut out)
         .arg(&top_k)
-        .arg(&hidden);
+        .arg(&hidden)
+        .arg(&sort_by_id);
     // SAFETY: lengths checked; rows of expert_out come from the same routing.
     unsafe { l.launch(per_row(n, ROW_THREADS)) }?;
+    Ok(())
+}
+
+/// Device pointers to one expert matrix `[n, k]` per expert (a layer's `w1 | w3` or `w2`), for
+/// [`moe_grouped_gemm`].
+pub struct ExpertTable<T> {
+    pointers: CudaSlice<u64>,
+    n: usize,
+    k: usize,
+    _element: PhantomData<T>,
+}
+
+impl<T: CudaElement> ExpertTable<T> {
+    /// The table of `experts`, each `[n, k]`.
+    ///
+    /// # Safety
+    /// The table holds raw device pointers: `experts` must be neither freed nor reallocated
+    /// while the table is used (the model keeps both in one layer's weights).
+    pub unsafe fn new(
+        b: &CudaBackend,
+        experts: &[CudaSlice<T>],
+        n: usize,
+        k: usize,
+    ) -> Result<Self, CudaError> {
+        let mut pointers = Vec::with_capacity(experts.len());
+        for (e, w) in experts.iter().enumerate() {
+            check_len("ExpertTable", &format!("expert {e}"), w.len(), n * k)?;
+            let (ptr, _sync) = w.device_ptr(b.stream());
+            pointers.push(ptr);
+        }
+        Ok(ExpertTable {
+            pointers: b.upload(&pointers)?,
+            n,
+            k,
+            _element: PhantomData,
+        })
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.pointers.len()
+    }
+}
+
+/// Rows a segment may have for [`moe_grouped_gemm`] to read its expert's weights once
+/// (`MOE_GEMM_ROWS` of moe_gemm.cu); longer segments read them once per this many rows.
+pub const MOE_GEMM_ROWS: usize = 16;
+/// Output columns per warp, and warps per block (moe_gemm.cu).
+const MOE_GEMM_COLS: u32 = 2;
+const MOE_GEMM_WARPS: u32 = 8;
+
+/// `y[row] = x[row] · W_eᵀ` for every row of each expert `e`'s segment, the segments' offsets
+/// read on the device (no copy to the host): `x: [rows, k]`, `y: [rows, n]`, `offsets:
+/// [E + 1]` as the router left them (rows past `offsets[E]` are not touched).
+pub fn moe_grouped_gemm<T: CudaElement>(
+    b: &CudaBackend,
+    x: CudaView<'_, T>,
+    table: &ExpertTable<T>,
+    mut y: CudaViewMut<'_, T>,
+    offsets: CudaView<'_, i32>,
+) -> Result<(), CudaError> {
+    let (n, k, e) = (table.n, table.k, table.num_experts());
+    check_len("moe_grouped_gemm", "offsets", offsets.len(), e + 1)?;
+    check(
+        "moe_grouped_gemm",
+        n > 0 && k > 0 && x.len().is_multiple_of(k) && y.len() == x.len() / k * n,
+        || {
+            format!(
+                "x ({}) and y ({}) are not [rows, {k}] and [rows, {n}]",
+                x.len(),
+                y.len()
+            )
+        },
+    )?;
+    if x.is_empty() || e == 0 {
+        return Ok(());
+    }
+    let f = typed(b, KernelFile::MoeGemm, "moe_grouped_gemm", T::SUFFIX)?;
+    let (n32, k32) = (n as i32, k as i32);
+    let mut l = b.stream().launch_builder(&f);
+    l.arg(&x)
+        .arg(&table.pointers)
+        .arg(&mut y)
+        .arg(&offsets)
+        .arg(&n32)
+        .arg(&k32);
+    let cols_per_block = MOE_GEMM_COLS * MOE_GEMM_WARPS;
+    // SAFETY: the table's matrices are [n, k] (checked when it was made, alive by its
+    // contract); x and y hold every row the offsets name (the router's pairs).
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(cols_per_block), e as u32, 1),
+            block_dim: (32 * MOE_GEMM_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }?;
     Ok(())
 }

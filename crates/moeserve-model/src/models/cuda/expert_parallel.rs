@@ -19,7 +19,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use moeserve_backend::cuda::gemm::{GemmShape, matmul_wt};
 use moeserve_backend::cuda::nccl::NcclGroup;
 use moeserve_backend::cuda::ops;
-use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
+use moeserve_backend::cuda::{
+    CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut,
+};
 use moeserve_core::{ExpertId, ExpertPlacement};
 
 use super::weights::{host_values, stacked_w13};
@@ -253,8 +255,8 @@ impl<T: CudaElement> ExpertGpus<T> {
         &self,
         gpu0: &CudaBackend,
         step: LayerRows<'_>,
-        permuted: &CudaSlice<T>,
-        expert_out: &mut CudaSlice<T>,
+        permuted: CudaView<'_, T>,
+        expert_out: CudaViewMut<'_, T>,
         hidden: usize,
         intermediate: usize,
     ) -> Result<Vec<u64>, CudaError> {
@@ -278,10 +280,12 @@ impl<T: CudaElement> ExpertGpus<T> {
             .collect::<Result<Vec<_>, CudaError>>()?;
         let mut counts = vec![vec![0usize; n]; n];
         counts[0] = rows.iter().map(|r| r * hidden).collect();
-        let send: Vec<Option<&CudaSlice<T>>> =
-            (0..n).map(|d| (d == 0).then_some(permuted)).collect();
-        let mut recv: Vec<Option<&mut CudaSlice<T>>> =
-            inputs.iter_mut().map(Option::as_mut).collect();
+        let mut send: Vec<Option<CudaView<'_, T>>> = (0..n).map(|_| None).collect();
+        send[0] = Some(permuted);
+        let mut recv: Vec<Option<CudaViewMut<'_, T>>> = inputs
+            .iter_mut()
+            .map(|b| b.as_mut().map(|b| b.as_view_mut()))
+            .collect();
         self.nccl.all_to_all_v(&send, &counts, &mut recv)?;
         // Each device's segments, then its outputs back to GPU 0 in the same order.
         let mut outputs = Vec::with_capacity(n);
@@ -305,8 +309,11 @@ impl<T: CudaElement> ExpertGpus<T> {
         for (d, c) in counts.iter_mut().enumerate() {
             c[0] = rows[d] * hidden;
         }
-        let send: Vec<Option<&CudaSlice<T>>> = outputs.iter().map(Option::as_ref).collect();
-        let mut recv: Vec<Option<&mut CudaSlice<T>>> = std::iter::once(Some(expert_out))
+        let send: Vec<Option<CudaView<'_, T>>> = outputs
+            .iter()
+            .map(|b| b.as_ref().map(|b| b.as_view()))
+            .collect();
+        let mut recv: Vec<Option<CudaViewMut<'_, T>>> = std::iter::once(Some(expert_out))
             .chain((1..n).map(|_| None))
             .collect();
         self.nccl.all_to_all_v(&send, &counts, &mut recv)?;

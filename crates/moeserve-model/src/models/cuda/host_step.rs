@@ -82,8 +82,9 @@ impl HostRouting {
 
     /// `segment(expert, ordinal)`: the segment of the `ordinal`-th pair routed to `expert` this
     /// step (e.g. the physical slot of a placement). A token's computed pairs fill its first
-    /// ranks, in the routing's order; segment rows are handed out in token order, every pass of
-    /// an expert in one segment (spilled pairs compute the same values as in a later pass).
+    /// ranks in ascending expert order (the order the combine sums them in, as on the CPU);
+    /// segment rows are handed out in token order, every pass of an expert in one segment
+    /// (spilled pairs compute the same values as in a later pass).
     pub(super) fn with_segments(
         routed: &RoutedStep,
         num_segments: usize,
@@ -99,8 +100,12 @@ impl HostRouting {
         };
         let mut next_row = vec![0i32; num_segments];
         let mut ordinal = vec![0usize; routed.num_experts()];
+        let mut pairs = Vec::with_capacity(k);
         for t in 0..routed.num_tokens {
-            for (j, pair) in routed.token_pairs(t).iter().enumerate() {
+            pairs.clear();
+            pairs.extend_from_slice(routed.token_pairs(t));
+            pairs.sort_by_key(|p| p.expert);
+            for (j, pair) in pairs.iter().enumerate() {
                 let nth = &mut ordinal[pair.expert as usize];
                 let s = segment(pair.expert, *nth);
                 *nth += 1;
@@ -213,7 +218,8 @@ mod tests {
             assert_eq!(h.offsets[6] as usize, routed.pairs.len(), "{overflow}");
             let mut seen = vec![Vec::new(); 6];
             for t in 0..routed.num_tokens {
-                let pairs = routed.token_pairs(t);
+                let mut pairs = routed.token_pairs(t).to_vec();
+                pairs.sort_by_key(|p| p.expert);
                 for j in 0..2 {
                     let at = t * 2 + j;
                     match pairs.get(j) {

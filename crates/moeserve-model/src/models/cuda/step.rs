@@ -10,12 +10,17 @@ use moeserve_backend::cuda::gemm::{
     GemmShape, GroupedGemm, StridedBatch, grouped_expert_matmul, matmul_wt,
     strided_batched_matmul_wt,
 };
-use moeserve_backend::cuda::ops::{self, AttentionShape, DeviceRouting, LatentShape, RmsNormArgs};
-use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice};
+use moeserve_backend::cuda::ops::{
+    self, AttentionShape, DeviceRouting, ExpertTable, LatentShape, RmsNormArgs,
+};
+use moeserve_backend::cuda::{
+    CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice,
+};
 use moeserve_core::ExpertId;
 
 use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
 use super::host_step::{HostRouting, StepInputs, dropless_routing};
+use super::workspace::{MlpViews, MoeViews, StepDims, StepViews, StepWorkspace, ViewMut};
 use super::{DeviceFeedForward, DeviceLatent, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write, read_write_mut};
@@ -46,36 +51,23 @@ pub(super) struct StepMode {
 }
 
 /// The step's index arrays on the device.
-struct DeviceInputs {
-    ids: CudaSlice<u32>,
-    positions: CudaSlice<i32>,
-    token_seq: CudaSlice<i32>,
-    slots: CudaSlice<i64>,
-    tables: CudaSlice<i32>,
-    logit_rows: CudaSlice<i32>,
+struct DeviceInputs<'w> {
+    ids: CudaViewMut<'w, u32>,
+    positions: CudaViewMut<'w, i32>,
+    token_seq: CudaViewMut<'w, i32>,
+    slots: CudaViewMut<'w, i64>,
+    tables: CudaViewMut<'w, i32>,
+    logit_rows: CudaViewMut<'w, i32>,
 }
 
-/// The MoE block's buffers of a step, `pairs = num_tokens · top_k` rows.
-struct MoeBuffers<T> {
-    router_logits: CudaSlice<T>,
-    topk_ids: CudaSlice<i32>,
-    topk_w: CudaSlice<f32>,
-    topk_slots: CudaSlice<i32>,
-    counts: CudaSlice<i32>,
-    offsets: CudaSlice<i32>,
-    permuted: CudaSlice<T>,
-    pair_of_row: CudaSlice<i32>,
-    gate_up: CudaSlice<T>,
-    act: CudaSlice<T>,
-    expert_out: CudaSlice<T>,
-}
-
-/// A dense MLP's or a shared expert's buffers (`[num_tokens, …]`, sized for the widest).
-struct MlpBuffers<T> {
-    gate_up: CudaSlice<T>,
-    act: CudaSlice<T>,
-    out: CudaSlice<T>,
-    gate_logit: CudaSlice<T>,
+/// The logits' buffers and where the step's results come back to.
+struct OutputViews<'w, T> {
+    last: CudaViewMut<'w, f32>,
+    last_normed: CudaViewMut<'w, T>,
+    logits: CudaViewMut<'w, T>,
+    logits_host: &'w mut PinnedHostSlice<T>,
+    topk_ids_host: &'w mut PinnedHostSlice<i32>,
+    offsets_host: &'w mut PinnedHostSlice<i32>,
 }
 
 /// What a step reads of the device model.
@@ -88,126 +80,91 @@ pub(super) struct StepModel<'m, T> {
     pub(super) experts: Option<&'m ExpertGpus<T>>,
 }
 
-/// One step on the device: the decoder's operations over the step's buffers.
+/// One step on the device: the decoder's operations over the step's views of the workspace.
 pub(super) struct CudaStep<'m, T> {
     m: StepModel<'m, T>,
     /// The layers' KV caches, written by the step.
     kv: &'m mut [LayerCache<T>],
     x: &'m StepInputs,
-    inputs: DeviceInputs,
+    inputs: DeviceInputs<'m>,
     wants: StepMode,
     observe: &'m mut dyn FnMut(Observed),
-    residual: CudaSlice<f32>,
-    acts: [CudaSlice<T>; Act::COUNT],
-    moe: MoeBuffers<T>,
-    mlp: MlpBuffers<T>,
+    residual: CudaViewMut<'m, f32>,
+    acts: [CudaViewMut<'m, T>; Act::COUNT],
+    moe: MoeViews<'m, T>,
+    mlp: MlpViews<'m, T>,
+    out: OutputViews<'m, T>,
+    /// MoE layers routed on the device: their routing summaries are read back once, with the
+    /// logits, at the end of the step.
+    device_routed: Vec<usize>,
     /// The step's logits, once `logits` ran.
     pub(super) logits: Vec<f32>,
 }
 
 impl<'m, T: CudaElement> CudaStep<'m, T> {
+    /// A step over `x` in `ws` (fitted to `dims` already): copies the index arrays in.
     pub(super) fn new(
         m: StepModel<'m, T>,
+        ws: &'m mut StepWorkspace<T>,
+        dims: StepDims,
         kv: &'m mut [LayerCache<T>],
         x: &'m StepInputs,
         wants: StepMode,
         observe: &'m mut dyn FnMut(Observed),
     ) -> std::result::Result<Self, CudaError> {
-        let (gpu, c) = (m.gpu, m.config);
-        let (t, h) = (x.ids.len(), c.hidden_size);
-        let (qd, kvd, e, pairs) = (
-            c.q_dim(),
-            c.kv_dim(),
-            c.num_local_experts,
-            t * c.num_experts_per_tok,
-        );
-        let inter = c.moe_intermediate_size;
-        let mlp_inter = m
-            .weights
-            .layers
-            .iter()
-            .filter_map(|l| match &l.mlp {
-                DeviceFeedForward::Dense(mlp) => Some(mlp.intermediate),
-                DeviceFeedForward::Sparse(moe) => moe.shared.as_ref().map(|s| s.0.intermediate),
-            })
-            .max()
-            .unwrap_or(0);
-        let inputs = DeviceInputs {
-            ids: gpu.upload(&x.ids)?,
-            positions: gpu.upload(&x.positions)?,
-            token_seq: gpu.upload(&x.token_seq)?,
-            slots: gpu.upload(&x.slots)?,
-            tables: gpu.upload(&x.block_tables)?,
-            logit_rows: gpu.upload(&x.logit_rows)?,
+        let gpu = m.gpu;
+        let StepViews {
+            ids,
+            positions,
+            token_seq,
+            slots,
+            tables,
+            logit_rows,
+            residual,
+            acts,
+            moe,
+            mlp,
+            last,
+            last_normed,
+            logits,
+            logits_host,
+            topk_ids_host,
+            offsets_host,
+        } = ws.views(dims);
+        let mut inputs = DeviceInputs {
+            ids,
+            positions,
+            token_seq,
+            slots,
+            tables,
+            logit_rows,
         };
-        // Every activation's width, in `Act` order; `None` for those the family does not use
-        // (one element each).
-        let widths = match &c.mla {
-            None => [
-                Some(h),
-                Some(qd),
-                Some(kvd),
-                Some(kvd),
-                Some(qd),
-                Some(h),
-                None,
-                None,
-                None,
-                None,
-            ],
-            Some(m) => {
-                let heads = c.num_attention_heads;
-                [
-                    Some(h),
-                    Some(heads * m.qk_head_dim()),
-                    None,
-                    None,
-                    Some(heads * m.v_head_dim),
-                    Some(h),
-                    m.q_lora_rank,
-                    Some(m.latent_dim()),
-                    Some(heads * m.latent_dim()),
-                    Some(heads * m.kv_lora_rank),
-                ]
-            }
-        };
-        let mut acts = Vec::with_capacity(Act::COUNT);
-        for width in widths {
-            acts.push(gpu.zeros::<T>(width.map_or(1, |w| t * w))?);
-        }
-        let Ok(acts) = <[CudaSlice<T>; Act::COUNT]>::try_from(acts) else {
-            unreachable!("one width per activation")
-        };
-        let moe = MoeBuffers {
-            router_logits: gpu.zeros(t * e)?,
-            topk_ids: gpu.zeros(pairs)?,
-            topk_w: gpu.zeros(pairs)?,
-            topk_slots: gpu.zeros(pairs)?,
-            counts: gpu.zeros(e)?,
-            offsets: gpu.zeros(e + 1)?,
-            permuted: gpu.zeros(pairs * h)?,
-            pair_of_row: gpu.zeros(pairs)?,
-            gate_up: gpu.zeros(pairs * 2 * inter)?,
-            act: gpu.zeros(pairs * inter)?,
-            expert_out: gpu.zeros(pairs * h)?,
-        };
-        let mlp = MlpBuffers {
-            gate_up: gpu.zeros(t * 2 * mlp_inter)?,
-            act: gpu.zeros(t * mlp_inter)?,
-            out: gpu.zeros(t * h)?,
-            gate_logit: gpu.zeros(t)?,
-        };
+        gpu.copy_htod(&x.ids, &mut inputs.ids)?;
+        gpu.copy_htod(&x.positions, &mut inputs.positions)?;
+        gpu.copy_htod(&x.token_seq, &mut inputs.token_seq)?;
+        gpu.copy_htod(&x.slots, &mut inputs.slots)?;
+        gpu.copy_htod(&x.block_tables, &mut inputs.tables)?;
+        gpu.copy_htod(&x.logit_rows, &mut inputs.logit_rows)?;
         Ok(CudaStep {
-            residual: gpu.zeros::<f32>(t * h)?,
             m,
             kv,
             x,
             inputs,
             wants,
             observe,
+            residual,
             acts,
             moe,
             mlp,
+            out: OutputViews {
+                last,
+                last_normed,
+                logits,
+                logits_host,
+                topk_ids_host,
+                offsets_host,
+            },
+            device_routed: Vec::new(),
             logits: Vec::new(),
         })
     }
@@ -565,9 +522,7 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
         };
         self.mlp_into(mlp)?;
         let delta = &mut self.acts[Act::Delta.index()];
-        let stream = self.m.gpu.stream();
-        stream.memcpy_dtod(&self.mlp.out, delta)?;
-        Ok(())
+        self.m.gpu.copy_dtod(&self.mlp.out, delta)
     }
 
     fn add_last_delta(&mut self) -> std::result::Result<(), CudaError> {
@@ -590,40 +545,64 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
     fn logits(&mut self) -> std::result::Result<(), CudaError> {
         let (gpu, c) = (self.m.gpu, self.m.config);
         let (h, rows) = (c.hidden_size, self.x.logit_rows.len());
-        let mut last = gpu.zeros::<f32>(rows * h)?;
+        let o = &mut self.out;
         ops::gather_rows(
             gpu,
             ops::GatherRowsArgs {
                 src: self.residual.as_view(),
                 rows: self.inputs.logit_rows.as_view(),
-                dst: last.as_view_mut(),
+                dst: o.last.as_view_mut(),
                 hidden: h,
             },
         )?;
-        let mut last_normed = gpu.zeros::<T>(rows * h)?;
         ops::rms_norm_residual(
             gpu,
             RmsNormArgs {
-                residual: last.as_view_mut(),
+                residual: o.last.as_view_mut(),
                 delta: None,
                 weight: self.m.weights.norm.as_view(),
-                out: last_normed.as_view_mut(),
+                out: o.last_normed.as_view_mut(),
                 eps: c.rms_norm_eps,
             },
         )?;
-        let mut logits = gpu.zeros::<T>(rows * c.vocab_size)?;
         matmul_wt(
             gpu,
-            &last_normed.as_view(),
+            &o.last_normed.as_view(),
             &self.m.weights.lm_head.as_view(),
-            &mut logits.as_view_mut(),
+            &mut o.logits.as_view_mut(),
             GemmShape {
                 m: rows,
                 n: c.vocab_size,
                 k: h,
             },
         )?;
-        self.logits = gpu.download(&logits)?.iter().map(|v| v.to_f32()).collect();
+        // The step's results come back together: the logits and, for layers routed on the
+        // device, their routing; one wait for all.
+        gpu.copy_dtoh_pinned(&o.logits, o.logits_host)?;
+        let record = self.wants.routing && !self.device_routed.is_empty();
+        if record {
+            gpu.copy_dtoh_pinned(&self.moe.topk_ids, o.topk_ids_host)?;
+            gpu.copy_dtoh_pinned(&self.moe.offsets, o.offsets_host)?;
+        }
+        gpu.synchronize()?;
+        let logits = gpu.pinned_contents(o.logits_host)?;
+        self.logits.clear();
+        self.logits
+            .extend(logits[..rows * c.vocab_size].iter().map(|v| v.to_f32()));
+        if record {
+            let (pairs, width) = (self.moe.pairs, self.moe.segments + 1);
+            let ids = gpu.pinned_contents(o.topk_ids_host)?;
+            let offsets = gpu.pinned_contents(o.offsets_host)?;
+            for &layer in &self.device_routed {
+                let offsets: Vec<usize> = offsets[layer * width..(layer + 1) * width]
+                    .iter()
+                    .map(|o| *o as usize)
+                    .collect();
+                let chosen = ids[layer * pairs..(layer + 1) * pairs].to_vec();
+                let k = self.m.config.num_experts_per_tok;
+                (self.observe)(Observed::Routing(dropless_routing(&offsets, chosen, k)));
+            }
+        }
         Ok(())
     }
 
@@ -637,8 +616,22 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
 }
 
 impl<T: CudaElement> CudaStep<'_, T> {
+    /// Whether this step's MoE layers route on the device: Mixtral's softmax top-k (what the
+    /// router kernel computes), dropless, on one GPU. Anything else routes on the host with the
+    /// CPU's router (capacity, sigmoid scoring and groups, placement slots).
+    fn routes_on_device(&self) -> bool {
+        let c = self.m.config;
+        self.wants.capacity == Capacity::Dropless
+            && !self.wants.expert_parallel
+            && c.router_scoring == Scoring::Softmax
+            && c.routed_scaling_factor == 1.0
+    }
+
     /// `Delta` = the routed experts of `block` on `Normed`: router GEMM → top-k (on the device
-    /// when dropless on one GPU, else on the host) → permute → experts → unpermute.
+    /// when [`CudaStep::routes_on_device`], else on the host) → permute → experts → unpermute.
+    /// Device-routed layers of a small step (at most [`ops::MOE_GEMM_ROWS`] rows per expert on
+    /// average) run the experts on the device-offset GEMM and copy nothing back; larger steps
+    /// read the offsets back for cuBLAS, one wait per layer, which their GEMMs dwarf.
     fn routed_experts(
         &mut self,
         block: &DeviceMoe<T>,
@@ -651,7 +644,9 @@ impl<T: CudaElement> CudaStep<'_, T> {
             c.num_experts_per_tok,
             c.moe_intermediate_size,
         );
+        let on_device = self.routes_on_device();
         let b = &mut self.moe;
+        let (pairs, width) = (b.pairs, b.segments + 1);
         let normed = &self.acts[Act::Normed.index()];
         matmul_wt(
             gpu,
@@ -660,29 +655,24 @@ impl<T: CudaElement> CudaStep<'_, T> {
             &mut b.router_logits.as_view_mut(),
             GemmShape { m: t, n: e, k: h },
         )?;
+        // This layer's rows of the step's routing record.
+        let mut topk_ids = b
+            .topk_ids
+            .slice_mut(moe_layer * pairs..(moe_layer + 1) * pairs);
+        let mut offsets = b
+            .offsets
+            .slice_mut(moe_layer * width..(moe_layer + 1) * width);
         // Set by host routing; sent once the experts ran (with their devices' rows).
         let mut pending: Option<LayerRouting> = None;
         let mut layout: Option<SegmentLayout> = None;
-        // The router kernel computes Mixtral's softmax top-k; any other scoring routes on the
-        // host with the CPU's router.
-        let layer_router = RouterConfig {
-            top_k: k,
-            capacity: wants.capacity,
-            renormalize: c.norm_topk_prob,
-            scoring: c.router_scoring,
-            scale: c.routed_scaling_factor,
-        };
-        let on_device = wants.capacity == Capacity::Dropless
-            && !wants.expert_parallel
-            && layer_router.scoring == Scoring::Softmax
-            && layer_router.scale == 1.0;
-        let offsets = if on_device {
+        let host_offsets: Option<Vec<usize>> = if on_device {
+            let mut offsets = offsets.slice_mut(..e + 1);
             ops::route_top_k(
                 gpu,
                 ops::RouteArgs {
                     logits: b.router_logits.as_view(),
                     bias: block.router_bias.as_ref().map(|b| b.as_view()),
-                    topk_ids: b.topk_ids.as_view_mut(),
+                    topk_ids: topk_ids.as_view_mut(),
                     topk_weights: b.topk_w.as_view_mut(),
                     slots: b.topk_slots.as_view_mut(),
                     expert_counts: b.counts.as_view_mut(),
@@ -691,36 +681,41 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     renormalize: c.norm_topk_prob,
                 },
             )?;
-            ops::moe_segment_offsets(gpu, b.counts.as_view(), b.offsets.as_view_mut(), None)?;
-            // The per-expert GEMMs need the segment sizes on the host: one small copy per
-            // layer (the grouped kernel that would avoid it is future work, see gemm.rs).
-            let offsets: Vec<usize> = gpu
-                .download(&b.offsets)?
-                .iter()
-                .map(|o| *o as usize)
-                .collect();
+            ops::moe_segment_offsets(gpu, b.counts.as_view(), offsets.as_view_mut(), None)?;
             if wants.trace {
-                let logits = gpu.download(&b.router_logits)?;
-                (self.observe)(Observed::RouterLogits(
-                    logits.iter().map(|v| v.to_f32()).collect(),
-                ));
+                // What the router ranked: the logits plus the router bias, as the CPU traces.
+                let mut logits: Vec<f32> = gpu
+                    .download(&b.router_logits)?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect();
+                add_router_bias(&mut logits, block.router_bias_host.as_deref(), e);
+                (self.observe)(Observed::RouterLogits(logits));
             }
-            if wants.routing {
-                let chosen = gpu.download(&b.topk_ids)?;
-                (self.observe)(Observed::Routing(dropless_routing(&offsets, chosen, k)));
+            self.device_routed.push(moe_layer);
+            match &block.tables {
+                Some(_) if pairs <= ops::MOE_GEMM_ROWS * e => None,
+                _ => Some(
+                    gpu.download(&offsets)?
+                        .iter()
+                        .map(|o| *o as usize)
+                        .collect(),
+                ),
             }
-            offsets
         } else {
             let mut logits: Vec<f32> = gpu
                 .download(&b.router_logits)?
                 .iter()
                 .map(|v| v.to_f32())
                 .collect();
-            if let Some(bias) = &block.router_bias_host {
-                for row in logits.chunks_exact_mut(e) {
-                    row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
-                }
-            }
+            add_router_bias(&mut logits, block.router_bias_host.as_deref(), e);
+            let layer_router = RouterConfig {
+                top_k: k,
+                capacity: wants.capacity,
+                renormalize: c.norm_topk_prob,
+                scoring: c.router_scoring,
+                scale: c.routed_scaling_factor,
+            };
             let bias = block.correction_bias.as_deref();
             let routed = route_with_bias(&logits, e, &layer_router, bias);
             let host = match self.m.experts {
@@ -740,24 +735,28 @@ impl<T: CudaElement> CudaStep<'_, T> {
                 }
                 None => HostRouting::new(&routed, e),
             };
-            b.topk_ids = gpu.upload(&host.topk_ids)?;
-            b.topk_w = gpu.upload(&host.weights)?;
-            b.topk_slots = gpu.upload(&host.slots)?;
-            b.offsets = gpu.upload(&host.offsets)?;
+            gpu.copy_htod(&host.topk_ids, &mut topk_ids)?;
+            gpu.copy_htod(&host.weights, &mut b.topk_w)?;
+            gpu.copy_htod(&host.slots, &mut b.topk_slots)?;
+            let used = host.offsets.len();
+            gpu.copy_htod(&host.offsets, &mut offsets.slice_mut(..used))?;
             if wants.routing {
                 pending = Some(LayerRouting::from_routed(&routed, &wants.capacity));
             }
             if wants.trace {
                 (self.observe)(Observed::RouterLogits(logits));
             }
-            host.offsets.iter().map(|o| *o as usize).collect()
+            Some(host.offsets.iter().map(|o| *o as usize).collect())
         };
+        // One offset per segment and the end: the experts', or the placement's slots'.
+        let used = host_offsets.as_ref().map_or(e + 1, Vec::len);
         let routing = DeviceRouting {
-            topk_ids: b.topk_ids.as_view(),
+            topk_ids: topk_ids.as_view(),
             topk_weights: b.topk_w.as_view(),
             slots: b.topk_slots.as_view(),
-            offsets: b.offsets.as_view(),
+            offsets: offsets.slice(..used),
             top_k: k,
+            ids_by_rank: on_device,
         };
         ops::moe_permute(
             gpu,
@@ -766,29 +765,57 @@ impl<T: CudaElement> CudaStep<'_, T> {
             b.permuted.as_view_mut(),
             b.pair_of_row.as_view_mut(),
         )?;
-        let device_pairs = match (self.m.experts, &layout) {
-            (Some(gpus), Some(layout)) => {
+        let device_pairs = match (self.m.experts, &layout, &host_offsets) {
+            (Some(gpus), Some(layout), Some(host_offsets)) => {
                 let rows = LayerRows {
                     layer: moe_layer,
                     layout,
-                    offsets: &offsets,
+                    offsets: host_offsets,
                 };
-                gpus.run(gpu, rows, &b.permuted, &mut b.expert_out, h, inter)?
+                gpus.run(
+                    gpu,
+                    rows,
+                    b.permuted.as_view(),
+                    b.expert_out.as_view_mut(),
+                    h,
+                    inter,
+                )?
             }
             _ => {
-                grouped_expert_matmul(
-                    gpu,
-                    GroupedGemm {
-                        x: b.permuted.as_view(),
-                        weights: &block.w13,
-                        y: b.gate_up.as_view_mut(),
-                        offsets: &offsets,
-                        n: 2 * inter,
-                        k: h,
-                    },
+                let gemm = |x: CudaView<'_, T>,
+                            weights: &[CudaSlice<T>],
+                            table: Option<&ExpertTable<T>>,
+                            y: CudaViewMut<'_, T>,
+                            (n, k): (usize, usize)| {
+                    match (&host_offsets, table) {
+                        (Some(offsets), _) => grouped_expert_matmul(
+                            gpu,
+                            GroupedGemm {
+                                x,
+                                weights,
+                                y,
+                                offsets,
+                                n,
+                                k,
+                            },
+                        ),
+                        (None, Some(table)) => {
+                            ops::moe_grouped_gemm(gpu, x, table, y, routing.offsets.slice(..))
+                        }
+                        (None, None) => unreachable!("device offsets only with expert tables"),
+                    }
+                };
+                let tables = block.tables.as_ref();
+                gemm(
+                    b.permuted.as_view(),
+                    &block.w13,
+                    tables.map(|t| &t.0),
+                    b.gate_up.as_view_mut(),
+                    (2 * inter, h),
                 )?;
                 if let Some((gate_up_bias, _)) = &block.expert_bias {
-                    let (bias, offsets) = (gate_up_bias.as_view(), b.offsets.as_view());
+                    let bias = gate_up_bias.as_view();
+                    let offsets = routing.offsets.slice(..);
                     ops::add_segment_bias(gpu, b.gate_up.as_view_mut(), bias, offsets, 2 * inter)?;
                 }
                 ops::gated_activation(
@@ -798,19 +825,15 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     inter,
                     c.experts.activation,
                 )?;
-                grouped_expert_matmul(
-                    gpu,
-                    GroupedGemm {
-                        x: b.act.as_view(),
-                        weights: &block.w2,
-                        y: b.expert_out.as_view_mut(),
-                        offsets: &offsets,
-                        n: h,
-                        k: inter,
-                    },
+                gemm(
+                    b.act.as_view(),
+                    &block.w2,
+                    tables.map(|t| &t.1),
+                    b.expert_out.as_view_mut(),
+                    (h, inter),
                 )?;
                 if let Some((_, down_bias)) = &block.expert_bias {
-                    let (bias, offsets) = (down_bias.as_view(), b.offsets.as_view());
+                    let (bias, offsets) = (down_bias.as_view(), routing.offsets.slice(..));
                     ops::add_segment_bias(gpu, b.expert_out.as_view_mut(), bias, offsets, h)?;
                 }
                 Vec::new()
@@ -850,5 +873,14 @@ impl<T: CudaElement> CudaStep<'_, T> {
             gate.map(|_| self.mlp.gate_logit.as_view()),
             h,
         )
+    }
+}
+
+/// The router bias added to each row of `logits` (`[tokens, experts]`): what the router ranks.
+fn add_router_bias(logits: &mut [f32], bias: Option<&[f32]>, experts: usize) {
+    if let Some(bias) = bias {
+        for row in logits.chunks_exact_mut(experts) {
+            row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
+        }
     }
 }
