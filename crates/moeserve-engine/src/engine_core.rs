@@ -88,7 +88,12 @@ impl Executor {
                         ),
                     });
                 }
-                let mut gpu = CudaMoeModel::new(model, layout, info.ordinal)?;
+                // With expert parallelism each GPU holds only the experts placed on it.
+                let mut gpu = if moe.uses_expert_parallelism() {
+                    CudaMoeModel::expert_parallel(model, layout, info.ordinal)?
+                } else {
+                    CudaMoeModel::new(model, layout, info.ordinal)?
+                };
                 // Sized once for the largest step, so steps allocate nothing on the device.
                 gpu.reserve(
                     limits.max_num_batched_tokens,

@@ -25,6 +25,7 @@ use moeserve_core::ExpertPlacement;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::models::{
     CudaMoeModel, ForwardOptions, ForwardTrace, LogitsFor, MoeModel, StepShape, step_plan,
+    weight_bytes_per_gpu,
 };
 use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
@@ -259,6 +260,11 @@ fn a_decode_step_does_what_its_plan_says() {
         };
         let plan = step_plan(c, shape);
         assert_eq!(did, plan, "{case}: the decode step's work against its plan");
+        assert_eq!(
+            seqs.gpu.weight_bytes_per_gpu(),
+            weight_bytes_per_gpu(c, 2, None),
+            "{case}: bf16 weights on the GPU against the plan"
+        );
         eprintln!("{case}: a decode step {did:?}");
         assert_eq!(
             record.layers.len(),
@@ -527,10 +533,18 @@ fn expert_parallel_matches_plain(case: &str) {
         let logits = prefill_on(gpu, &prompt, opts);
         (logits, record)
     };
-    let mut gpu = gpu_for(&model, &prompt);
-    let (plain, _) = run(&mut gpu, None);
+    let (plain, _) = run(&mut gpu_for(&model, &prompt), None);
+    // GPU 0 holds all but the experts, and each GPU only the experts placed on it.
+    let layout = model.kv_layout(prefill_table(&prompt).len(), PREFILL_BLOCK_SIZE);
+    let mut gpu = CudaMoeModel::expert_parallel(&model, layout, 0).expect("model on GPU 0");
+    let element = gpu.dtype().size_in_bytes();
     for (what, ep) in [("placed", &ep), ("re-placed", &replaced)] {
         let (parallel, record) = run(&mut gpu, Some(ep));
+        assert_eq!(
+            gpu.weight_bytes_per_gpu(),
+            weight_bytes_per_gpu(c, element, Some(ep.placement())),
+            "{case} {what}: bytes per GPU against the plan"
+        );
         let d = max_rel_diff(&parallel, &plain);
         assert!(
             d < F32_ACTIVATION_TOLERANCE,

@@ -34,6 +34,7 @@
 
 mod expert_parallel;
 mod host_step;
+mod memory;
 mod plan;
 mod step;
 mod weights;
@@ -58,6 +59,7 @@ use step::{CudaStep, Observed, StepMode, StepModel};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource};
 use workspace::{StepDims, StepWorkspace};
 
+pub use memory::weight_bytes_per_gpu;
 pub use plan::{StepShape, step_plan};
 
 /// A model of any family and its KV cache on one CUDA device.
@@ -65,6 +67,16 @@ pub struct CudaMoeModel {
     info: CudaDeviceInfo,
     dtype: DType,
     model: Typed,
+}
+
+/// Where a sparse layer's routed experts live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ExpertHome {
+    /// In the device model, on its GPU.
+    ThisGpu,
+    /// On the expert GPUs of `--expert-parallel-size` (GPU 0 holds only its placement's share,
+    /// uploaded with the others' at the first step).
+    ExpertGpus,
 }
 
 /// The device model in the checkpoint's element type.
@@ -89,14 +101,39 @@ impl CudaMoeModel {
         ordinal: usize,
         dtype: DType,
     ) -> Result<Self> {
+        Self::build(model, layout, ordinal, dtype, ExpertHome::ThisGpu)
+    }
+
+    /// As [`CudaMoeModel::new`] for expert parallelism: GPU `ordinal` holds everything but the
+    /// routed experts, which the first step's placement puts on the expert GPUs (this one's
+    /// share included), so no GPU holds an expert its placement does not give it. Every
+    /// forward must then pass that placement (`MoeOptions::experts`).
+    pub fn expert_parallel(
+        model: &MoeModel,
+        layout: KvCacheLayout,
+        ordinal: usize,
+    ) -> Result<Self> {
+        let dtype = model.embed_tokens.dtype();
+        Self::build(model, layout, ordinal, dtype, ExpertHome::ExpertGpus)
+    }
+
+    fn build(
+        model: &MoeModel,
+        layout: KvCacheLayout,
+        ordinal: usize,
+        dtype: DType,
+        experts_here: ExpertHome,
+    ) -> Result<Self> {
         let gpu = CudaBackend::new(ordinal).map_err(backend)?;
         gpu.load_all_kernels().map_err(backend)?;
         let info = gpu.info().clone();
         let (c, mut host) = (model.config().clone(), HostWeights(model));
         let model = match dtype {
-            DType::F32 => Typed::F32(DeviceModel::build(gpu, c, layout, &mut host)?),
-            DType::F16 => Typed::F16(DeviceModel::build(gpu, c, layout, &mut host)?),
-            DType::BF16 => Typed::BF16(DeviceModel::build(gpu, c, layout, &mut host)?),
+            DType::F32 => Typed::F32(DeviceModel::build(gpu, c, layout, &mut host, experts_here)?),
+            DType::F16 => Typed::F16(DeviceModel::build(gpu, c, layout, &mut host, experts_here)?),
+            DType::BF16 => {
+                Typed::BF16(DeviceModel::build(gpu, c, layout, &mut host, experts_here)?)
+            }
             DType::F8E4M3 | DType::Mxfp4 | DType::Int4 => {
                 return Err(ModelError::InvalidInput {
                     message: format!("the device computes in f32, f16 or bf16, not {dtype}"),
@@ -121,7 +158,7 @@ impl CudaMoeModel {
             config: config.clone(),
             seed,
         };
-        let model = DeviceModel::build(gpu, config, layout, &mut random)?;
+        let model = DeviceModel::build(gpu, config, layout, &mut random, ExpertHome::ThisGpu)?;
         Ok(CudaMoeModel {
             info,
             dtype: DType::BF16,
@@ -167,6 +204,17 @@ impl CudaMoeModel {
             Typed::F32(m) => m.reserve(max_tokens, max_sequences, max_context),
             Typed::F16(m) => m.reserve(max_tokens, max_sequences, max_context),
             Typed::BF16(m) => m.reserve(max_tokens, max_sequences, max_context),
+        }
+    }
+
+    /// Bytes of weights on each GPU: the checkpoint's tensors uploaded to this model's GPU plus
+    /// the experts each expert GPU holds (once expert parallelism has run a step); the figures
+    /// `weight_bytes_per_gpu` plans.
+    pub fn weight_bytes_per_gpu(&self) -> Vec<u64> {
+        match &self.model {
+            Typed::F32(m) => m.weight_bytes_per_gpu(),
+            Typed::F16(m) => m.weight_bytes_per_gpu(),
+            Typed::BF16(m) => m.weight_bytes_per_gpu(),
         }
     }
 
@@ -337,6 +385,9 @@ struct DeviceModel<T> {
     kv: Vec<LayerCache<T>>,
     /// The step's buffers, sized by [`CudaMoeModel::reserve`] (else grown by the steps).
     workspace: StepWorkspace<T>,
+    experts_here: ExpertHome,
+    /// Bytes of the checkpoint's tensors uploaded to this GPU.
+    weight_bytes: u64,
     /// Set up at the first step with expert parallelism.
     experts: Option<ExpertGpus<T>>,
 }
@@ -348,6 +399,7 @@ impl<T: CudaElement> DeviceModel<T> {
         config: ModelConfig,
         layout: KvCacheLayout,
         source: &mut dyn WeightSource<T>,
+        experts_here: ExpertHome,
     ) -> Result<Self> {
         let c = config;
         let (key_slots, value_slots) = (
@@ -369,7 +421,13 @@ impl<T: CudaElement> DeviceModel<T> {
                 ),
             });
         }
-        let mut get = |t: Tensor| source.tensor(&gpu, t).map_err(backend);
+        // Bytes of the tensors uploaded, for `weight_bytes` (checked against memory.rs).
+        let mut uploaded = 0u64;
+        let mut get = |t: Tensor| {
+            let w = source.tensor(&gpu, t).map_err(backend)?;
+            uploaded += (w.len() * std::mem::size_of::<T>()) as u64;
+            Ok::<_, ModelError>(w)
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         let mut kv = Vec::with_capacity(c.num_hidden_layers);
         let per_layer = corrections.into_iter().zip(sinks).zip(expert_biases);
@@ -448,6 +506,12 @@ impl<T: CudaElement> DeviceModel<T> {
                     )),
                     None => None,
                 };
+                // Under expert parallelism the experts live on the expert GPUs (GPU 0's share
+                // among them), uploaded from the engine's placement at the first step.
+                let experts = match experts_here {
+                    ExpertHome::ThisGpu => experts,
+                    ExpertHome::ExpertGpus => 0..0,
+                };
                 let w13: Vec<_> = experts
                     .clone()
                     .map(|e| get(Tensor::W13(l, e)))
@@ -458,11 +522,14 @@ impl<T: CudaElement> DeviceModel<T> {
                 let (h, inter) = (c.hidden_size, c.moe_intermediate_size);
                 // SAFETY: the tables live beside `w13` and `w2` in the layer, which never
                 // change them.
-                let tables = unsafe {
-                    (
-                        ExpertTable::new(&gpu, &w13, 2 * inter, h).map_err(backend)?,
-                        ExpertTable::new(&gpu, &w2, h, inter).map_err(backend)?,
-                    )
+                let tables = match experts_here {
+                    ExpertHome::ThisGpu => Some(unsafe {
+                        (
+                            ExpertTable::new(&gpu, &w13, 2 * inter, h).map_err(backend)?,
+                            ExpertTable::new(&gpu, &w2, h, inter).map_err(backend)?,
+                        )
+                    }),
+                    ExpertHome::ExpertGpus => None,
                 };
                 DeviceFeedForward::Sparse(Box::new(DeviceMoe {
                     gate: get(Tensor::Gate(l))?,
@@ -471,7 +538,7 @@ impl<T: CudaElement> DeviceModel<T> {
                     correction_bias,
                     w13,
                     w2,
-                    tables: Some(tables),
+                    tables,
                     expert_bias: match expert_bias {
                         Some((gate_up, down)) => Some((
                             gpu.upload(&gate_up).map_err(backend)?,
@@ -537,8 +604,19 @@ impl<T: CudaElement> DeviceModel<T> {
             layout,
             gpu,
             workspace,
+            experts_here,
+            weight_bytes: uploaded,
             experts: None,
         })
+    }
+
+    fn weight_bytes_per_gpu(&self) -> Vec<u64> {
+        let mut bytes = match &self.experts {
+            Some(gpus) => gpus.held_bytes(),
+            None => vec![0],
+        };
+        bytes[0] += self.weight_bytes;
+        bytes
     }
 
     fn reserve(
@@ -613,6 +691,13 @@ impl<T: CudaElement> DeviceModel<T> {
                 ),
             });
         }
+        if opts.moe.experts.is_none() && self.experts_here == ExpertHome::ExpertGpus {
+            return Err(ModelError::InvalidInput {
+                message: "this CUDA model was built for expert parallelism: its experts live on \
+                          the expert GPUs, so every forward needs the placement"
+                    .into(),
+            });
+        }
         let expert_parallel = match opts.moe.experts {
             Some(ep) => {
                 match &mut self.experts {
@@ -662,6 +747,7 @@ impl<T: CudaElement> DeviceModel<T> {
             kv,
             workspace,
             experts,
+            ..
         } = self;
         let mut step = CudaStep::new(
             StepModel {

@@ -23,6 +23,14 @@ impl CudaMoeModel {
         )))
     }
 
+    pub fn expert_parallel(
+        model: &MoeModel,
+        layout: KvCacheLayout,
+        ordinal: usize,
+    ) -> Result<Self> {
+        Self::new(model, layout, ordinal)
+    }
+
     pub fn with_dtype(
         model: &MoeModel,
         layout: KvCacheLayout,

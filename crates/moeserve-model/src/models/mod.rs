@@ -20,6 +20,6 @@ pub(crate) mod workspace;
 
 pub use cuda::CudaMoeModel;
 #[cfg(feature = "cuda")]
-pub use cuda::{StepShape, step_plan};
+pub use cuda::{StepShape, step_plan, weight_bytes_per_gpu};
 pub use decoder::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 pub use workspace::ForwardWorkspace;

@@ -244,6 +244,21 @@ impl<T: CudaElement> ExpertGpus<T> {
         Ok(())
     }
 
+    /// Bytes of expert weights each GPU holds.
+    pub(super) fn held_bytes(&self) -> Vec<u64> {
+        self.held
+            .iter()
+            .map(|layers| {
+                let elements: usize = layers
+                    .iter()
+                    .flat_map(|held| held.values())
+                    .map(|w| w.w13.len() + w.w2.len())
+                    .sum();
+                (elements * std::mem::size_of::<T>()) as u64
+            })
+            .collect()
+    }
+
     pub(super) fn placement(&self) -> &ExpertPlacement {
         &self.placement
     }

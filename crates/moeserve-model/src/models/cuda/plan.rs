@@ -260,7 +260,7 @@ impl DecoderOps for Planner<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::config::ModelConfig;
     use moeserve_formats::presets::Preset;

@@ -176,65 +176,68 @@ pub(super) struct RandomWeights {
     pub seed: u64,
 }
 
+/// `(elements, fan-in)` of tensor `t` of a model of `c`; fan-in 0 marks a norm.
+pub(super) fn tensor_shape(c: &ModelConfig, t: Tensor) -> (usize, usize) {
+    let (h, kv, heads) = (c.hidden_size, c.kv_dim(), c.num_attention_heads);
+    // The query's width and o_proj's input (MLA: heads of qk_head_dim, of v_head_dim).
+    let (q, o_in) = match &c.mla {
+        Some(m) => (heads * m.qk_head_dim(), heads * m.v_head_dim),
+        None => (c.q_dim(), c.q_dim()),
+    };
+    // MLA's q LoRA rank, kv LoRA rank, latent row, nope and value widths.
+    let (q_rank, r, latent, nope, v) = c.mla.as_ref().map_or((0, 0, 0, 0, 0), |m| {
+        (
+            m.q_lora_rank.unwrap_or(0),
+            m.kv_lora_rank,
+            m.latent_dim(),
+            m.qk_nope_head_dim,
+            m.v_head_dim,
+        )
+    });
+    let (i, dense_i) = (c.moe_intermediate_size, c.intermediate_size);
+    let shared_i = c.shared_expert.map_or(0, |s| s.intermediate_size);
+    let (q_norm, k_norm) = match c.attention.qk_norm {
+        QkNorm::Flat => (q, kv),
+        QkNorm::PerHead | QkNorm::None => (c.head_dim, c.head_dim),
+    };
+    match t {
+        Tensor::Embed => (c.vocab_size * h, 1),
+        Tensor::LmHead => (c.vocab_size * h, h),
+        Tensor::Norm | Tensor::InputNorm(_) | Tensor::PostNorm(_) => (h, 0),
+        Tensor::Attention(_, role) => match role {
+            LayerWeight::QProj => (q * h, h),
+            LayerWeight::KProj | LayerWeight::VProj => (kv * h, h),
+            LayerWeight::OProj => (h * o_in, o_in),
+            LayerWeight::QBias => (q, h),
+            LayerWeight::KBias | LayerWeight::VBias => (kv, h),
+            LayerWeight::OBias => (h, o_in),
+            LayerWeight::QNorm => (q_norm, 0),
+            LayerWeight::KNorm => (k_norm, 0),
+            LayerWeight::InputNorm | LayerWeight::PostNorm => (h, 0),
+            LayerWeight::QAProj => (q_rank * h, h),
+            LayerWeight::QABias => (q_rank, h),
+            LayerWeight::QANorm => (q_rank, 0),
+            LayerWeight::QBProj => (q * q_rank, q_rank),
+            LayerWeight::KvAProj => (latent * h, h),
+            LayerWeight::KvABias => (latent, h),
+            LayerWeight::KvANorm => (r, 0),
+        },
+        Tensor::AbsorbKey(_) => (heads * r * nope, r),
+        Tensor::ExpandValue(_) => (heads * v * r, r),
+        Tensor::Gate(_) => (c.num_local_experts * h, h),
+        Tensor::W13(..) => (2 * i * h, h),
+        Tensor::W2(..) => (h * i, i),
+        Tensor::DenseW13(_) => (2 * dense_i * h, h),
+        Tensor::DenseW2(_) => (h * dense_i, dense_i),
+        Tensor::SharedW13(_) => (2 * shared_i * h, h),
+        Tensor::SharedW2(_) => (h * shared_i, shared_i),
+        Tensor::SharedGate(_) => (h, h),
+    }
+}
+
 impl<T: CudaElement> WeightSource<T> for RandomWeights {
     fn tensor(&mut self, gpu: &CudaBackend, t: Tensor) -> Result<CudaSlice<T>, CudaError> {
-        let c = &self.config;
-        let (h, kv, heads) = (c.hidden_size, c.kv_dim(), c.num_attention_heads);
-        // The query's width and o_proj's input (MLA: heads of qk_head_dim, of v_head_dim).
-        let (q, o_in) = match &c.mla {
-            Some(m) => (heads * m.qk_head_dim(), heads * m.v_head_dim),
-            None => (c.q_dim(), c.q_dim()),
-        };
-        // MLA's q LoRA rank, kv LoRA rank, latent row, nope and value widths.
-        let (q_rank, r, latent, nope, v) = c.mla.as_ref().map_or((0, 0, 0, 0, 0), |m| {
-            (
-                m.q_lora_rank.unwrap_or(0),
-                m.kv_lora_rank,
-                m.latent_dim(),
-                m.qk_nope_head_dim,
-                m.v_head_dim,
-            )
-        });
-        let (i, dense_i) = (c.moe_intermediate_size, c.intermediate_size);
-        let shared_i = c.shared_expert.map_or(0, |s| s.intermediate_size);
-        let (q_norm, k_norm) = match c.attention.qk_norm {
-            QkNorm::Flat => (q, kv),
-            QkNorm::PerHead | QkNorm::None => (c.head_dim, c.head_dim),
-        };
-        // (elements, fan-in); fan-in 0 marks a norm (ones).
-        let (len, fan_in) = match t {
-            Tensor::Embed => (c.vocab_size * h, 1),
-            Tensor::LmHead => (c.vocab_size * h, h),
-            Tensor::Norm | Tensor::InputNorm(_) | Tensor::PostNorm(_) => (h, 0),
-            Tensor::Attention(_, role) => match role {
-                LayerWeight::QProj => (q * h, h),
-                LayerWeight::KProj | LayerWeight::VProj => (kv * h, h),
-                LayerWeight::OProj => (h * o_in, o_in),
-                LayerWeight::QBias => (q, h),
-                LayerWeight::KBias | LayerWeight::VBias => (kv, h),
-                LayerWeight::OBias => (h, o_in),
-                LayerWeight::QNorm => (q_norm, 0),
-                LayerWeight::KNorm => (k_norm, 0),
-                LayerWeight::InputNorm | LayerWeight::PostNorm => (h, 0),
-                LayerWeight::QAProj => (q_rank * h, h),
-                LayerWeight::QABias => (q_rank, h),
-                LayerWeight::QANorm => (q_rank, 0),
-                LayerWeight::QBProj => (q * q_rank, q_rank),
-                LayerWeight::KvAProj => (latent * h, h),
-                LayerWeight::KvABias => (latent, h),
-                LayerWeight::KvANorm => (r, 0),
-            },
-            Tensor::AbsorbKey(_) => (heads * r * nope, r),
-            Tensor::ExpandValue(_) => (heads * v * r, r),
-            Tensor::Gate(_) => (c.num_local_experts * h, h),
-            Tensor::W13(..) => (2 * i * h, h),
-            Tensor::W2(..) => (h * i, i),
-            Tensor::DenseW13(_) => (2 * dense_i * h, h),
-            Tensor::DenseW2(_) => (h * dense_i, dense_i),
-            Tensor::SharedW13(_) => (2 * shared_i * h, h),
-            Tensor::SharedW2(_) => (h * shared_i, shared_i),
-            Tensor::SharedGate(_) => (h, h),
-        };
+        let (len, fan_in) = tensor_shape(&self.config, t);
         if fan_in == 0 {
             return gpu.upload(&vec![T::from_f32(1.0); len]);
         }
