@@ -271,6 +271,22 @@ fn a_decode_step_does_what_its_plan_says() {
             c.num_moe_layers(),
             "{case}: routing record"
         );
+        for (l, layer) in record.layers.iter().enumerate() {
+            assert_eq!(
+                layer.device_pairs,
+                [c.num_experts_per_tok as u64],
+                "{case} {l}"
+            );
+            assert!(
+                layer.device_seconds[0] > 0.0,
+                "{case} layer {l}: expert time"
+            );
+            assert_eq!(
+                layer.chosen_experts.len(),
+                c.num_experts_per_tok,
+                "{case} {l}"
+            );
+        }
     }
 }
 
@@ -562,6 +578,15 @@ fn expert_parallel_matches_plain(case: &str) {
                 layer.counts.computed(),
                 "{case} {what}: layer {l}: every pair once"
             );
+            // Each device's expert time, measured by CUDA events on its stream.
+            assert_eq!(layer.device_seconds.len(), devices, "{case} {what}");
+            for (p, t) in layer.device_pairs.iter().zip(&layer.device_seconds) {
+                assert_eq!(
+                    *p > 0,
+                    *t > 0.0,
+                    "{case} {what}: layer {l}: {p} pairs in {t} s"
+                );
+            }
         }
     }
 }

@@ -402,10 +402,28 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// A timing event recorded on the stream now: the GPU time between two marks is the work
+    /// queued between them ([`GpuMark::seconds_until`]).
+    pub fn mark(&self) -> Result<GpuMark, CudaError> {
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        Ok(GpuMark(self.stream.record_event(Some(flags))?))
+    }
+
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.count(Work::Sync);
         Ok(self.stream.synchronize()?)
+    }
+}
+
+/// A point on a backend's stream (a CUDA event with timing), from [`CudaBackend::mark`].
+pub struct GpuMark(cudarc::driver::CudaEvent);
+
+impl GpuMark {
+    /// Seconds of GPU time from this mark to `end` (a later mark on the same stream); waits
+    /// for `end` if the stream has not reached it (read them after the step's sync).
+    pub fn seconds_until(&self, end: &GpuMark) -> Result<f64, CudaError> {
+        Ok(f64::from(self.0.elapsed_ms(&end.0)?) / 1e3)
     }
 }
 

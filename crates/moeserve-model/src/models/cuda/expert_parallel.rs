@@ -20,12 +20,24 @@ use moeserve_backend::cuda::gemm::{GemmShape, matmul_wt};
 use moeserve_backend::cuda::nccl::NcclGroup;
 use moeserve_backend::cuda::ops;
 use moeserve_backend::cuda::{
-    CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut,
+    CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut, GpuMark,
 };
 use moeserve_core::{ExpertId, ExpertPlacement};
 
 use super::weights::{host_values, stacked_w13};
 use crate::moe::ExpertParallel;
+
+/// A device's expert compute: marks on its stream before and after.
+pub(super) type Span = (GpuMark, GpuMark);
+
+/// Each span's GPU seconds (0 for a device that had nothing to compute); read after the
+/// step's wait, so no extra one.
+pub(super) fn span_seconds(spans: &[Option<Span>]) -> Result<Vec<f64>, CudaError> {
+    spans
+        .iter()
+        .map(|s| s.as_ref().map_or(Ok(0.0), |(a, b)| a.seconds_until(b)))
+        .collect()
+}
 
 /// Where one layer's permuted rows belong.
 #[derive(Clone, Copy)]
@@ -265,16 +277,17 @@ impl<T: CudaElement> ExpertGpus<T> {
 
     /// One layer's experts: `permuted` (GPU 0) holds the rows of segment `s` at
     /// `offsets[s]..offsets[s + 1]`; the outputs land in `expert_out` (GPU 0) row for row.
-    /// Returns the rows each device computed.
+    /// Returns the rows each device computed and, when `timed`, each one's compute span
+    /// (CUDA events on its stream, read at the step's end for the per-device expert seconds).
     pub(super) fn run(
         &self,
         gpu0: &CudaBackend,
         step: LayerRows<'_>,
         permuted: CudaView<'_, T>,
         expert_out: CudaViewMut<'_, T>,
-        hidden: usize,
-        intermediate: usize,
-    ) -> Result<Vec<u64>, CudaError> {
+        (hidden, intermediate): (usize, usize),
+        timed: bool,
+    ) -> Result<(Vec<u64>, Vec<Option<Span>>), CudaError> {
         let LayerRows {
             layer,
             layout,
@@ -304,6 +317,7 @@ impl<T: CudaElement> ExpertGpus<T> {
         self.nccl.all_to_all_v(&send, &counts, &mut recv)?;
         // Each device's segments, then its outputs back to GPU 0 in the same order.
         let mut outputs = Vec::with_capacity(n);
+        let mut spans = Vec::with_capacity(n);
         let mut first_row = 0;
         for (d, input) in inputs.iter().enumerate() {
             let part = DevicePart {
@@ -314,10 +328,20 @@ impl<T: CudaElement> ExpertGpus<T> {
                 hidden,
                 intermediate,
             };
-            outputs.push(match input {
-                Some(input) => Some(self.device_experts(&part, layer, layout, offsets, input)?),
-                None => None,
-            });
+            let (output, span) = match input {
+                Some(input) => {
+                    let start = timed.then(|| part.b.mark()).transpose()?;
+                    let out = self.device_experts(&part, layer, layout, offsets, input)?;
+                    let span = match start {
+                        Some(start) => Some((start, part.b.mark()?)),
+                        None => None,
+                    };
+                    (Some(out), span)
+                }
+                None => (None, None),
+            };
+            outputs.push(output);
+            spans.push(span);
             first_row += rows[d];
         }
         let mut counts = vec![vec![0usize; n]; n];
@@ -332,7 +356,7 @@ impl<T: CudaElement> ExpertGpus<T> {
             .chain((1..n).map(|_| None))
             .collect();
         self.nccl.all_to_all_v(&send, &counts, &mut recv)?;
-        Ok(rows.into_iter().map(|r| r as u64).collect())
+        Ok((rows.into_iter().map(|r| r as u64).collect(), spans))
     }
 
     /// One device's segments of one layer over its received rows (at least one): `w1 | w3`

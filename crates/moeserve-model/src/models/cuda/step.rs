@@ -18,7 +18,7 @@ use moeserve_backend::cuda::{
 };
 use moeserve_core::ExpertId;
 
-use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout};
+use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout, Span, span_seconds};
 use super::host_step::{HostRouting, StepInputs, dropless_routing};
 use super::workspace::{MlpViews, MoeViews, StepDims, StepViews, StepWorkspace, ViewMut};
 use super::{DeviceFeedForward, DeviceLatent, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
@@ -70,6 +70,18 @@ struct OutputViews<'w, T> {
     offsets_host: &'w mut PinnedHostSlice<i32>,
 }
 
+/// A layer's routing summary before the step's end.
+struct PendingRecord {
+    /// The host router's summary; `None` for a layer routed on the device, summarised from
+    /// its routing as read back.
+    summary: Option<LayerRouting>,
+    moe_layer: usize,
+    /// Rows each device computed (expert parallelism); one GPU computes every kept pair.
+    device_pairs: Vec<u64>,
+    /// Each device's expert compute, as two marks on its stream (`None`: it had no rows).
+    spans: Vec<Option<Span>>,
+}
+
 /// What a step reads of the device model.
 pub(super) struct StepModel<'m, T> {
     pub(super) gpu: &'m CudaBackend,
@@ -94,9 +106,9 @@ pub(super) struct CudaStep<'m, T> {
     moe: MoeViews<'m, T>,
     mlp: MlpViews<'m, T>,
     out: OutputViews<'m, T>,
-    /// MoE layers routed on the device: their routing summaries are read back once, with the
-    /// logits, at the end of the step.
-    device_routed: Vec<usize>,
+    /// The MoE layers' routing summaries, completed at the end of the step (the device-routed
+    /// layers' routing and every layer's expert timings are read then, after the one wait).
+    records: Vec<PendingRecord>,
     /// The step's logits, once `logits` ran.
     pub(super) logits: Vec<f32>,
 }
@@ -164,7 +176,7 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
                 topk_ids_host,
                 offsets_host,
             },
-            device_routed: Vec::new(),
+            records: Vec::new(),
             logits: Vec::new(),
         })
     }
@@ -579,7 +591,7 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
         // The step's results come back together: the logits and, for layers routed on the
         // device, their routing; one wait for all.
         gpu.copy_dtoh_pinned(&o.logits, o.logits_host)?;
-        let record = self.wants.routing && !self.device_routed.is_empty();
+        let record = self.records.iter().any(|r| r.summary.is_none());
         if record {
             gpu.copy_dtoh_pinned(&self.moe.topk_ids, o.topk_ids_host)?;
             gpu.copy_dtoh_pinned(&self.moe.offsets, o.offsets_host)?;
@@ -589,19 +601,34 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
         self.logits.clear();
         self.logits
             .extend(logits[..rows * c.vocab_size].iter().map(|v| v.to_f32()));
-        if record {
-            let (pairs, width) = (self.moe.pairs, self.moe.segments + 1);
-            let ids = gpu.pinned_contents(o.topk_ids_host)?;
-            let offsets = gpu.pinned_contents(o.offsets_host)?;
-            for &layer in &self.device_routed {
-                let offsets: Vec<usize> = offsets[layer * width..(layer + 1) * width]
-                    .iter()
-                    .map(|o| *o as usize)
-                    .collect();
-                let chosen = ids[layer * pairs..(layer + 1) * pairs].to_vec();
-                let k = self.m.config.num_experts_per_tok;
-                (self.observe)(Observed::Routing(dropless_routing(&offsets, chosen, k)));
-            }
+        let (pairs, width) = (self.moe.pairs, self.moe.segments + 1);
+        let (ids, offsets) = match record {
+            true => (
+                gpu.pinned_contents(o.topk_ids_host)?,
+                gpu.pinned_contents(o.offsets_host)?,
+            ),
+            false => (&[][..], &[][..]),
+        };
+        let k = self.m.config.num_experts_per_tok;
+        for pending in self.records.drain(..) {
+            let layer = pending.moe_layer;
+            let mut summary = match pending.summary {
+                Some(summary) => summary,
+                None => {
+                    let offsets: Vec<usize> = offsets[layer * width..(layer + 1) * width]
+                        .iter()
+                        .map(|o| *o as usize)
+                        .collect();
+                    let chosen = ids[layer * pairs..(layer + 1) * pairs].to_vec();
+                    dropless_routing(&offsets, chosen, k)
+                }
+            };
+            summary.device_pairs = match pending.device_pairs.is_empty() {
+                true => vec![summary.expert_load.iter().map(|l| u64::from(*l)).sum()],
+                false => pending.device_pairs,
+            };
+            summary.device_seconds = span_seconds(&pending.spans)?;
+            (self.observe)(Observed::Routing(summary));
         }
         Ok(())
     }
@@ -662,8 +689,8 @@ impl<T: CudaElement> CudaStep<'_, T> {
         let mut offsets = b
             .offsets
             .slice_mut(moe_layer * width..(moe_layer + 1) * width);
-        // Set by host routing; sent once the experts ran (with their devices' rows).
-        let mut pending: Option<LayerRouting> = None;
+        // Set by host routing; completed at the step's end (with the devices' rows and times).
+        let mut summary: Option<LayerRouting> = None;
         let mut layout: Option<SegmentLayout> = None;
         let host_offsets: Option<Vec<usize>> = if on_device {
             let mut offsets = offsets.slice_mut(..e + 1);
@@ -692,7 +719,6 @@ impl<T: CudaElement> CudaStep<'_, T> {
                 add_router_bias(&mut logits, block.router_bias_host.as_deref(), e);
                 (self.observe)(Observed::RouterLogits(logits));
             }
-            self.device_routed.push(moe_layer);
             match &block.tables {
                 Some(_) if pairs <= ops::MOE_GEMM_ROWS * e => None,
                 _ => Some(
@@ -741,7 +767,7 @@ impl<T: CudaElement> CudaStep<'_, T> {
             let used = host.offsets.len();
             gpu.copy_htod(&host.offsets, &mut offsets.slice_mut(..used))?;
             if wants.routing {
-                pending = Some(LayerRouting::from_routed(&routed, &wants.capacity));
+                summary = Some(LayerRouting::from_routed(&routed, &wants.capacity));
             }
             if wants.trace {
                 (self.observe)(Observed::RouterLogits(logits));
@@ -765,7 +791,7 @@ impl<T: CudaElement> CudaStep<'_, T> {
             b.permuted.as_view_mut(),
             b.pair_of_row.as_view_mut(),
         )?;
-        let device_pairs = match (self.m.experts, &layout, &host_offsets) {
+        let (device_pairs, spans) = match (self.m.experts, &layout, &host_offsets) {
             (Some(gpus), Some(layout), Some(host_offsets)) => {
                 let rows = LayerRows {
                     layer: moe_layer,
@@ -777,8 +803,8 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     rows,
                     b.permuted.as_view(),
                     b.expert_out.as_view_mut(),
-                    h,
-                    inter,
+                    (h, inter),
+                    wants.routing,
                 )?
             }
             _ => {
@@ -806,6 +832,7 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     }
                 };
                 let tables = block.tables.as_ref();
+                let start = wants.routing.then(|| gpu.mark()).transpose()?;
                 gemm(
                     b.permuted.as_view(),
                     &block.w13,
@@ -836,12 +863,20 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     let (bias, offsets) = (down_bias.as_view(), routing.offsets.slice(..));
                     ops::add_segment_bias(gpu, b.expert_out.as_view_mut(), bias, offsets, h)?;
                 }
-                Vec::new()
+                let span = match start {
+                    Some(start) => Some((start, gpu.mark()?)),
+                    None => None,
+                };
+                (Vec::new(), vec![span])
             }
         };
-        if let Some(mut summary) = pending {
-            summary.device_pairs = device_pairs;
-            (self.observe)(Observed::Routing(summary));
+        if wants.routing {
+            self.records.push(PendingRecord {
+                summary,
+                moe_layer,
+                device_pairs,
+                spans,
+            });
         }
         let delta = &mut self.acts[Act::Delta.index()];
         ops::moe_unpermute(gpu, b.expert_out.as_view(), &routing, delta.as_view_mut())
