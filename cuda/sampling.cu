@@ -3,7 +3,9 @@
 // copies back two numbers per sequence instead of a vocabulary of logits. Other sampling
 // (temperature, top-p, top-k, penalties) copies the last-token logits back to the host sampler.
 
-// logits: [num_rows, vocab]. Grid: one block per row; blockDim.x a multiple of 32.
+// logits: [num_rows, vocab]. Grid: one block per row; blockDim.x a multiple of 32. A row the
+// CPU sampler would refuse (a NaN or +inf logit, or every logit -inf) gets token -1, so the
+// engine fails that request alone as it does on the CPU.
 template <typename T>
 __device__ void argmax_logprob(const T* logits, int* token_ids, float* logprobs, int vocab) {
     __shared__ float scratch[32];
@@ -12,10 +14,13 @@ __device__ void argmax_logprob(const T* logits, int* token_ids, float* logprobs,
     const T* row = logits + (i64)blockIdx.x * vocab;
     float best = NEG_INF;
     int best_id = vocab;
+    float bad = 0.0f;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float v = to_f32(row[i]);
+        if (v != v || v == -NEG_INF) bad = 1.0f;
         if (v > best) best = v, best_id = i;  // i grows, so ties keep the lower id
     }
+    bad = block_max(bad, scratch);
     for (int offset = 16; offset > 0; offset >>= 1) {
         const float other = __shfl_xor_sync(0xffffffffu, best, offset);
         const int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
@@ -37,7 +42,8 @@ __device__ void argmax_logprob(const T* logits, int* token_ids, float* logprobs,
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(to_f32(row[i]) - row_max);
     sum = block_sum(sum, scratch);
     if (threadIdx.x == 0) {
-        token_ids[blockIdx.x] = best_ids[0];
+        const bool refused = bad > 0.0f || best_ids[0] >= vocab;
+        token_ids[blockIdx.x] = refused ? -1 : best_ids[0];
         logprobs[blockIdx.x] = -logf(sum);  // log softmax at the max: (max - max) - log Σ
     }
 }

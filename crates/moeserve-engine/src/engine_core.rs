@@ -12,7 +12,9 @@ use moeserve_backend::device::Device;
 use moeserve_core::{BlockId, CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
-use moeserve_model::models::{CudaMoeModel, ForwardOptions, ForwardWorkspace, MoeModel};
+use moeserve_model::models::{
+    CudaMoeModel, ForwardOptions, ForwardWorkspace, Greedy, GreedyRows, MoeModel,
+};
 use moeserve_model::moe::MoeStepRecord;
 use moeserve_structured::Grammar;
 
@@ -22,7 +24,7 @@ use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
 use crate::request::{GenerateOutput, GenerateRequest, RequestTimings, RoutedExpertsMode};
 use crate::routing_capture::RoutingCapture;
-use crate::sampler::{SampleOutput, SamplerState};
+use crate::sampler::{SampleOutput, SamplerError, SamplerState, needs_only_greedy};
 use crate::scheduler::{Forked, Scheduler, SchedulerLimits, SchedulerOutput, Unservable};
 use crate::stats::EngineStats;
 use crate::{EngineError, Result};
@@ -193,6 +195,9 @@ pub struct EngineCore {
     logits: Vec<f32>,
     /// The last step's token ids, kept for the buffer.
     step_tokens: Vec<u32>,
+    /// Which of the step's logits rows only need their greedy token (reduced on the GPU), and
+    /// what the GPU made of them.
+    greedy: GreedyRows,
 }
 
 impl EngineCore {
@@ -284,6 +289,7 @@ impl EngineCore {
             record: MoeStepRecord::default(),
             logits: Vec::new(),
             step_tokens: Vec::new(),
+            greedy: GreedyRows::default(),
         })
     }
 
@@ -411,6 +417,7 @@ impl EngineCore {
         record.clear();
         let mut logits = std::mem::take(&mut self.logits);
         let mut grammars = self.take_grammars(&plan);
+        self.mark_greedy_rows(&plan, &grammars);
         let forwarded = self.forward_while_masking(&plan, &mut record, &mut logits, &mut grammars);
         if forwarded.is_ok() {
             self.account_moe(&plan, &record);
@@ -458,6 +465,27 @@ impl EngineCore {
         }
         self.moe
             .finish_step(self.stats.num_steps, record, &self.assets);
+    }
+
+    /// On a GPU, the logits rows whose sequences need only the greedy token (no bias,
+    /// penalties, top logprobs or grammar, and no choices forked from them): the device
+    /// reduces those to two numbers instead of copying the row back.
+    fn mark_greedy_rows(&mut self, plan: &SchedulerOutput, grammars: &[StepGrammar]) {
+        self.greedy.wanted.clear();
+        self.greedy.reduced.clear();
+        if !matches!(self.executor, Executor::Cuda(_)) {
+            return;
+        }
+        for (row, s) in plan.scheduled.iter().enumerate() {
+            let wanted = s.samples
+                && !grammars.iter().any(|g| g.row == row)
+                && !self.scheduler.has_forks(s.id)
+                && self
+                    .states
+                    .get(&s.id)
+                    .is_some_and(|r| needs_only_greedy(&r.params));
+            self.greedy.wanted.push(wanted);
+        }
     }
 
     /// The grammars of the step's constrained sequences that sample a token.
@@ -625,8 +653,10 @@ impl EngineCore {
             token_ids,
             sequences: &sequences,
         };
+        let greedy = (!self.greedy.wanted.is_empty()).then_some(&mut self.greedy);
         let opts = ForwardOptions {
             moe: self.moe.options(record),
+            greedy,
             ..Default::default()
         };
         match &mut self.executor {
@@ -666,8 +696,30 @@ impl EngineCore {
             .collect();
         debug_assert_eq!(jobs.len(), rows.len(), "every sampling request has state");
         jobs.sort_unstable_by_key(|(row, id, _)| (*row, *id));
+        let reduced = &self.greedy.reduced;
         jobs.par_iter_mut()
             .map(|(row, id, state)| {
+                // A row the GPU reduced to its greedy token is not in the logits.
+                match reduced.get(*row) {
+                    Some(Greedy::Token {
+                        id: token_id,
+                        logprob,
+                    }) => {
+                        let sample = SampleOutput {
+                            token_id: *token_id,
+                            logprob: *logprob,
+                            top_logprobs: Vec::new(),
+                        };
+                        return (*id, Ok(sample));
+                    }
+                    Some(Greedy::NotFinite) => {
+                        let error = SamplerError::InvalidLogits {
+                            message: "a logit is NaN or +inf, or all are -inf".into(),
+                        };
+                        return (*id, Err(error.to_string()));
+                    }
+                    Some(Greedy::Logits) | None => {}
+                }
                 let sampled = state
                     .sampler
                     .sample(

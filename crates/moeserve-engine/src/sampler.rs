@@ -32,6 +32,20 @@ pub enum SamplerError {
     },
 }
 
+/// Whether sampling under `params` is the argmax of the raw logits and nothing else: greedy,
+/// no logit bias, no penalties, no top logprobs. A backend may then reduce the row to that
+/// token and its logprob where the logits are (the GPU) and copy back two numbers.
+pub fn needs_only_greedy(params: &SamplingParams) -> bool {
+    let repetition = params.repetition_penalty;
+    let penalised = (repetition.is_finite() && repetition > 0.0 && repetition != 1.0)
+        || params.frequency_penalty != 0.0
+        || params.presence_penalty != 0.0;
+    params.temperature < GREEDY_TEMPERATURE_EPS
+        && params.logit_bias.is_empty()
+        && !penalised
+        && params.logprobs.unwrap_or(0) == 0
+}
+
 /// The chosen token with its log-probability under the raw model distribution.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampleOutput {
@@ -344,6 +358,49 @@ impl TokenHistory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_plain_greedy_sampling_may_be_reduced_on_the_device() {
+        let greedy = SamplingParams::greedy(8);
+        assert!(needs_only_greedy(&greedy));
+        // The chosen token's logprob is part of the reduction; top logprobs are not.
+        assert!(needs_only_greedy(&SamplingParams {
+            logprobs: Some(0),
+            ..greedy.clone()
+        }));
+        for other in [
+            SamplingParams::default(),
+            SamplingParams {
+                logprobs: Some(1),
+                ..greedy.clone()
+            },
+            SamplingParams {
+                logit_bias: vec![(3, 1.0)],
+                ..greedy.clone()
+            },
+            SamplingParams {
+                repetition_penalty: 1.1,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..greedy.clone()
+            },
+        ] {
+            assert!(!needs_only_greedy(&other), "{other:?}");
+        }
+        // What the device computes is what the sampler computes for such a request.
+        let logits = [0.5, 2.0, -1.0, 2.0];
+        let out = SamplerState::new(&greedy)
+            .sample(&logits, &greedy, &[], &[])
+            .unwrap();
+        assert_eq!(out.token_id, 1, "ties to the lower id");
+        assert!(out.top_logprobs.is_empty());
+    }
 
     fn params(temperature: f32) -> SamplingParams {
         SamplingParams {

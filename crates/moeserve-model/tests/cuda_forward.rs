@@ -24,8 +24,8 @@ use moeserve_core::DType;
 use moeserve_core::ExpertPlacement;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::models::{
-    CudaMoeModel, ForwardOptions, ForwardTrace, LogitsFor, MoeModel, StepShape, step_plan,
-    weight_bytes_per_gpu,
+    CudaMoeModel, ForwardOptions, ForwardTrace, Greedy, GreedyRows, LogitsFor, MoeModel, StepShape,
+    step_plan, weight_bytes_per_gpu,
 };
 use moeserve_model::moe::{
     Capacity, ExpertParallel, InProcessAllToAll, MoeOptions, MoeStepRecord, OverflowPolicy,
@@ -250,7 +250,7 @@ fn a_decode_step_does_what_its_plan_says() {
             token_ids: &[token],
             sequences: &seq,
         };
-        seqs.gpu.forward(&batch, opts).expect("GPU forward");
+        let logits = seqs.gpu.forward(&batch, opts).expect("GPU forward");
         let did = seqs.gpu.work_counts() - before;
         let c = model.config();
         let shape = StepShape {
@@ -286,6 +286,47 @@ fn a_decode_step_does_what_its_plan_says() {
                 c.num_experts_per_tok,
                 "{case} {l}"
             );
+        }
+        // The same step again (it rewrites the same KV slot with the same values), its row
+        // reduced to the greedy token on the device: the host's argmax and logprob of the
+        // logits above, two numbers back instead of the row.
+        let mut greedy = GreedyRows {
+            wanted: vec![true],
+            ..Default::default()
+        };
+        let before = seqs.gpu.work_counts();
+        let opts = ForwardOptions {
+            greedy: Some(&mut greedy),
+            moe: MoeOptions {
+                record: Some(&mut MoeStepRecord::default()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        seqs.gpu.forward(&batch, opts).expect("GPU forward");
+        let did = seqs.gpu.work_counts() - before;
+        let greedy_plan = step_plan(
+            c,
+            StepShape {
+                greedy_rows: 1,
+                ..shape
+            },
+        );
+        assert_eq!(
+            did, greedy_plan,
+            "{case}: a greedy decode step against its plan"
+        );
+        let want = argmax(&logits);
+        let want_logprob = log_softmax(&logits)[want as usize];
+        match greedy.reduced[..] {
+            [Greedy::Token { id, logprob }] => {
+                assert_eq!(id, want, "{case}: greedy token on the device");
+                assert!(
+                    (logprob - want_logprob).abs() < 1e-4,
+                    "{case}: {logprob} vs {want_logprob}"
+                );
+            }
+            ref other => panic!("{case}: greedy outcome {other:?}"),
         }
     }
 }

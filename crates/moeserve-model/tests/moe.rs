@@ -51,6 +51,7 @@ fn run(
             experts,
             record: Some(&mut record),
         },
+        greedy: None,
     };
     let logits = prefill(model, &prompt(model), opts);
     (logits, record, trace)

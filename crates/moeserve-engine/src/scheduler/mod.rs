@@ -231,6 +231,11 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Whether choices wait to be forked from `id` (they sample from its logits row).
+    pub fn has_forks(&self, id: RequestId) -> bool {
+        self.requests.get(&id).is_some_and(|r| !r.forks.is_empty())
+    }
+
     /// Forks the choices held for `parent` once its prompt is computed (call after
     /// [`Self::update_from_output`], before its first token is appended): each shares its
     /// prompt blocks and runs from the next step. Those that cannot be forked now wait at the

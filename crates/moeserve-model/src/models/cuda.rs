@@ -47,15 +47,15 @@ use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice, Wor
 use moeserve_backend::device::CudaDeviceInfo;
 use moeserve_core::DType;
 
-use super::decoder::{ForwardOptions, MoeModel};
+use super::decoder::{ForwardOptions, LogitsFor, MoeModel};
 use super::ops::{LayerWeight, decode};
 use crate::batch::{BatchLimits, ForwardBatch};
 use crate::config::{ModelConfig, QkNorm};
 use crate::kv_cache::KvCacheLayout;
 use crate::{ModelError, Result};
 use expert_parallel::ExpertGpus;
-use host_step::step_inputs;
-use step::{CudaStep, Observed, StepMode, StepModel};
+use host_step::{greedy_order, step_inputs};
+use step::{CudaStep, Observed, RowOrder, StepMode, StepModel, StepRows};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource};
 use workspace::{StepDims, StepWorkspace};
 
@@ -669,7 +669,7 @@ impl<T: CudaElement> DeviceModel<T> {
     fn forward(&mut self, batch: &ForwardBatch<'_>, opts: ForwardOptions<'_>) -> Result<Vec<f32>> {
         opts.moe.check(&self.config)?;
         let c = &self.config;
-        let x = step_inputs(
+        let mut x = step_inputs(
             batch,
             &BatchLimits {
                 vocab_size: c.vocab_size,
@@ -679,6 +679,15 @@ impl<T: CudaElement> DeviceModel<T> {
             },
             opts.logits,
         )?;
+        // Rows that want only their greedy token go last, to be reduced on the device.
+        let greedy = opts.greedy.filter(|g| {
+            opts.logits == LogitsFor::LastTokens && g.wanted.len() == x.logit_rows.len()
+        });
+        let (order, sampled) = match &greedy {
+            Some(g) => greedy_order(&g.wanted),
+            None => ((0..x.logit_rows.len()).collect(), x.logit_rows.len()),
+        };
+        x.logit_rows = order.iter().map(|r| x.logit_rows[*r]).collect();
         let mut trace = opts.trace;
         let mut record = opts.moe.record;
         // The engine refuses this at start-up; the model guards its own callers too.
@@ -758,14 +767,23 @@ impl<T: CudaElement> DeviceModel<T> {
                 experts: experts.as_ref().filter(|_| wants.expert_parallel),
             },
             workspace,
-            dims,
             kv,
-            &x,
+            StepRows {
+                x: &x,
+                dims,
+                rows: RowOrder {
+                    order: &order,
+                    sampled,
+                },
+            },
             wants,
             &mut observe,
         )
         .map_err(backend)?;
         decode(config, &mut step).map_err(backend)?;
+        if let Some(g) = greedy {
+            g.reduced = std::mem::take(&mut step.greedy);
+        }
         Ok(step.logits)
     }
 }

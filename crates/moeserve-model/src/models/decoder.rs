@@ -153,6 +153,9 @@ pub struct ForwardOptions<'a> {
     pub trace: Option<&'a mut ForwardTrace>,
     /// Routing capacity, expert parallelism and the per-layer routing record.
     pub moe: MoeOptions<'a>,
+    /// Logits rows the caller only needs the greedy token of; a backend that reduces them
+    /// itself (CUDA) says so in [`GreedyRows::reduced`] and returns only the others' logits.
+    pub greedy: Option<&'a mut GreedyRows>,
 }
 
 impl Default for ForwardOptions<'_> {
@@ -161,8 +164,33 @@ impl Default for ForwardOptions<'_> {
             logits: LogitsFor::LastTokens,
             trace: None,
             moe: MoeOptions::default(),
+            greedy: None,
         }
     }
+}
+
+/// Which last-token logits rows want only their greedy token, and what the backend made of
+/// them. On CUDA the argmax and its log-probability are computed on the device and only the
+/// other rows' logits come back; the CPU returns every row and leaves `reduced` empty.
+#[derive(Debug, Default)]
+pub struct GreedyRows {
+    /// `[logits rows]`: whether the row's sequence samples greedily with nothing else to do
+    /// on its logits (no penalties, bias, grammar, top logprobs, or forked choices).
+    pub wanted: Vec<bool>,
+    /// `[logits rows]` when the backend reduced the wanted rows (their rows of the returned
+    /// logits are then unspecified), else empty.
+    pub reduced: Vec<Greedy>,
+}
+
+/// One row's outcome under [`GreedyRows`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Greedy {
+    /// Not wanted: sample the row of the returned logits.
+    Logits,
+    /// The argmax (ties to the lower id) and its log-probability under the full softmax.
+    Token { id: u32, logprob: f32 },
+    /// The row has a NaN or +inf logit, or every logit is -inf: the CPU sampler refuses it.
+    NotFinite,
 }
 
 impl MoeModel {

@@ -21,5 +21,5 @@ pub(crate) mod workspace;
 pub use cuda::CudaMoeModel;
 #[cfg(feature = "cuda")]
 pub use cuda::{StepShape, step_plan, weight_bytes_per_gpu};
-pub use decoder::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
+pub use decoder::{ForwardOptions, ForwardTrace, Greedy, GreedyRows, LogitsFor, MoeModel};
 pub use workspace::ForwardWorkspace;

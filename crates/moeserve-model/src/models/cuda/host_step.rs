@@ -62,6 +62,17 @@ pub(super) fn step_inputs(
     })
 }
 
+/// The order of the logits rows on the device when some rows want only their greedy token:
+/// the rows to sample first (their logits come back as one block), then the greedy ones
+/// (reduced on the device). Returns the original row of each device row, and how many rows
+/// come back whole.
+pub(super) fn greedy_order(wanted: &[bool]) -> (Vec<usize>, usize) {
+    let mut order: Vec<usize> = (0..wanted.len()).filter(|r| !wanted[*r]).collect();
+    let sampled = order.len();
+    order.extend((0..wanted.len()).filter(|r| wanted[*r]));
+    (order, sampled)
+}
+
 /// A routing made on the host in the device kernels' layout (see `moe_permute.cu`): per
 /// (token, rank) pair its expert, weight and row within the expert's segment (`-1`: no pair
 /// there, e.g. dropped), and the segments' offsets.
@@ -242,6 +253,15 @@ mod tests {
                 assert!(routed.counts.dropped > 0, "the case must drop something");
             }
         }
+    }
+
+    #[test]
+    fn greedy_rows_go_last_and_the_rest_keep_their_order() {
+        let (order, sampled) = greedy_order(&[true, false, true, false, false]);
+        assert_eq!(order, [1, 3, 4, 0, 2]);
+        assert_eq!(sampled, 3);
+        assert_eq!(greedy_order(&[false, false]), (vec![0, 1], 2));
+        assert_eq!(greedy_order(&[true]), (vec![0], 0));
     }
 
     #[test]

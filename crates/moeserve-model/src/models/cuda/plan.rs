@@ -22,6 +22,8 @@ pub struct StepShape {
     pub tokens: usize,
     /// Rows that get logits.
     pub logit_rows: usize,
+    /// Of those, rows reduced to their greedy token on the device (`ForwardOptions::greedy`).
+    pub greedy_rows: usize,
     /// Layer outputs and router logits read back (a `ForwardTrace`).
     pub trace: bool,
     /// Each MoE layer's routing summary read back (the engine's per-expert load).
@@ -40,6 +42,7 @@ impl StepShape {
         StepShape {
             tokens: sequences,
             logit_rows: sequences,
+            greedy_rows: 0,
             trace: false,
             routing: true,
             capacity: Capacity::Dropless,
@@ -243,7 +246,15 @@ impl DecoderOps for Planner<'_> {
         // layers' routing) back, one wait.
         self.kernels(2);
         self.gemms(1);
-        self.counts.dtoh += 1;
+        let shape = self.shape;
+        if shape.greedy_rows > 0 {
+            // Argmax and logprob of the greedy rows; their tokens and logprobs back.
+            self.kernels(1);
+            self.counts.dtoh += 2;
+        }
+        if shape.greedy_rows < shape.logit_rows {
+            self.counts.dtoh += 1;
+        }
         if self.shape.routing && self.device_routed_layers > 0 {
             self.counts.dtoh += 2;
         }
@@ -294,6 +305,33 @@ pub(crate) mod tests {
         assert_eq!(plan.kernels, 1 + layers * (5 + 7) + 1 + 2, "{plan:?}");
         assert_eq!(plan.memsets, layers);
         assert_eq!(plan.launches(), 6 + 3 + layers * 18 + 5, "{plan:?}");
+    }
+
+    /// Greedy sequences come back as two numbers each: with every row greedy, no logits row
+    /// is copied; mixed with sampled rows, the sampled ones come back as one block.
+    #[test]
+    fn greedy_rows_are_reduced_on_the_device() {
+        let c = config(Preset::Mixtral8x7b2l, 32);
+        let sampled = step_plan(&c, StepShape::decode(8));
+        let greedy = step_plan(
+            &c,
+            StepShape {
+                greedy_rows: 8,
+                ..StepShape::decode(8)
+            },
+        );
+        assert_eq!(greedy.syncs, 1);
+        assert_eq!(greedy.kernels, sampled.kernels + 1);
+        // Tokens and logprobs instead of the logits (and the routing record either way).
+        assert_eq!((sampled.dtoh, greedy.dtoh), (3, 4));
+        let mixed = step_plan(
+            &c,
+            StepShape {
+                greedy_rows: 5,
+                ..StepShape::decode(8)
+            },
+        );
+        assert_eq!(mixed.dtoh, 5);
     }
 
     /// The same step as it ran before the device-offset GEMM and the step-end read back: the

@@ -23,6 +23,7 @@ use super::host_step::{HostRouting, StepInputs, dropless_routing};
 use super::workspace::{MlpViews, MoeViews, StepDims, StepViews, StepWorkspace, ViewMut};
 use super::{DeviceFeedForward, DeviceLatent, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
 use crate::config::{MlaConfig, ModelConfig};
+use crate::models::decoder::Greedy;
 use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write, read_write_mut};
 use crate::moe::record::LayerRouting;
 use crate::moe::{Capacity, RouterConfig, Scoring, route_with_bias};
@@ -65,7 +66,11 @@ struct OutputViews<'w, T> {
     last: CudaViewMut<'w, f32>,
     last_normed: CudaViewMut<'w, T>,
     logits: CudaViewMut<'w, T>,
+    greedy_ids: CudaViewMut<'w, i32>,
+    greedy_logprobs: CudaViewMut<'w, f32>,
     logits_host: &'w mut PinnedHostSlice<T>,
+    greedy_ids_host: &'w mut PinnedHostSlice<i32>,
+    greedy_logprobs_host: &'w mut PinnedHostSlice<f32>,
     topk_ids_host: &'w mut PinnedHostSlice<i32>,
     offsets_host: &'w mut PinnedHostSlice<i32>,
 }
@@ -109,8 +114,30 @@ pub(super) struct CudaStep<'m, T> {
     /// The MoE layers' routing summaries, completed at the end of the step (the device-routed
     /// layers' routing and every layer's expert timings are read then, after the one wait).
     records: Vec<PendingRecord>,
-    /// The step's logits, once `logits` ran.
+    /// The original logits row of each device row, and how many rows (the first) come back
+    /// whole; the others are reduced to their greedy token on the device.
+    row_order: &'m [usize],
+    sampled_rows: usize,
+    /// The step's logits, once `logits` ran (`[rows, vocab]` in the original order; greedy
+    /// rows left zero).
     pub(super) logits: Vec<f32>,
+    /// Per original row: its greedy outcome (`Greedy::Logits` for sampled rows).
+    pub(super) greedy: Vec<Greedy>,
+}
+
+/// A step's tokens on the host, its sizes, and the order of its logits rows.
+pub(super) struct StepRows<'a> {
+    pub(super) x: &'a StepInputs,
+    pub(super) dims: StepDims,
+    pub(super) rows: RowOrder<'a>,
+}
+
+/// How a step returns its logits rows.
+pub(super) struct RowOrder<'a> {
+    /// The original row of each device row (the order of `StepInputs::logit_rows`).
+    pub(super) order: &'a [usize],
+    /// The first `sampled` device rows come back whole; the rest as greedy tokens.
+    pub(super) sampled: usize,
 }
 
 impl<'m, T: CudaElement> CudaStep<'m, T> {
@@ -118,9 +145,8 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
     pub(super) fn new(
         m: StepModel<'m, T>,
         ws: &'m mut StepWorkspace<T>,
-        dims: StepDims,
         kv: &'m mut [LayerCache<T>],
-        x: &'m StepInputs,
+        StepRows { x, dims, rows }: StepRows<'m>,
         wants: StepMode,
         observe: &'m mut dyn FnMut(Observed),
     ) -> std::result::Result<Self, CudaError> {
@@ -139,7 +165,11 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             last,
             last_normed,
             logits,
+            greedy_ids,
+            greedy_logprobs,
             logits_host,
+            greedy_ids_host,
+            greedy_logprobs_host,
             topk_ids_host,
             offsets_host,
         } = ws.views(dims);
@@ -172,12 +202,19 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
                 last,
                 last_normed,
                 logits,
+                greedy_ids,
+                greedy_logprobs,
                 logits_host,
+                greedy_ids_host,
+                greedy_logprobs_host,
                 topk_ids_host,
                 offsets_host,
             },
             records: Vec::new(),
+            row_order: rows.order,
+            sampled_rows: rows.sampled,
             logits: Vec::new(),
+            greedy: Vec::new(),
         })
     }
 
@@ -588,19 +625,52 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
                 k: h,
             },
         )?;
-        // The step's results come back together: the logits and, for layers routed on the
-        // device, their routing; one wait for all.
-        gpu.copy_dtoh_pinned(&o.logits, o.logits_host)?;
+        // Greedy rows (the last ones) reduced here: two numbers each come back, not a row.
+        let (vocab, sampled) = (c.vocab_size, self.sampled_rows);
+        if sampled < rows {
+            ops::argmax_logprob(
+                gpu,
+                o.logits.slice(sampled * vocab..),
+                o.greedy_ids.slice_mut(sampled..),
+                o.greedy_logprobs.slice_mut(sampled..),
+            )?;
+            gpu.copy_dtoh_pinned(&o.greedy_ids.slice(sampled..), o.greedy_ids_host)?;
+            gpu.copy_dtoh_pinned(&o.greedy_logprobs.slice(sampled..), o.greedy_logprobs_host)?;
+        }
+        // The step's results come back together: the sampled rows' logits and, for layers
+        // routed on the device, their routing; one wait for all.
+        if sampled > 0 {
+            gpu.copy_dtoh_pinned(&o.logits.slice(..sampled * vocab), o.logits_host)?;
+        }
         let record = self.records.iter().any(|r| r.summary.is_none());
         if record {
             gpu.copy_dtoh_pinned(&self.moe.topk_ids, o.topk_ids_host)?;
             gpu.copy_dtoh_pinned(&self.moe.offsets, o.offsets_host)?;
         }
         gpu.synchronize()?;
-        let logits = gpu.pinned_contents(o.logits_host)?;
-        self.logits.clear();
-        self.logits
-            .extend(logits[..rows * c.vocab_size].iter().map(|v| v.to_f32()));
+        // Zeroed by the allocator (untouched pages for greedy rows), each sampled row put back
+        // at its original place.
+        self.logits = vec![0.0; rows * vocab];
+        self.greedy = vec![Greedy::Logits; rows];
+        let host = gpu.pinned_contents(o.logits_host)?;
+        for (device_row, &row) in self.row_order[..sampled].iter().enumerate() {
+            let src = &host[device_row * vocab..(device_row + 1) * vocab];
+            let dst = &mut self.logits[row * vocab..(row + 1) * vocab];
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+        }
+        if sampled < rows {
+            let ids = gpu.pinned_contents(o.greedy_ids_host)?;
+            let logprobs = gpu.pinned_contents(o.greedy_logprobs_host)?;
+            for (i, &row) in self.row_order[sampled..].iter().enumerate() {
+                self.greedy[row] = match u32::try_from(ids[i]) {
+                    Ok(id) => Greedy::Token {
+                        id,
+                        logprob: logprobs[i],
+                    },
+                    Err(_) => Greedy::NotFinite,
+                };
+            }
+        }
         let (pairs, width) = (self.moe.pairs, self.moe.segments + 1);
         let (ids, offsets) = match record {
             true => (

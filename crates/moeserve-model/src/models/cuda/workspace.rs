@@ -88,8 +88,13 @@ pub(crate) struct StepWorkspace<T> {
     last: CudaSlice<f32>,
     last_normed: CudaSlice<T>,
     logits: CudaSlice<T>,
-    /// Where the step's results come back: logits, and the routing record.
+    /// Greedy rows' tokens and log-probabilities, reduced on the device.
+    greedy_ids: CudaSlice<i32>,
+    greedy_logprobs: CudaSlice<f32>,
+    /// Where the step's results come back: logits, greedy tokens, and the routing record.
     logits_host: PinnedHostSlice<T>,
+    greedy_ids_host: PinnedHostSlice<i32>,
+    greedy_logprobs_host: PinnedHostSlice<f32>,
     topk_ids_host: PinnedHostSlice<i32>,
     offsets_host: PinnedHostSlice<i32>,
     shape: Shape,
@@ -124,7 +129,11 @@ pub(crate) struct StepViews<'w, T> {
     pub(crate) last: CudaViewMut<'w, f32>,
     pub(crate) last_normed: CudaViewMut<'w, T>,
     pub(crate) logits: CudaViewMut<'w, T>,
+    pub(crate) greedy_ids: CudaViewMut<'w, i32>,
+    pub(crate) greedy_logprobs: CudaViewMut<'w, f32>,
     pub(crate) logits_host: &'w mut PinnedHostSlice<T>,
+    pub(crate) greedy_ids_host: &'w mut PinnedHostSlice<i32>,
+    pub(crate) greedy_logprobs_host: &'w mut PinnedHostSlice<f32>,
     pub(crate) topk_ids_host: &'w mut PinnedHostSlice<i32>,
     pub(crate) offsets_host: &'w mut PinnedHostSlice<i32>,
 }
@@ -232,7 +241,11 @@ impl<T: CudaElement> StepWorkspace<T> {
             last: gpu.zeros(1)?,
             last_normed: gpu.zeros(1)?,
             logits: gpu.zeros(1)?,
+            greedy_ids: gpu.zeros(1)?,
+            greedy_logprobs: gpu.zeros(1)?,
             logits_host: gpu.pinned(1)?,
+            greedy_ids_host: gpu.pinned(1)?,
+            greedy_logprobs_host: gpu.pinned(1)?,
             topk_ids_host: gpu.pinned(1)?,
             offsets_host: gpu.pinned(1)?,
             shape,
@@ -275,7 +288,11 @@ impl<T: CudaElement> StepWorkspace<T> {
         fit(gpu, &mut self.last, r * h)?;
         fit(gpu, &mut self.last_normed, r * h)?;
         fit(gpu, &mut self.logits, r * s.vocab)?;
+        fit(gpu, &mut self.greedy_ids, r)?;
+        fit(gpu, &mut self.greedy_logprobs, r)?;
         fit_pinned(gpu, &mut self.logits_host, r * s.vocab)?;
+        fit_pinned(gpu, &mut self.greedy_ids_host, r)?;
+        fit_pinned(gpu, &mut self.greedy_logprobs_host, r)?;
         fit_pinned(gpu, &mut self.topk_ids_host, layers * pairs)?;
         fit_pinned(gpu, &mut self.offsets_host, layers * (d.segments + 1))?;
         Ok(())
@@ -325,7 +342,11 @@ impl<T: CudaElement> StepWorkspace<T> {
             last: self.last.slice_mut(..r * h),
             last_normed: self.last_normed.slice_mut(..r * h),
             logits: self.logits.slice_mut(..r * s.vocab),
+            greedy_ids: self.greedy_ids.slice_mut(..r),
+            greedy_logprobs: self.greedy_logprobs.slice_mut(..r),
             logits_host: &mut self.logits_host,
+            greedy_ids_host: &mut self.greedy_ids_host,
+            greedy_logprobs_host: &mut self.greedy_logprobs_host,
             topk_ids_host: &mut self.topk_ids_host,
             offsets_host: &mut self.offsets_host,
         }
