@@ -256,6 +256,7 @@ fn a_decode_step_does_what_its_plan_says() {
         let shape = StepShape {
             // Host-routed layers run one cuBLAS call per active expert.
             active_experts: c.num_experts_per_tok,
+            max_context: prompt.len() + 1,
             ..StepShape::decode(1)
         };
         let plan = step_plan(c, shape);

@@ -88,7 +88,7 @@ impl KernelFile {
             KernelFile::RmsNorm => &["rms_norm_residual", "rms_norm_rows"],
             KernelFile::Rope => &["rope"],
             KernelFile::KvCache => &["write_kv"],
-            KernelFile::PagedAttention => &["paged_attention"],
+            KernelFile::PagedAttention => &["paged_attention", "paged_attention_reduce"],
             KernelFile::MoeRouter => &["route_top_k"],
             KernelFile::MoePermute => &["moe_permute", "moe_unpermute"],
             KernelFile::SwiGlu => &["silu_mul", "clamped_swiglu"],

@@ -1,10 +1,14 @@
 //! Paged attention over block tables, prefill and decode tokens in one step, against a scalar
 //! reference written as the CPU attention (`moeserve-model` `layers/attention.rs`) computes it,
-//! GPT-OSS's sink logits included.
+//! GPT-OSS's sink logits included; contexts of 1 to 16 384 tokens, split over blocks and not.
 
 use moeserve_backend::cpu;
 use moeserve_backend::cuda::CudaElement;
-use moeserve_backend::cuda::ops::{self, AttentionShape, PagedAttentionArgs};
+use moeserve_backend::cuda::ops::{
+    self, AttentionShape, AttentionTiles, PagedAttentionArgs, Split, attention_tiles,
+    rows_per_block,
+};
+use moeserve_backend::cuda::{CudaBackend, CudaSlice};
 
 use crate::common::*;
 use crate::for_each_dtype;
@@ -22,11 +26,24 @@ struct Case {
 }
 
 fn case(head_dim: usize, sliding_window: Option<usize>) -> Case {
-    let block_size = 16;
     // Three sequences of 300, 40 and 5 tokens on shuffled blocks (300 needs 19 blocks, spanning
-    // three key tiles of 128).
-    let lengths = [300usize, 40, 5];
-    let max_blocks = lengths[0].div_ceil(block_size);
+    // five key tiles of 64). Sequence 0 decodes its last token; 1 prefills its last 6; 2
+    // prefills all 5.
+    let mut tokens = vec![(0, 299)];
+    tokens.extend((34..40).map(|p| (1, p)));
+    tokens.extend((0..5).map(|p| (2, p)));
+    case_of(&[300, 40, 5], tokens, head_dim, sliding_window)
+}
+
+/// Sequences of `lengths` on shuffled blocks of 16, with these step `tokens`.
+fn case_of(
+    lengths: &[usize],
+    tokens: Vec<(usize, usize)>,
+    head_dim: usize,
+    sliding_window: Option<usize>,
+) -> Case {
+    let block_size = 16;
+    let max_blocks = lengths.iter().max().unwrap().div_ceil(block_size);
     let num_blocks = lengths
         .iter()
         .map(|l| l.div_ceil(block_size))
@@ -47,10 +64,6 @@ fn case(head_dim: usize, sliding_window: Option<usize>) -> Case {
             row
         })
         .collect();
-    // Sequence 0 decodes its last token; 1 prefills its last 6; 2 prefills all 5.
-    let mut tokens = vec![(0, 299)];
-    tokens.extend((34..40).map(|p| (1, p)));
-    tokens.extend((0..5).map(|p| (2, p)));
     Case {
         shape: AttentionShape {
             num_heads: 8,
@@ -106,7 +119,43 @@ fn reference(c: &Case, q: &[f32], k_cache: &[f32], v_cache: &[f32]) -> Vec<f32> 
     out
 }
 
+/// The attention kernel's tiles and split for `c`'s tokens over `heads` query and `kv_heads`
+/// key heads, with `room` floats for the split's partials (0: no split).
+struct Layout {
+    tiles: CudaSlice<i32>,
+    split: Split,
+    partials: CudaSlice<f32>,
+}
+
+fn layout(
+    gpu: &CudaBackend,
+    c: &Case,
+    heads: usize,
+    kv_heads: usize,
+    dv: usize,
+    room: usize,
+) -> Layout {
+    let token_seq: Vec<i32> = c.tokens.iter().map(|(s, _)| *s as i32).collect();
+    let (_, tokens_per_tile) = rows_per_block(heads, kv_heads);
+    let tiles = attention_tiles(&token_seq, tokens_per_tile);
+    let context = c.tokens.iter().map(|(_, p)| p + 1).max().unwrap();
+    let split = Split::for_step(c.tokens.len(), heads, dv, context, room);
+    let partials = split.partial_floats(c.tokens.len(), heads, dv).max(1);
+    Layout {
+        tiles: gpu.upload(&tiles).unwrap(),
+        split,
+        partials: gpu.zeros(partials).unwrap(),
+    }
+}
+
+/// Room for any split these tests make.
+const ROOM: usize = 1 << 24;
+
 fn run<T: CudaElement>(c: &Case) {
+    run_with::<T>(c, ROOM);
+}
+
+fn run_with<T: CudaElement>(c: &Case, room: usize) {
     let Some(gpu) = gpu() else { return };
     let s = c.shape;
     let kv_len = c.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
@@ -124,6 +173,7 @@ fn run<T: CudaElement>(c: &Case) {
         gpu.upload(&positions).unwrap(),
     );
     let sinks_d = c.sinks.as_ref().map(|s| gpu.upload(s).unwrap());
+    let mut l = layout(gpu, c, s.num_heads, s.num_kv_heads, s.head_dim, room);
     let mut out = gpu.zeros::<T>(n * s.num_heads * s.head_dim).unwrap();
     ops::paged_attention(
         gpu,
@@ -132,9 +182,14 @@ fn run<T: CudaElement>(c: &Case) {
             q: q_d.as_view(),
             k_cache: k_d.as_view(),
             v_cache: v_d.as_view(),
-            block_tables: table_d.as_view(),
-            token_seq: seq_d.as_view(),
-            positions: pos_d.as_view(),
+            at: AttentionTiles {
+                block_tables: table_d.as_view(),
+                token_seq: seq_d.as_view(),
+                positions: pos_d.as_view(),
+                tiles: l.tiles.as_view(),
+                split: l.split,
+                partials: l.partials.as_view_mut(),
+            },
             sinks: sinks_d.as_ref().map(|s| s.as_view()),
             shape: s,
         },
@@ -142,10 +197,11 @@ fn run<T: CudaElement>(c: &Case) {
     .unwrap();
     let want = reference(c, &q_f32, &k_f32, &v_f32);
     let op = format!(
-        "paged_attention d={} window={:?} sinks={}",
+        "paged_attention d={} window={:?} sinks={} split {:?}",
         s.head_dim,
         s.sliding_window,
-        c.sinks.is_some()
+        c.sinks.is_some(),
+        l.split
     );
     assert_close(
         &op,
@@ -188,6 +244,30 @@ for_each_dtype!(
     paged_attention_with_sinks_and_a_window
 );
 
+/// Contexts of 1, 255, 256, 4 097 and 16 384 tokens (tile and partition edges, and a long
+/// decode), each with a short prefill of another sequence in the same step, split over blocks
+/// and not; Mixtral's grouping (4 query heads per KV head) and a window on the longest.
+fn paged_attention_at_every_context_length<T: CudaElement>() {
+    for context in [1usize, 255, 256, 4097, 16384] {
+        let mut tokens = vec![(0, context - 1)];
+        tokens.extend((17..20).map(|p| (1, p)));
+        let mut c = case_of(&[context, 20], tokens, 128, None);
+        c.shape.num_heads = 16;
+        c.shape.num_kv_heads = 4;
+        for room in [ROOM, 0] {
+            run_with::<T>(&c, room);
+        }
+        if context > 4096 {
+            c.shape.sliding_window = Some(4096);
+            run_with::<T>(&c, ROOM);
+        }
+    }
+}
+for_each_dtype!(
+    paged_attention_at_every_context_length,
+    paged_attention_at_every_context_length
+);
+
 /// Multi-head latent attention on the same kernel: every head's latent query scores the whole
 /// cached rows (`kv_lora_rank + qk_rope_head_dim`, DeepSeek-V3's 512 + 64) and sums their first
 /// `kv_lora_rank` elements, with the config's softmax scale.
@@ -208,15 +288,22 @@ fn latent_attention_matches_the_reference<T: CudaElement>() {
         gpu.upload(&positions).unwrap(),
     );
     let mut out = gpu.zeros::<T>(n * heads * rank).unwrap();
+    // Split over blocks: the 300-token context is one partition of 512 unless forced smaller.
+    let mut l = layout(gpu, &c, heads, 1, rank, ROOM);
     ops::latent_attention(
         gpu,
         ops::LatentAttentionArgs {
             out: out.as_view_mut(),
             q: q_d.as_view(),
             cache: cache_d.as_view(),
-            block_tables: table_d.as_view(),
-            token_seq: seq_d.as_view(),
-            positions: pos_d.as_view(),
+            at: AttentionTiles {
+                block_tables: table_d.as_view(),
+                token_seq: seq_d.as_view(),
+                positions: pos_d.as_view(),
+                tiles: l.tiles.as_view(),
+                split: l.split,
+                partials: l.partials.as_view_mut(),
+            },
             num_heads: heads,
             latent_dim: latent,
             value_dim: rank,

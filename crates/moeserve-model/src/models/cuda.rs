@@ -54,7 +54,8 @@ use crate::config::{ModelConfig, QkNorm};
 use crate::kv_cache::KvCacheLayout;
 use crate::{ModelError, Result};
 use expert_parallel::ExpertGpus;
-use host_step::{greedy_order, step_inputs};
+use host_step::{AttentionLayout, PARTIAL_FLOATS, attention_geometry, greedy_order, step_inputs};
+use moeserve_backend::cuda::ops::Split;
 use step::{CudaStep, Observed, RowOrder, StepMode, StepModel, StepRows};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource};
 use workspace::{StepDims, StepWorkspace};
@@ -594,6 +595,7 @@ impl<T: CudaElement> DeviceModel<T> {
             table_entries: 1,
             logit_rows: 1,
             segments: c.num_local_experts,
+            partial_floats: 0,
         };
         let workspace =
             StepWorkspace::new(&gpu, &c, widest_mlp(&weights), first).map_err(backend)?;
@@ -626,11 +628,15 @@ impl<T: CudaElement> DeviceModel<T> {
         max_context: usize,
     ) -> Result<()> {
         let blocks = max_context.div_ceil(self.layout.block_size).max(1);
+        // The largest split: a decode step of every sequence at the longest context.
+        let (heads, _, value_dim) = attention_geometry(&self.config);
+        let split = Split::for_step(max_sequences, heads, value_dim, max_context, PARTIAL_FLOATS);
         let dims = StepDims {
             tokens: max_tokens.max(1),
             table_entries: max_sequences.max(1) * blocks,
             logit_rows: max_sequences.max(1),
             segments: self.segments(),
+            partial_floats: split.partial_floats(max_sequences, heads, value_dim),
         };
         self.workspace.fit(&self.gpu, dims).map_err(backend)
     }
@@ -741,11 +747,13 @@ impl<T: CudaElement> DeviceModel<T> {
                 }
             }
         };
+        let attention = AttentionLayout::new(c, &x);
         let dims = StepDims {
             tokens: x.ids.len(),
             table_entries: x.block_tables.len(),
             logit_rows: x.logit_rows.len(),
             segments: self.segments(),
+            partial_floats: attention.partial_floats(c, x.ids.len()),
         };
         self.workspace.fit(&self.gpu, dims).map_err(backend)?;
         let DeviceModel {
@@ -770,6 +778,7 @@ impl<T: CudaElement> DeviceModel<T> {
             kv,
             StepRows {
                 x: &x,
+                attention: &attention,
                 dims,
                 rows: RowOrder {
                     order: &order,

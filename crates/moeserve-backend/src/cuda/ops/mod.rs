@@ -13,7 +13,8 @@ mod rows;
 mod sampling;
 
 pub use attention::{
-    AttentionShape, LatentAttentionArgs, PagedAttentionArgs, latent_attention, paged_attention,
+    AttentionShape, AttentionTiles, LatentAttentionArgs, MAX_ROWS, PARTITION_KEYS,
+    PagedAttentionArgs, Split, attention_tiles, latent_attention, paged_attention, rows_per_block,
 };
 pub use elementwise::{
     add_bias, add_gated, add_segment_bias, clamp, rms_norm_row_prefixes, rms_norm_rows,
@@ -38,7 +39,6 @@ pub(super) const ROW_THREADS: u32 = 256;
 pub(super) const ROUTER_WARPS: u32 = 4;
 /// Threads of the attention kernel; `head_dim` may be up to 4× this (see paged_attention.cu).
 pub(super) const ATTENTION_THREADS: u32 = 128;
-pub(super) const ATTENTION_TILE: u32 = 128;
 /// Limits compiled into moe_router.cu.
 pub(super) const MAX_EXPERTS: usize = 256;
 pub(super) const MAX_TOP_K: usize = 8;

@@ -1,8 +1,11 @@
 //! The host's share of a CUDA step: the index arrays the kernels read (positions, slots, block
 //! tables, logit rows) and routings made on the host in the kernels' layout.
 
+use moeserve_backend::cuda::ops::{Split, attention_tiles, rows_per_block};
+
 use crate::Result;
 use crate::batch::{BatchLimits, ForwardBatch, TokenPlace};
+use crate::config::ModelConfig;
 use crate::kv_cache::slot_of;
 use crate::models::LogitsFor;
 use crate::moe::record::LayerRouting;
@@ -60,6 +63,44 @@ pub(super) fn step_inputs(
         max_blocks,
         logit_rows,
     })
+}
+
+/// Floats of room for split attention's partial results (64 MiB; a batch of 64 Mixtral
+/// sequences at 16 384 tokens of context needs 8.5 M).
+pub(crate) const PARTIAL_FLOATS: usize = 1 << 24;
+
+/// The attention kernel's view of a model: query heads, KV heads, value width (MLA: all heads
+/// over one latent "KV head", values `kv_lora_rank` wide).
+pub(crate) fn attention_geometry(c: &ModelConfig) -> (usize, usize, usize) {
+    match &c.mla {
+        Some(m) => (c.num_attention_heads, 1, m.kv_lora_rank),
+        None => (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+    }
+}
+
+/// How one step's attention runs: its token tiles and its split of long contexts.
+pub(super) struct AttentionLayout {
+    pub(super) tiles: Vec<i32>,
+    pub(super) split: Split,
+}
+
+impl AttentionLayout {
+    pub(super) fn new(c: &ModelConfig, x: &StepInputs) -> Self {
+        let (heads, kv_heads, value_dim) = attention_geometry(c);
+        let (_, tokens_per_tile) = rows_per_block(heads, kv_heads);
+        let max_context = x.positions.iter().max().map_or(0, |p| *p as usize + 1);
+        let split = Split::for_step(x.ids.len(), heads, value_dim, max_context, PARTIAL_FLOATS);
+        AttentionLayout {
+            tiles: attention_tiles(&x.token_seq, tokens_per_tile),
+            split,
+        }
+    }
+
+    /// Floats of partial results the split writes.
+    pub(super) fn partial_floats(&self, c: &ModelConfig, tokens: usize) -> usize {
+        let (heads, _, value_dim) = attention_geometry(c);
+        self.split.partial_floats(tokens, heads, value_dim)
+    }
 }
 
 /// The order of the logits rows on the device when some rows want only their greedy token:

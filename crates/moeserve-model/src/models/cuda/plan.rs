@@ -10,7 +10,9 @@
 use std::convert::Infallible;
 
 use moeserve_backend::cuda::WorkCounts;
-use moeserve_backend::cuda::ops::MOE_GEMM_ROWS;
+use moeserve_backend::cuda::ops::{MOE_GEMM_ROWS, Split};
+
+use super::host_step::{PARTIAL_FLOATS, attention_geometry};
 
 use crate::config::ModelConfig;
 use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, decode};
@@ -24,6 +26,8 @@ pub struct StepShape {
     pub logit_rows: usize,
     /// Of those, rows reduced to their greedy token on the device (`ForwardOptions::greedy`).
     pub greedy_rows: usize,
+    /// The longest context among the step's tokens (long ones split attention over blocks).
+    pub max_context: usize,
     /// Layer outputs and router logits read back (a `ForwardTrace`).
     pub trace: bool,
     /// Each MoE layer's routing summary read back (the engine's per-expert load).
@@ -43,6 +47,7 @@ impl StepShape {
             tokens: sequences,
             logit_rows: sequences,
             greedy_rows: 0,
+            max_context: 1,
             trace: false,
             routing: true,
             capacity: Capacity::Dropless,
@@ -59,8 +64,9 @@ pub fn step_plan(c: &ModelConfig, shape: StepShape) -> WorkCounts {
         counts: WorkCounts::default(),
         device_routed_layers: 0,
     };
-    // The index arrays: ids, positions, token sequences, slots, block tables, logit rows.
-    plan.counts.htod += 6;
+    // The index arrays: ids, positions, token sequences, slots, block tables, logit rows, and
+    // the attention kernel's token tiles.
+    plan.counts.htod += 7;
     let Ok(()) = decode(c, &mut plan);
     plan.counts
 }
@@ -79,6 +85,14 @@ impl Planner<'_> {
 
     fn gemms(&mut self, n: u64) {
         self.counts.gemms += n;
+    }
+
+    /// The attention kernel, and its reduction when the step's contexts are split.
+    fn attention(&mut self) {
+        let (heads, _, value_dim) = attention_geometry(self.c);
+        let s = self.shape;
+        let split = Split::for_step(s.tokens, heads, value_dim, s.max_context, PARTIAL_FLOATS);
+        self.kernels(1 + u64::from(split.partitions > 1));
     }
 
     /// A read back: a copy and a wait.
@@ -160,7 +174,7 @@ impl DecoderOps for Planner<'_> {
     }
 
     fn mla_attention(&mut self, _: usize) -> Result<(), Infallible> {
-        self.kernels(1);
+        self.attention();
         Ok(())
     }
 
@@ -185,7 +199,7 @@ impl DecoderOps for Planner<'_> {
     }
 
     fn paged_attention(&mut self, _: usize) -> Result<(), Infallible> {
-        self.kernels(1);
+        self.attention();
         Ok(())
     }
 
@@ -297,14 +311,25 @@ pub(crate) mod tests {
         assert_eq!(plan.syncs, 1, "{plan:?}");
         // The logits, and the step's routing record (each layer's choices and offsets).
         assert_eq!(plan.dtoh, 3, "{plan:?}");
-        assert_eq!(plan.htod, 6, "{plan:?}");
+        assert_eq!(plan.htod, 7, "{plan:?}");
         assert_eq!(plan.allocations, 0);
         // Per layer: q, k, v, o and the router; attention: 2 norms, rope, KV write, attention;
         // MoE: top-k, offsets, permute, 2 expert GEMMs, SwiGLU, combine; and the counts' memset.
         assert_eq!(plan.gemms, layers * 5 + 1, "{plan:?}");
         assert_eq!(plan.kernels, 1 + layers * (5 + 7) + 1 + 2, "{plan:?}");
         assert_eq!(plan.memsets, layers);
-        assert_eq!(plan.launches(), 6 + 3 + layers * 18 + 5, "{plan:?}");
+        assert_eq!(plan.launches(), 7 + 3 + layers * 18 + 5, "{plan:?}");
+        // At 16 384 tokens of context the attention splits over blocks: one reduction more
+        // per layer, still one wait.
+        let long = step_plan(
+            &c,
+            StepShape {
+                max_context: 16384,
+                ..StepShape::decode(1)
+            },
+        );
+        assert_eq!(long.kernels, plan.kernels + layers);
+        assert_eq!(long.syncs, 1);
     }
 
     /// Greedy sequences come back as two numbers each: with every row greedy, no logits row
@@ -373,7 +398,7 @@ pub(crate) mod tests {
         };
         let plan = step_plan(&c, shape);
         assert_eq!(plan.syncs, 1 + moe_layers, "{plan:?}");
-        assert_eq!(plan.htod, 6 + 4 * moe_layers, "{plan:?}");
+        assert_eq!(plan.htod, 7 + 4 * moe_layers, "{plan:?}");
         // No routing record to read at the end: host-routed layers report as they go.
         assert_eq!(plan.dtoh, 1 + moe_layers, "{plan:?}");
     }

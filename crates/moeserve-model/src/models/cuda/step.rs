@@ -11,7 +11,7 @@ use moeserve_backend::cuda::gemm::{
     strided_batched_matmul_wt,
 };
 use moeserve_backend::cuda::ops::{
-    self, AttentionShape, DeviceRouting, ExpertTable, LatentShape, RmsNormArgs,
+    self, AttentionShape, DeviceRouting, ExpertTable, LatentShape, RmsNormArgs, Split,
 };
 use moeserve_backend::cuda::{
     CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice,
@@ -19,7 +19,7 @@ use moeserve_backend::cuda::{
 use moeserve_core::ExpertId;
 
 use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout, Span, span_seconds};
-use super::host_step::{HostRouting, StepInputs, dropless_routing};
+use super::host_step::{AttentionLayout, HostRouting, StepInputs, dropless_routing};
 use super::workspace::{MlpViews, MoeViews, StepDims, StepViews, StepWorkspace, ViewMut};
 use super::{DeviceFeedForward, DeviceLatent, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
 use crate::config::{MlaConfig, ModelConfig};
@@ -59,6 +59,8 @@ struct DeviceInputs<'w> {
     slots: CudaViewMut<'w, i64>,
     tables: CudaViewMut<'w, i32>,
     logit_rows: CudaViewMut<'w, i32>,
+    /// The attention kernel's token tiles (room for one per token; `num_tiles` used).
+    tiles: CudaViewMut<'w, i32>,
 }
 
 /// The logits' buffers and where the step's results come back to.
@@ -108,6 +110,10 @@ pub(super) struct CudaStep<'m, T> {
     observe: &'m mut dyn FnMut(Observed),
     residual: CudaViewMut<'m, f32>,
     acts: [CudaViewMut<'m, T>; Act::COUNT],
+    /// Entries of `inputs.tiles` in use, and how attention splits long contexts.
+    tile_entries: usize,
+    split: Split,
+    partials: CudaViewMut<'m, f32>,
     moe: MoeViews<'m, T>,
     mlp: MlpViews<'m, T>,
     out: OutputViews<'m, T>,
@@ -128,6 +134,7 @@ pub(super) struct CudaStep<'m, T> {
 /// A step's tokens on the host, its sizes, and the order of its logits rows.
 pub(super) struct StepRows<'a> {
     pub(super) x: &'a StepInputs,
+    pub(super) attention: &'a AttentionLayout,
     pub(super) dims: StepDims,
     pub(super) rows: RowOrder<'a>,
 }
@@ -146,7 +153,12 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
         m: StepModel<'m, T>,
         ws: &'m mut StepWorkspace<T>,
         kv: &'m mut [LayerCache<T>],
-        StepRows { x, dims, rows }: StepRows<'m>,
+        StepRows {
+            x,
+            attention,
+            dims,
+            rows,
+        }: StepRows<'m>,
         wants: StepMode,
         observe: &'m mut dyn FnMut(Observed),
     ) -> std::result::Result<Self, CudaError> {
@@ -158,6 +170,8 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             slots,
             tables,
             logit_rows,
+            tiles,
+            partials,
             residual,
             acts,
             moe,
@@ -180,6 +194,7 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             slots,
             tables,
             logit_rows,
+            tiles,
         };
         gpu.copy_htod(&x.ids, &mut inputs.ids)?;
         gpu.copy_htod(&x.positions, &mut inputs.positions)?;
@@ -187,6 +202,8 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
         gpu.copy_htod(&x.slots, &mut inputs.slots)?;
         gpu.copy_htod(&x.block_tables, &mut inputs.tables)?;
         gpu.copy_htod(&x.logit_rows, &mut inputs.logit_rows)?;
+        let mut tiles = inputs.tiles.slice_mut(..attention.tiles.len());
+        gpu.copy_htod(&attention.tiles, &mut tiles)?;
         Ok(CudaStep {
             m,
             kv,
@@ -196,6 +213,9 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             observe,
             residual,
             acts,
+            tile_entries: attention.tiles.len(),
+            split: attention.split,
+            partials,
             moe,
             mlp,
             out: OutputViews {
@@ -444,9 +464,14 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
                 out: out.as_view_mut(),
                 q: q.as_view(),
                 cache: cache.k.as_view(),
-                block_tables: self.inputs.tables.as_view(),
-                token_seq: self.inputs.token_seq.as_view(),
-                positions: self.inputs.positions.as_view(),
+                at: ops::AttentionTiles {
+                    block_tables: self.inputs.tables.as_view(),
+                    token_seq: self.inputs.token_seq.as_view(),
+                    positions: self.inputs.positions.as_view(),
+                    tiles: self.inputs.tiles.slice(..self.tile_entries),
+                    split: self.split,
+                    partials: self.partials.as_view_mut(),
+                },
                 num_heads: s.num_heads,
                 latent_dim: s.rank + s.rope,
                 value_dim: s.rank,
@@ -532,9 +557,14 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
                 q: q.as_view(),
                 k_cache: cache.k.as_view(),
                 v_cache: cache.v.as_view(),
-                block_tables: self.inputs.tables.as_view(),
-                token_seq: self.inputs.token_seq.as_view(),
-                positions: self.inputs.positions.as_view(),
+                at: ops::AttentionTiles {
+                    block_tables: self.inputs.tables.as_view(),
+                    token_seq: self.inputs.token_seq.as_view(),
+                    positions: self.inputs.positions.as_view(),
+                    tiles: self.inputs.tiles.slice(..self.tile_entries),
+                    split: self.split,
+                    partials: self.partials.as_view_mut(),
+                },
                 sinks: self.m.weights.layers[layer]
                     .attention
                     .sinks

@@ -22,6 +22,8 @@ pub(crate) struct StepDims {
     pub(crate) logit_rows: usize,
     /// Segments of an MoE layer's permuted rows (experts, or a placement's slots).
     pub(crate) segments: usize,
+    /// Floats of split attention's partial results.
+    pub(crate) partial_floats: usize,
 }
 
 /// Every activation's width in [`Act`] order; `None` for those the family does not use.
@@ -66,6 +68,9 @@ pub(crate) struct StepWorkspace<T> {
     slots: CudaSlice<i64>,
     tables: CudaSlice<i32>,
     logit_rows: CudaSlice<i32>,
+    /// The attention kernel's token tiles, `[tiles, 2]`.
+    tiles: CudaSlice<i32>,
+    partials: CudaSlice<f32>,
     residual: CudaSlice<f32>,
     acts: [CudaSlice<T>; Act::COUNT],
     router_logits: CudaSlice<T>,
@@ -122,6 +127,9 @@ pub(crate) struct StepViews<'w, T> {
     pub(crate) slots: CudaViewMut<'w, i64>,
     pub(crate) tables: CudaViewMut<'w, i32>,
     pub(crate) logit_rows: CudaViewMut<'w, i32>,
+    /// Sized for the most tiles (one per token); the step views its own.
+    pub(crate) tiles: CudaViewMut<'w, i32>,
+    pub(crate) partials: CudaViewMut<'w, f32>,
     pub(crate) residual: CudaViewMut<'w, f32>,
     pub(crate) acts: [CudaViewMut<'w, T>; Act::COUNT],
     pub(crate) moe: MoeViews<'w, T>,
@@ -221,6 +229,8 @@ impl<T: CudaElement> StepWorkspace<T> {
             slots: gpu.zeros(1)?,
             tables: gpu.zeros(1)?,
             logit_rows: gpu.zeros(1)?,
+            tiles: gpu.zeros(1)?,
+            partials: gpu.zeros(1)?,
             residual: gpu.zeros(1)?,
             acts,
             router_logits: gpu.zeros(1)?,
@@ -266,6 +276,8 @@ impl<T: CudaElement> StepWorkspace<T> {
         fit(gpu, &mut self.slots, t)?;
         fit(gpu, &mut self.tables, d.table_entries)?;
         fit(gpu, &mut self.logit_rows, r)?;
+        fit(gpu, &mut self.tiles, 2 * t)?;
+        fit(gpu, &mut self.partials, d.partial_floats)?;
         fit(gpu, &mut self.residual, t * h)?;
         for (buf, width) in self.acts.iter_mut().zip(s.widths) {
             fit(gpu, buf, width.map_or(1, |w| t * w))?;
@@ -316,6 +328,8 @@ impl<T: CudaElement> StepWorkspace<T> {
             slots: self.slots.slice_mut(..t),
             tables: self.tables.slice_mut(..d.table_entries),
             logit_rows: self.logit_rows.slice_mut(..r),
+            tiles: self.tiles.slice_mut(..2 * t),
+            partials: self.partials.slice_mut(..d.partial_floats.max(1)),
             residual: self.residual.slice_mut(..t * h),
             acts,
             moe: MoeViews {
