@@ -25,6 +25,14 @@ pub enum CudaError {
         library: &'static str,
         purpose: &'static str,
     },
+    #[error(
+        "NCCL is installed as {found}, a name cudarc does not load (it asks for libnccl.so): \
+         link it as libnccl.so in a folder on LD_LIBRARY_PATH, e.g. `mkdir -p ~/.local/nccl && \
+         ln -sf {found} ~/.local/nccl/libnccl.so && export LD_LIBRARY_PATH=~/.local/nccl:$LD_LIBRARY_PATH` \
+         (bench/gpu_check.sh does this itself)",
+        found = found.display()
+    )]
+    NcclNameOnly { found: std::path::PathBuf },
     #[error("the NVIDIA driver reports no CUDA device ({0})")]
     NoDevice(String),
     #[error("CUDA driver: {0}")]

@@ -6,6 +6,8 @@
 //! GPUs needs so that no rank waits on a peer whose calls are not issued yet. `libnccl.so.2` is
 //! loaded at run time; [`NcclGroup::new`] checks that it loads.
 
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::nccl::{Comm, NcclType};
@@ -30,13 +32,87 @@ pub fn nccl_present() -> bool {
     unsafe { cudarc::nccl::sys::is_culib_present() }
 }
 
+/// The file names NCCL goes by, in the order [`locate_nccl`] prefers them in a folder: the one
+/// cudarc loads, then NCCL's soname.
+pub const NCCL_FILE_NAMES: [&str; 2] = ["libnccl.so", "libnccl.so.2"];
+
+/// The folders [`locate_nccl`] searches, in order: `LD_LIBRARY_PATH`'s (what the dynamic
+/// loader searches first), the `nvidia/nccl/lib` of the active virtual environment's and the
+/// system Pythons' site-packages (the `nvidia-nccl-cu13` wheel), then the system's library
+/// folders (distribution packages, the CUDA toolkit).
+pub fn nccl_search_dirs(
+    ld_library_path: Option<&OsStr>,
+    virtual_env: Option<&OsStr>,
+) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = ld_library_path
+        .map(|p| {
+            std::env::split_paths(p)
+                .filter(|d| !d.as_os_str().is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut pythons: Vec<PathBuf> = virtual_env
+        .map(|v| Path::new(v).join("lib"))
+        .into_iter()
+        .collect();
+    pythons.extend(["/usr/local/lib", "/usr/lib"].map(PathBuf::from));
+    for lib in pythons {
+        let Ok(entries) = std::fs::read_dir(&lib) else {
+            continue;
+        };
+        let mut versions: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+            .map(|e| e.path())
+            .collect();
+        versions.sort();
+        dirs.extend(
+            versions
+                .iter()
+                .flat_map(|v| ["site-packages", "dist-packages"].map(|s| v.join(s)))
+                .map(|site| site.join("nvidia/nccl/lib"))
+                .filter(|d| d.is_dir()),
+        );
+    }
+    dirs.extend(
+        [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/local/cuda/lib64",
+            "/usr/local/nccl/lib",
+        ]
+        .map(PathBuf::from),
+    );
+    dirs
+}
+
+/// NCCL's library in the first of `dirs` that holds one (in each, [`NCCL_FILE_NAMES`] in
+/// order).
+pub fn locate_nccl(dirs: &[PathBuf]) -> Option<PathBuf> {
+    dirs.iter()
+        .flat_map(|d| NCCL_FILE_NAMES.map(|name| d.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// Why NCCL does not load, with the fix: not installed, or installed under the soname alone.
+fn nccl_missing() -> CudaError {
+    let dirs = nccl_search_dirs(
+        std::env::var_os("LD_LIBRARY_PATH").as_deref(),
+        std::env::var_os("VIRTUAL_ENV").as_deref(),
+    );
+    match locate_nccl(&dirs) {
+        Some(found) => CudaError::NcclNameOnly { found },
+        None => CudaError::MissingLibrary {
+            library: "libnccl.so.2",
+            purpose: "exchanges expert rows between GPUs (--expert-parallel-size)",
+        },
+    }
+}
+
 impl NcclGroup {
     pub fn new(streams: Vec<Arc<CudaStream>>) -> Result<Self, CudaError> {
         if !nccl_present() {
-            return Err(CudaError::MissingLibrary {
-                library: "libnccl.so.2",
-                purpose: "exchanges expert rows between GPUs (--expert-parallel-size)",
-            });
+            return Err(nccl_missing());
         }
         let comms = Comm::from_devices(streams).map_err(|e| CudaError::Nccl(format!("{e:?}")))?;
         Ok(NcclGroup { comms })
@@ -111,5 +187,53 @@ impl NcclGroup {
         let closed = cudarc::nccl::result::group_end().map_err(nccl);
         issued.map_err(nccl)?;
         closed.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nccl_is_looked_up_in_the_loaders_order_and_by_cudarcs_name_first() {
+        let root = std::env::temp_dir().join(format!("moeserve-nccl-{}", std::process::id()));
+        let dir = |name: &str| {
+            let d = root.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        };
+        let (ld, wheel, system) = (dir("ld"), dir("wheel"), dir("system"));
+        let touch = |d: &Path, name: &str| std::fs::write(d.join(name), b"").unwrap();
+        let dirs = vec![ld.clone(), wheel.clone(), system.clone()];
+        assert_eq!(locate_nccl(&dirs), None);
+        touch(&system, "libnccl.so");
+        assert_eq!(locate_nccl(&dirs), Some(system.join("libnccl.so")));
+        // An earlier folder wins, even with the soname alone.
+        touch(&wheel, "libnccl.so.2");
+        assert_eq!(locate_nccl(&dirs), Some(wheel.join("libnccl.so.2")));
+        // In one folder, the name cudarc loads comes first.
+        touch(&wheel, "libnccl.so");
+        assert_eq!(locate_nccl(&dirs), Some(wheel.join("libnccl.so")));
+        touch(&ld, "libnccl.so.2");
+        assert_eq!(locate_nccl(&dirs), Some(ld.join("libnccl.so.2")));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_search_starts_with_ld_library_path_then_the_virtual_environment() {
+        let venv = std::env::temp_dir().join(format!("moeserve-venv-{}", std::process::id()));
+        let site = venv.join("lib/python3.12/site-packages/nvidia/nccl/lib");
+        std::fs::create_dir_all(&site).unwrap();
+        let ld = std::env::join_paths(["/opt/a", "", "/opt/b"]).unwrap();
+        let dirs = nccl_search_dirs(Some(&ld), Some(venv.as_os_str()));
+        assert_eq!(
+            dirs[..2],
+            [PathBuf::from("/opt/a"), PathBuf::from("/opt/b")]
+        );
+        let at = |p: &Path| dirs.iter().position(|d| d == p).unwrap();
+        assert_eq!(at(&site), 2, "{dirs:?}");
+        assert!(at(Path::new("/usr/lib/x86_64-linux-gnu")) > at(&site));
+        assert!(dirs.ends_with(&[PathBuf::from("/usr/local/nccl/lib")]));
+        std::fs::remove_dir_all(&venv).unwrap();
     }
 }
