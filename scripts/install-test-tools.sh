@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need beyond cargo and python3, where it is missing: Debian's headless
 # Chromium and its WebDriver (tests/e2e/tests/dashboard.rs), Prometheus and promtool
-# (tests/e2e/tests/prometheus.rs). scripts/test.sh runs it first, so README's one test command is
+# (tests/e2e/tests/prometheus.rs), and g++ (the CUDA kernels' CPU emulator,
+# scripts/emulate-kernels.sh). scripts/test.sh runs it first, so README's one test command is
 # the whole set-up on a fresh machine; .ci/run reaches it through scripts/test.sh.
 #
 # Nothing is pinned tighter than the archive keeps: Debian replaces a package's version with each
@@ -20,6 +21,7 @@ command -v chromedriver > /dev/null || missing+=(chromium-driver)
 if ! command -v prometheus > /dev/null || ! command -v promtool > /dev/null; then
     missing+=(prometheus)
 fi
+command -v g++ > /dev/null || missing+=(g++)
 
 if [[ ${#missing[@]} -gt 0 ]]; then
     if [[ "${MOESERVE_SKIP_TOOL_INSTALL:-}" == 1 ]]; then
@@ -28,7 +30,7 @@ if [[ ${#missing[@]} -gt 0 ]]; then
     fi
     if ! command -v apt-get > /dev/null; then
         echo "error: ${missing[*]} missing and no apt-get to install them; install them" \
-            "(Chromium, ChromeDriver, Prometheus 2.x with promtool) and put them on PATH" >&2
+            "(Chromium, ChromeDriver, Prometheus 2.x with promtool, g++) and put them on PATH" >&2
         exit 1
     fi
     sudo=""

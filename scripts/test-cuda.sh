@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend's checks on a machine without a GPU (CI): fetches NVRTC 13.0 from PyPI
 # (scripts/fetch-nvrtc.sh), builds `moeserve` with `--features cuda`, compiles every kernel of
-# cuda/ for sm_80 and sm_90 (a kernel that does not compile fails here), runs `--device`
+# cuda/ for sm_80 and sm_90 (a kernel that does not compile fails here), runs the kernels this
+# project changed without a GPU on the CPU emulator (scripts/emulate-kernels.sh), runs `--device`
 # selection against the CUDA-enabled binary, then the dry run of bench/gpu_check.sh. The kernel
 # parity tests (tests/cuda_kernels) and the GPU forward's fixture tests (moeserve-model's
 # tests/cuda_forward.rs) compile and, with no GPU, return early; bench/gpu_check.sh runs them on
@@ -20,6 +21,8 @@ echo "== cuda: build (--features cuda)"
 cargo build --release --bin moeserve --features cuda
 echo "== cuda: kernels through NVRTC 13.0, kernel tests (compiled; run on a GPU only)"
 cargo test --release -p moeserve-backend --features cuda "$@"
+echo "== cuda: the changed kernels on the CPU emulator (cuda/emulator, g++)"
+scripts/emulate-kernels.sh
 echo "== cuda: the forward on CUDA (host-side unit tests; fixture tests run on a GPU only)"
 cargo test --release -p moeserve-model --features cuda --lib models::cuda "$@"
 cargo test --release -p moeserve-model --features cuda --test cuda_forward "$@"

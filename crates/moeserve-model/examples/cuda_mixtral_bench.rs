@@ -25,7 +25,7 @@ use moeserve_formats::presets::Preset;
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
 use moeserve_model::config::ModelConfig;
 use moeserve_model::kv_cache::KvCacheLayout;
-use moeserve_model::models::{CudaMoeModel, ForwardOptions};
+use moeserve_model::models::{CudaMoeModel, ForwardOptions, Greedy, GreedyRows};
 use moeserve_model::moe::{MoeOptions, MoeStepRecord};
 
 const BLOCK_SIZE: usize = 16;
@@ -146,6 +146,12 @@ fn step(
         token_ids.extend_from_slice(new);
     }
     let mut record = MoeStepRecord::default();
+    // Greedy on the device, as the engine asks for greedy requests: two numbers per sequence
+    // come back, not a vocabulary of logits.
+    let mut greedy_rows = GreedyRows {
+        wanted: vec![true; ids.len()],
+        ..Default::default()
+    };
     let logits = model.forward(
         &ForwardBatch {
             token_ids: &token_ids,
@@ -156,15 +162,27 @@ fn step(
                 record: Some(&mut record),
                 ..Default::default()
             },
+            greedy: Some(&mut greedy_rows),
             ..Default::default()
         },
     )?;
+    let tokens = match greedy_rows.reduced.is_empty() {
+        true => greedy(&logits, vocab),
+        false => greedy_rows
+            .reduced
+            .iter()
+            .map(|g| match g {
+                Greedy::Token { id, .. } => Ok(*id),
+                other => Err(format!("greedy row: {other:?}")),
+            })
+            .collect::<Result<_, _>>()?,
+    };
     let hit = record
         .layers
         .iter()
         .map(|l| l.expert_load.iter().filter(|n| **n > 0).count())
         .sum();
-    Ok((greedy(&logits, vocab), hit))
+    Ok((tokens, hit))
 }
 
 fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -181,6 +199,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let layout = KvCacheLayout::for_model(&c, max_batch * max_blocks, BLOCK_SIZE);
     let start = Instant::now();
     let mut model = CudaMoeModel::synthetic(c.clone(), layout, 0, 0)?;
+    // The step's buffers once, for the largest prefill, as the engine does at start-up.
+    let max_context = args.prompt_len + args.decode_steps + 1;
+    model.reserve(max_batch * args.prompt_len, max_batch, max_context)?;
     let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let expert_bytes = 3 * i * h * 2;
     let attention_bytes = c.num_hidden_layers * 2 * (c.q_dim() + c.kv_dim()) * h * 2;

@@ -15,8 +15,9 @@
 //! CPU.
 //!
 //! A step runs in a workspace sized once (`workspace.rs`, [`CudaMoeModel::reserve`]): no
-//! device allocation per step. Its inputs go up in six copies; its logits and routing record
-//! come back into pinned memory at the end, with one wait. `plan.rs` says what a step queues
+//! device allocation per step. Its inputs go up in seven copies; its logits (greedy rows
+//! reduced to their token on the device, `ForwardOptions::greedy`) and routing record come back
+//! into pinned memory at the end, with one wait. `plan.rs` says what a step queues
 //! ([`step_plan`]), and the GPU test checks the backend's counts against it.
 //!
 //! Routing: dropless steps route on the device (`moe_router.cu`); a small step's experts then

@@ -1,0 +1,297 @@
+// The kernels this project changed without a GPU, run on the CPU emulator (emulator.h) against
+// scalar references: the experts' GEMM that reads the segment offsets on the device, the
+// combine's ascending-expert order, greedy argmax with refused rows, and paged attention (GQA
+// and MLA, prefill and decode tiles, windows, sinks, split and not). Built and run by
+// scripts/emulate-kernels.sh over copies of the sources with `extern __shared__` made global.
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "emulator.h"
+#include "common.cuh"
+#include "moe_gemm.cu"
+#include "moe_permute.cu"
+#include "sampling.cu"
+#include "paged_attention.cu"
+
+static int failures = 0;
+
+static void expect(bool ok, const std::string& what) {
+    if (!ok) {
+        std::printf("FAIL %s\n", what.c_str());
+        ++failures;
+    }
+}
+
+// Seeded values in [-scale, scale).
+static std::vector<float> random(size_t n, uint64_t seed, float scale) {
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull | 1;
+    std::vector<float> v(n);
+    for (auto& x : v) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        x = ((float)(s >> 40) / (float)(1ull << 24) * 2.0f - 1.0f) * scale;
+    }
+    return v;
+}
+
+template <typename T> T from(float v);
+template <> float from<float>(float v) { return v; }
+template <> __nv_bfloat16 from<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T>
+static std::vector<T> rounded(std::vector<float>& v) {
+    std::vector<T> t(v.size());
+    for (size_t i = 0; i < v.size(); ++i) t[i] = from<T>(v[i]), v[i] = to_f32(t[i]);
+    return t;
+}
+
+// Largest |got - want| relative to the largest |want|.
+template <typename T>
+static double rel_error(const std::vector<T>& got, const std::vector<float>& want) {
+    double err = 0, norm = 1e-30;
+    for (size_t i = 0; i < want.size(); ++i) {
+        err = std::max(err, (double)std::fabs(to_f32(got[i]) - want[i]));
+        norm = std::max(norm, (double)std::fabs(want[i]));
+    }
+    return err / norm;
+}
+
+template <typename T> static double tolerance();
+template <> double tolerance<float>() { return 1e-5; }
+template <> double tolerance<__nv_bfloat16>() { return 1e-2; }
+template <typename T> static const char* name();
+template <> const char* name<float>() { return "f32"; }
+template <> const char* name<__nv_bfloat16>() { return "bf16"; }
+
+template <typename T>
+static void grouped_gemm() {
+    const int rows_per_expert[] = {0, 1, MOE_GEMM_ROWS, MOE_GEMM_ROWS + 1, 40, 3};
+    const int experts = 6;
+    std::vector<int> offsets{0};
+    for (int r : rows_per_expert) offsets.push_back(offsets.back() + r);
+    const int rows = offsets.back();
+    for (auto [n, k] : {std::pair{50, 64}, std::pair{24, 37}}) {
+        auto xf = random((size_t)rows * k, 11 + k, 1.0f);
+        auto x = rounded<T>(xf);
+        std::vector<std::vector<float>> wf(experts);
+        std::vector<std::vector<T>> w(experts);
+        std::vector<unsigned long long> ptrs(experts);
+        for (int e = 0; e < experts; ++e) {
+            wf[e] = random((size_t)n * k, 100 + e, 0.5f);
+            w[e] = rounded<T>(wf[e]);
+            ptrs[e] = (unsigned long long)w[e].data();
+        }
+        std::vector<T> y((size_t)rows * n, from<T>(-7.0f));
+        emu::launch({(unsigned)((n + 15) / 16), (unsigned)experts, 1}, {256, 1, 1}, [&] {
+            moe_grouped_gemm<T>(x.data(), ptrs.data(), y.data(), offsets.data(), n, k);
+        });
+        std::vector<float> want((size_t)rows * n);
+        for (int e = 0; e < experts; ++e)
+            for (int r = offsets[e]; r < offsets[e + 1]; ++r)
+                for (int j = 0; j < n; ++j) {
+                    float s = 0;
+                    for (int i = 0; i < k; ++i) s += xf[(size_t)r * k + i] * wf[e][(size_t)j * k + i];
+                    want[(size_t)r * n + j] = s;
+                }
+        const double err = rel_error(y, want);
+        for (size_t i = 0; i < want.size() && getenv("EMU_DEBUG"); ++i)
+            if (std::fabs(to_f32(y[i]) - want[i]) > 1e-2) {
+                std::printf("row %zu col %zu: got %f want %f\n", i / n, i % n, to_f32(y[i]), want[i]);
+                break;
+            }
+        expect(err < tolerance<T>(), std::string("moe_grouped_gemm ") + name<T>() + " n " +
+                                         std::to_string(n) + " k " + std::to_string(k) +
+                                         ": error " + std::to_string(err));
+    }
+}
+
+// Each token's pairs summed in ascending expert order, whatever order the router ranked them.
+static void unpermute_order() {
+    const int tokens = 3, top_k = 4, hidden = 40;
+    const std::vector<int> ids = {5, 1, 7, 2, 0, 3, 6, 4, 2, 6, 1, 0};  // best first
+    std::vector<float> weights = random(tokens * top_k, 3, 1.0f);
+    // Segment e holds the pairs of expert e in token order.
+    std::vector<int> counts(8, 0), slots(tokens * top_k);
+    for (int p = 0; p < tokens * top_k; ++p) slots[p] = counts[ids[p]]++;
+    std::vector<int> offsets{0};
+    for (int c : counts) offsets.push_back(offsets.back() + c);
+    auto expert_out = random((size_t)offsets.back() * hidden, 4, 100.0f);
+    std::vector<float> out(tokens * hidden);
+    emu::launch({tokens, 1, 1}, {32, 1, 1}, [&] {
+        moe_unpermute<float>(expert_out.data(), ids.data(), weights.data(), slots.data(),
+                             offsets.data(), out.data(), top_k, hidden, 1);
+    });
+    bool same = true;
+    for (int t = 0; t < tokens; ++t) {
+        std::vector<int> order = {0, 1, 2, 3};
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int a, int b) { return ids[t * top_k + a] < ids[t * top_k + b]; });
+        for (int i = 0; i < hidden; ++i) {
+            float acc = 0;
+            for (int j : order) {
+                const int p = t * top_k + j;
+                acc += weights[p] * expert_out[(size_t)(offsets[ids[p]] + slots[p]) * hidden + i];
+            }
+            same &= acc == out[t * hidden + i];
+        }
+    }
+    expect(same, "moe_unpermute sums each token's pairs in ascending expert order, bit for bit");
+}
+
+static void greedy_argmax() {
+    const int vocab = 3000, rows = 5;
+    const float inf = std::numeric_limits<float>::infinity();
+    auto logits = random((size_t)rows * vocab, 9, 5.0f);
+    logits[0 * vocab + 1234] = 9.0f, logits[0 * vocab + 2000] = 9.0f;  // a tie: the lower id
+    logits[1 * vocab + 17] = std::nanf("");
+    logits[2 * vocab + 2999] = inf;
+    for (int i = 0; i < vocab; ++i) logits[3 * vocab + i] = -inf;
+    std::vector<int> ids(rows);
+    std::vector<float> logprobs(rows);
+    emu::launch({rows, 1, 1}, {1024, 1, 1}, [&] {
+        argmax_logprob<float>(logits.data(), ids.data(), logprobs.data(), vocab);
+    });
+    expect(ids[0] == 1234, "argmax ties go to the lower id (" + std::to_string(ids[0]) + ")");
+    expect(ids[1] == -1 && ids[2] == -1 && ids[3] == -1,
+           "rows with NaN, +inf or only -inf are refused");
+    int best = 0;
+    double sum = 0;
+    for (int i = 0; i < vocab; ++i)
+        if (logits[4 * vocab + i] > logits[4 * vocab + best]) best = i;
+    for (int i = 0; i < vocab; ++i) sum += std::exp((double)logits[4 * vocab + i] - logits[4 * vocab + best]);
+    expect(ids[4] == best && std::fabs(logprobs[4] + std::log(sum)) < 1e-4,
+           "argmax and its logprob");
+}
+
+// One step's tokens over a paged cache: sequences of `lengths` on shuffled blocks of 16.
+struct AttentionCase {
+    int heads, kv_heads, d, dv, window = 0;
+    bool sinks = false, latent = false;
+    std::vector<int> lengths;
+    std::vector<std::pair<int, int>> tokens;  // (sequence, position)
+};
+
+template <typename T>
+static void attention(const AttentionCase& c, int partition_len, const std::string& what) {
+    const int bs = 16, max_blocks = 20, n = (int)c.tokens.size();
+    const int num_blocks = (int)c.lengths.size() * max_blocks + 1;
+    std::vector<int> table(c.lengths.size() * max_blocks);
+    auto order = random(num_blocks, 77, 1.0f);
+    std::vector<int> free(num_blocks - 1);
+    for (int i = 0; i < num_blocks - 1; ++i) free[i] = i + 1;
+    std::sort(free.begin(), free.end(), [&](int a, int b) { return order[a] < order[b]; });
+    for (size_t s = 0, next = 0; s < c.lengths.size(); ++s)
+        for (int b = 0; b < max_blocks; ++b) table[s * max_blocks + b] = free[next++];
+    // Keys and values: GQA rows hold kv_heads × d keys and as many values; MLA's one latent row
+    // (width d) is its key and its first dv elements its value.
+    const int k_row = c.latent ? c.d : c.kv_heads * c.d, v_row = c.latent ? c.d : c.kv_heads * c.dv;
+    auto kf = random((size_t)num_blocks * bs * k_row, 21, 1.0f);
+    auto vf = c.latent ? kf : random((size_t)num_blocks * bs * v_row, 22, 1.0f);
+    auto qf = random((size_t)n * c.heads * c.d, 20, 1.0f);
+    auto k = rounded<T>(kf);
+    auto v = c.latent ? k : rounded<T>(vf);
+    if (c.latent) vf = kf;
+    auto q = rounded<T>(qf);
+    std::vector<float> sinks = random(c.heads, 23, 3.0f);
+    sinks[0] = 12.0f;
+    std::vector<int> seq(n), pos(n);
+    for (int t = 0; t < n; ++t) seq[t] = c.tokens[t].first, pos[t] = c.tokens[t].second;
+    // The host's tiles (ops::attention_tiles with ops::rows_per_block).
+    const int group = c.heads / c.kv_heads, hb = std::min(group, MAX_ROWS);
+    const int tq = std::max(1, MAX_ROWS / hb);
+    std::vector<int> tiles;
+    for (int t = 0; t < n;) {
+        int end = t + 1;
+        while (end < n && end - t < tq && seq[end] == seq[t]) ++end;
+        tiles.push_back(t), tiles.push_back(end - t);
+        t = end;
+    }
+    int context = 0;
+    for (int p : pos) context = std::max(context, p + 1);
+    const int parts = partition_len > 0 ? (context + partition_len - 1) / partition_len : 1;
+    PagedAttentionParams p{c.heads, c.kv_heads, c.d, c.dv, k_row, v_row, bs, max_blocks,
+                           c.window, 1.0f / std::sqrt((float)c.d), hb, parts,
+                           partition_len > 0 ? partition_len : context};
+    std::vector<float> partials((size_t)n * c.heads * parts * (c.dv + 2), std::nanf(""));
+    std::vector<T> out((size_t)n * c.heads * c.dv, from<T>(-7.0f));
+    const unsigned chunks = (group + hb - 1) / hb;
+    emu::launch({(unsigned)tiles.size() / 2, (unsigned)c.kv_heads * chunks, (unsigned)parts},
+                {128, 1, 1}, [&] {
+                    paged_attention<T>(out.data(), partials.data(), q.data(), k.data(), v.data(),
+                                       table.data(), seq.data(), pos.data(), tiles.data(),
+                                       c.sinks ? sinks.data() : nullptr, p);
+                });
+    if (parts > 1)
+        emu::launch({(unsigned)n, (unsigned)c.heads, 1}, {128, 1, 1}, [&] {
+            paged_attention_reduce<T>(out.data(), partials.data(), c.sinks ? sinks.data() : nullptr,
+                                      c.heads, parts, c.dv);
+        });
+    std::vector<float> want((size_t)n * c.heads * c.dv, 0.0f);
+    for (int t = 0; t < n; ++t)
+        for (int h = 0; h < c.heads; ++h) {
+            const int g = h / group, first = c.window ? std::max(0, pos[t] + 1 - c.window) : 0;
+            std::vector<double> scores;
+            std::vector<size_t> rows;
+            for (int j = first; j <= pos[t]; ++j) {
+                const size_t slot = (size_t)table[seq[t] * max_blocks + j / bs] * bs + j % bs;
+                double s = 0;
+                for (int i = 0; i < c.d; ++i)
+                    s += qf[((size_t)t * c.heads + h) * c.d + i] *
+                         kf[slot * k_row + (c.latent ? 0 : g * c.d) + i];
+                scores.push_back(s * p.scale);
+                rows.push_back(slot);
+            }
+            double m = c.sinks ? sinks[h] : -1e300, sum = 0;
+            for (double s : scores) m = std::max(m, s);
+            for (double& s : scores) sum += (s = std::exp(s - m));
+            if (c.sinks) sum += std::exp(sinks[h] - m);
+            for (size_t j = 0; j < rows.size(); ++j)
+                for (int i = 0; i < c.dv; ++i)
+                    want[((size_t)t * c.heads + h) * c.dv + i] +=
+                        (float)(scores[j] / sum * vf[rows[j] * v_row + (c.latent ? 0 : g * c.dv) + i]);
+        }
+    const double err = rel_error(out, want);
+    expect(err < tolerance<T>(), "paged_attention " + std::string(name<T>()) + " " + what +
+                                     " partitions " + std::to_string(parts) + ": error " +
+                                     std::to_string(err));
+}
+
+template <typename T>
+static void attention_cases() {
+    AttentionCase gqa{8, 2, 32, 32};
+    // A decode at 300, a prefill of the last 6 of 40, a whole prompt of 5.
+    gqa.lengths = {300, 40, 5};
+    gqa.tokens = {{0, 299}};
+    for (int p = 34; p < 40; ++p) gqa.tokens.push_back({1, p});
+    for (int p = 0; p < 5; ++p) gqa.tokens.push_back({2, p});
+    for (int split : {0, 128, 64}) attention<T>(gqa, split, "GQA 8/2");
+    AttentionCase windowed = gqa;
+    windowed.window = 100;
+    windowed.sinks = true;
+    for (int split : {0, 128}) attention<T>(windowed, split, "GQA window 100, sinks");
+    AttentionCase mha = gqa;
+    mha.heads = mha.kv_heads = 2;  // a tile of 8 tokens per block
+    attention<T>(mha, 0, "MHA");
+    AttentionCase mla{16, 1, 40, 32};
+    mla.latent = true;
+    mla.lengths = gqa.lengths;
+    mla.tokens = gqa.tokens;
+    for (int split : {0, 128}) attention<T>(mla, split, "MLA 16 heads");
+    AttentionCase single{4, 4, 16, 16};
+    single.lengths = {1};
+    single.tokens = {{0, 0}};
+    attention<T>(single, 0, "context 1");
+}
+
+int main() {
+    grouped_gemm<float>();
+    grouped_gemm<__nv_bfloat16>();
+    unpermute_order();
+    greedy_argmax();
+    attention_cases<float>();
+    attention_cases<__nv_bfloat16>();
+    std::printf("emulated kernels: %s\n", failures ? "FAILED" : "ok");
+    return failures ? 1 : 0;
+}
