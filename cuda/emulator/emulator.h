@@ -6,6 +6,7 @@
 // only real concurrency between blocks shows, but it runs the kernels' own indexing, masking,
 // reductions and softmax recurrences on real inputs.
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <math.h>
 #include <cmath>
@@ -103,6 +104,9 @@ inline float __int_as_float(unsigned v) {
     std::memcpy(&f, &v, 4);
     return f;
 }
+
+inline int atomicAdd(int* at, int v) { return std::atomic_ref<int>(*at).fetch_add(v); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }

@@ -1,10 +1,14 @@
-// The kernels this project changed without a GPU, run on the CPU emulator (emulator.h) against
-// scalar references: the experts' GEMM that reads the segment offsets on the device, the
-// combine's ascending-expert order, greedy argmax with refused rows, and paged attention (GQA
-// and MLA, prefill and decode tiles, windows, sinks, split and not). Built and run by
+// The kernels of cuda/ run on the CPU emulator (emulator.h) against scalar references: the
+// experts' GEMM that reads the segment offsets on the device, the combine's ascending-expert
+// order, greedy argmax with refused rows, paged attention (GQA and MLA, prefill and decode
+// tiles, windows, sinks, split and not), the router (softmax top-k, bias, ties, capacity),
+// segment offsets and permute, RMSNorm (residual and strided rows), RoPE and MLA's RoPE (both
+// pairings), the KV and latent writes. Built and run by
 // scripts/emulate-kernels.sh over copies of the sources with `extern __shared__` made global.
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
+#include <tuple>
 #include <functional>
 #include <limits>
 #include <string>
@@ -15,6 +19,11 @@
 #include "moe_permute.cu"
 #include "sampling.cu"
 #include "paged_attention.cu"
+#include "moe_router.cu"
+#include "rmsnorm.cu"
+#include "rope.cu"
+#include "mla.cu"
+#include "kv_cache.cu"
 
 static int failures = 0;
 
@@ -285,7 +294,207 @@ static void attention_cases() {
     attention<T>(single, 0, "context 1");
 }
 
+// The router against the CPU's softmax top-k (ties to the lower expert), then the segment
+// offsets and permute over its choices; with a capacity, each expert's slots are 0..count in
+// some arrival order and those past the capacity are dropped with the weights renormalised.
+static void router_and_permute() {
+    for (auto [tokens, experts, top_k, capacity] :
+         {std::tuple{37, 8, 2, 0}, std::tuple{21, 60, 6, 0}, std::tuple{40, 8, 2, 7}}) {
+        auto logits = random((size_t)tokens * experts, 5 + experts, 2.0f);
+        logits[3 * experts + 1] = logits[3 * experts + 4] = 9.0f;  // a tie
+        auto bias = random(experts, 6, 0.5f);
+        std::vector<int> ids(tokens * top_k), slots(tokens * top_k), counts(experts, 0);
+        std::vector<float> weights(tokens * top_k);
+        emu::launch({(unsigned)(tokens + 3) / 4, 1, 1}, {128, 1, 1}, [&] {
+            route_top_k<float>(logits.data(), bias.data(), ids.data(), weights.data(),
+                               slots.data(), counts.data(), tokens, experts, top_k, capacity, 1);
+        });
+        bool same = true;
+        std::vector<std::vector<int>> seen(experts);
+        for (int t = 0; t < tokens; ++t) {
+            std::vector<double> prob(experts);
+            double m = -1e300, sum = 0;
+            for (int e = 0; e < experts; ++e)
+                m = std::max(m, prob[e] = logits[t * experts + e] + bias[e]);
+            for (auto& p : prob) sum += (p = std::exp(p - m));
+            std::vector<int> order(experts);
+            for (int e = 0; e < experts; ++e) order[e] = e;
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return prob[a] > prob[b]; });
+            double kept = 0;
+            for (int j = 0; j < top_k; ++j) {
+                same &= ids[t * top_k + j] == order[j];
+                const int slot = slots[t * top_k + j];
+                seen[order[j]].push_back(slot);
+                if (slot >= 0) kept += prob[order[j]] / sum;
+            }
+            for (int j = 0; j < top_k; ++j) {
+                const double want = slots[t * top_k + j] >= 0 ? prob[order[j]] / sum / kept : 0.0;
+                same &= std::fabs(weights[t * top_k + j] - want) < 1e-5;
+            }
+        }
+        for (int e = 0; e < experts; ++e) {
+            same &= counts[e] == (int)seen[e].size();
+            std::vector<int> got = seen[e], want;
+            std::sort(got.begin(), got.end());
+            for (int i = 0; i < counts[e]; ++i) want.push_back(capacity && i >= capacity ? -1 : i);
+            std::sort(want.begin(), want.end());
+            same &= got == want;
+        }
+        const std::string what = "router " + std::to_string(tokens) + " tokens, " +
+                                 std::to_string(experts) + " experts, top " + std::to_string(top_k) +
+                                 ", capacity " + std::to_string(capacity);
+        expect(same, what);
+        // Offsets and permute: every kept pair's row holds its token's activations.
+        const int hidden = 24;
+        std::vector<int> offsets(experts + 1), pair_of_row(tokens * top_k, -1);
+        emu::launch({1, 1, 1}, {32, 1, 1}, [&] {
+            moe_segment_offsets(counts.data(), offsets.data(), experts, capacity);
+        });
+        auto x = random((size_t)tokens * hidden, 8, 1.0f);
+        std::vector<float> permuted((size_t)tokens * top_k * hidden, -7.0f);
+        emu::launch({(unsigned)(tokens * top_k), 1, 1}, {32, 1, 1}, [&] {
+            moe_permute<float>(x.data(), ids.data(), slots.data(), offsets.data(),
+                               permuted.data(), pair_of_row.data(), top_k, hidden);
+        });
+        bool placed = true;
+        int kept_pairs = 0;
+        for (int e = 0; e < experts; ++e) {
+            const int c = capacity ? std::min(counts[e], capacity) : counts[e];
+            placed &= offsets[e + 1] - offsets[e] == c;
+            kept_pairs += c;
+        }
+        for (int row = 0; row < kept_pairs; ++row) {
+            const int pair = pair_of_row[row];
+            placed &= pair >= 0 && slots[pair] >= 0 &&
+                      offsets[ids[pair]] + slots[pair] == row &&
+                      std::equal(x.begin() + (size_t)(pair / top_k) * hidden,
+                                 x.begin() + (size_t)(pair / top_k + 1) * hidden,
+                                 permuted.begin() + (size_t)row * hidden);
+        }
+        expect(placed, "offsets and permute after the " + what);
+    }
+}
+
+static void norms() {
+    const int rows = 3, hidden = 300;
+    auto residual = random(rows * hidden, 30, 2.0f), delta = random(rows * hidden, 31, 1.0f);
+    auto weight = random(hidden, 32, 1.0f);
+    std::vector<float> want_res(residual), out(rows * hidden), want(rows * hidden);
+    for (int r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (int i = 0; i < hidden; ++i) {
+            want_res[r * hidden + i] += delta[r * hidden + i];
+            ss += (double)want_res[r * hidden + i] * want_res[r * hidden + i];
+        }
+        const double inv = 1.0 / std::sqrt(ss / hidden + 1e-5);
+        for (int i = 0; i < hidden; ++i) want[r * hidden + i] = (float)(weight[i] * want_res[r * hidden + i] * inv);
+    }
+    emu::launch({rows, 1, 1}, {256, 1, 1}, [&] {
+        rms_norm_residual<float>(residual.data(), delta.data(), weight.data(), out.data(), hidden, 1e-5f);
+    });
+    expect(rel_error(residual, want_res) < 1e-6 && rel_error(out, want) < 1e-5,
+           "rms_norm_residual adds the delta and normalises");
+    // The leading 40 of rows 64 wide (MLA's kv_a_layernorm on the latent); the rest untouched.
+    const int width = 40, stride = 64;
+    auto x = random(rows * stride, 33, 1.0f);
+    auto want_x = x;
+    for (int r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (int i = 0; i < width; ++i) ss += (double)x[r * stride + i] * x[r * stride + i];
+        const double inv = 1.0 / std::sqrt(ss / width + 1e-6);
+        for (int i = 0; i < width; ++i) want_x[r * stride + i] = (float)(weight[i] * x[r * stride + i] * inv);
+    }
+    emu::launch({rows, 1, 1}, {256, 1, 1}, [&] {
+        rms_norm_rows<float>(x.data(), weight.data(), width, stride, 1e-6f);
+    });
+    expect(rel_error(x, want_x) < 1e-5, "rms_norm_rows on strided row prefixes");
+}
+
+// Rotates (a, b) by position × inv_freq[i], in double as the reference.
+static void rotate(float& a, float& b, int pos, float inv_freq, float scaling) {
+    const double angle = (double)((float)pos * inv_freq);
+    const float s = (float)std::sin(angle) * scaling, c = (float)std::cos(angle) * scaling;
+    const float x = a, y = b;
+    a = x * c - y * s;
+    b = y * c + x * s;
+}
+
+static void ropes() {
+    const int tokens = 3, heads = 4, kv_heads = 2, d = 32, rotary = 16;
+    std::vector<int> pos = {0, 7, 16383};
+    std::vector<float> inv_freq(rotary / 2);
+    for (int i = 0; i < rotary / 2; ++i) inv_freq[i] = std::pow(10000.0f, -2.0f * i / rotary);
+    auto q = random(tokens * heads * d, 40, 1.0f), k = random(tokens * kv_heads * d, 41, 1.0f);
+    auto wq = q, wk = k;
+    for (int t = 0; t < tokens; ++t) {
+        for (int h = 0; h < heads; ++h)
+            for (int i = 0; i < rotary / 2; ++i)
+                rotate(wq[(t * heads + h) * d + i], wq[(t * heads + h) * d + i + rotary / 2], pos[t], inv_freq[i], 1.0f);
+        for (int h = 0; h < kv_heads; ++h)
+            for (int i = 0; i < rotary / 2; ++i)
+                rotate(wk[(t * kv_heads + h) * d + i], wk[(t * kv_heads + h) * d + i + rotary / 2], pos[t], inv_freq[i], 1.0f);
+    }
+    emu::launch({tokens, 1, 1}, {128, 1, 1}, [&] {
+        rope<float>(q.data(), k.data(), pos.data(), inv_freq.data(), heads, kv_heads, d, rotary, 1.0f);
+    });
+    expect(rel_error(q, wq) < 1e-6 && rel_error(k, wk) < 1e-6, "rope on a partial rotary slice");
+    // MLA: the rotary slice of each head's query and the latent row's shared key, both pairings.
+    const int nope = 8, rope_dim = 8, qk = nope + rope_dim, rank = 12, latent = rank + rope_dim;
+    for (int interleave : {0, 1}) {
+        auto mq = random(tokens * heads * qk, 42, 1.0f), ml = random(tokens * latent, 43, 1.0f);
+        auto wmq = mq, wml = ml;
+        for (int t = 0; t < tokens; ++t)
+            for (int h = 0; h <= heads; ++h) {
+                float* base = h < heads ? &wmq[(t * heads + h) * qk + nope] : &wml[t * latent + rank];
+                for (int i = 0; i < rope_dim / 2; ++i) {
+                    const int a = interleave ? 2 * i : i, b = interleave ? 2 * i + 1 : i + rope_dim / 2;
+                    rotate(base[a], base[b], pos[t], inv_freq[i], 1.25f);
+                }
+            }
+        emu::launch({tokens, 1, 1}, {128, 1, 1}, [&] {
+            mla_rope<float>(mq.data(), ml.data(), pos.data(), inv_freq.data(), heads, qk, nope,
+                            rope_dim, latent, rank, interleave, 1.25f);
+        });
+        expect(rel_error(mq, wmq) < 1e-6 && rel_error(ml, wml) < 1e-6,
+               "mla_rope, interleave " + std::to_string(interleave));
+        // The rotary queries beside the absorbed ones.
+        std::vector<float> lq(tokens * heads * latent, -7.0f);
+        emu::launch({tokens, 1, 1}, {128, 1, 1}, [&] {
+            mla_copy_rope<float>(mq.data(), lq.data(), heads, qk, nope, rope_dim, latent, rank);
+        });
+        bool copied = true;
+        for (int r = 0; r < tokens * heads; ++r)
+            for (int i = 0; i < latent; ++i)
+                copied &= lq[r * latent + i] == (i < rank ? -7.0f : mq[r * qk + nope + i - rank]);
+        expect(copied, "mla_copy_rope");
+    }
+}
+
+static void cache_writes() {
+    const int tokens = 3, width = 40, slots = 10;
+    std::vector<long long> slot = {7, -1, 2};
+    auto k = random(tokens * width, 50, 1.0f), v = random(tokens * width, 51, 1.0f);
+    std::vector<float> kc(slots * width, -7.0f), vc(slots * width, -7.0f), lc(slots * width, -7.0f);
+    emu::launch({tokens, 1, 1}, {32, 1, 1}, [&] {
+        write_kv<float>(k.data(), v.data(), kc.data(), vc.data(), slot.data(), width);
+        write_latent<float>(k.data(), lc.data(), slot.data(), width);
+    });
+    bool ok = true;
+    for (int s = 0; s < slots; ++s)
+        for (int i = 0; i < width; ++i) {
+            const int t = s == 7 ? 0 : s == 2 ? 2 : -1;
+            ok &= kc[s * width + i] == (t < 0 ? -7.0f : k[t * width + i]);
+            ok &= vc[s * width + i] == (t < 0 ? -7.0f : v[t * width + i]);
+            ok &= lc[s * width + i] == kc[s * width + i];
+        }
+    expect(ok, "write_kv and write_latent by slot (-1 writes nothing)");
+}
+
 int main() {
+    router_and_permute();
+    norms();
+    ropes();
+    cache_writes();
     grouped_gemm<float>();
     grouped_gemm<__nv_bfloat16>();
     unpermute_order();
