@@ -3,7 +3,8 @@
 // order, greedy argmax with refused rows, paged attention (GQA and MLA, prefill and decode
 // tiles, windows, sinks, split and not), the router (softmax top-k, bias, ties, capacity),
 // segment offsets and permute, RMSNorm (residual and strided rows), RoPE and MLA's RoPE (both
-// pairings), the KV and latent writes. Built and run by
+// pairings), the KV and latent writes, the activations, the families' elementwise options, the
+// embedding and the logits rows' gather. Built and run by
 // scripts/emulate-kernels.sh over copies of the sources with `extern __shared__` made global.
 #include <cstdio>
 #include <algorithm>
@@ -24,6 +25,9 @@
 #include "rope.cu"
 #include "mla.cu"
 #include "kv_cache.cu"
+#include "swiglu.cu"
+#include "elementwise.cu"
+#include "embedding.cu"
 
 static int failures = 0;
 
@@ -490,7 +494,75 @@ static void cache_writes() {
     expect(ok, "write_kv and write_latent by slot (-1 writes nothing)");
 }
 
+// Grid-stride elementwise kernels over a grid smaller than the data.
+static void elementwise() {
+    const int rows = 5, inter = 70, width = 2 * inter;
+    auto gate_up = random(rows * width, 60, 4.0f);
+    std::vector<float> out(rows * inter), out2(rows * inter), want(rows * inter), want2(rows * inter);
+    for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < inter; ++i) {
+            const float g = gate_up[r * width + i], u = gate_up[r * width + inter + i];
+            want[r * inter + i] = g / (1.0f + std::exp(-g)) * u;
+            const float gc = std::min(g, 3.0f), uc = std::min(std::max(u, -3.0f), 3.0f);
+            want2[r * inter + i] = gc / (1.0f + std::exp(-1.702f * gc)) * (uc + 1.0f);
+        }
+    emu::launch({2, 1, 1}, {64, 1, 1}, [&] {
+        silu_mul<float>(gate_up.data(), out.data(), rows, inter);
+        clamped_swiglu<float>(gate_up.data(), out2.data(), rows, inter, 1.702f, 3.0f);
+    });
+    expect(rel_error(out, want) < 1e-6, "silu_mul");
+    expect(rel_error(out2, want2) < 1e-6, "clamped_swiglu (GPT-OSS)");
+    // A projection's bias; the experts' biases per segment; clip_qkv; the shared expert's add.
+    const int w = 24;
+    auto x = random(rows * w, 61, 5.0f), bias = random(w, 62, 1.0f);
+    auto segment_bias = random(3 * w, 63, 1.0f), src = random(rows * w, 64, 1.0f);
+    auto gate = random(rows, 65, 2.0f);
+    std::vector<int> offsets = {0, 2, 2, 5};  // segment 1 is empty
+    auto a = x, b = x, c = x, d = x, e = x;
+    c[3] = std::nanf("");
+    emu::launch({2, 1, 1}, {32, 1, 1}, [&] {
+        add_bias<float>(a.data(), bias.data(), rows, w);
+        add_segment_bias<float>(b.data(), segment_bias.data(), offsets.data(), 3, w);
+        clamp_values<float>(c.data(), (long long)rows * w, 2.0f);
+        add_gated<float>(d.data(), src.data(), gate.data(), rows, w);
+        add_gated<float>(e.data(), src.data(), nullptr, rows, w);
+    });
+    bool ok = std::isnan(c[3]);
+    for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < w; ++i) {
+            const int at = r * w + i, seg = r < 2 ? 0 : 2;
+            const float g = 1.0f / (1.0f + std::exp(-gate[r]));
+            ok &= std::fabs(a[at] - (x[at] + bias[i])) < 1e-6;
+            ok &= std::fabs(b[at] - (x[at] + segment_bias[seg * w + i])) < 1e-6;
+            ok &= at == 3 || c[at] == std::min(std::max(x[at], -2.0f), 2.0f);
+            ok &= std::fabs(d[at] - (x[at] + g * src[at])) < 1e-5;
+            ok &= std::fabs(e[at] - (x[at] + src[at])) < 1e-6;
+        }
+    expect(ok, "add_bias, add_segment_bias, clamp (NaN kept), add_gated");
+    // Embedding rows and the logits rows' gather.
+    const int vocab = 9, hidden = 40;
+    auto table = random(vocab * hidden, 66, 1.0f);
+    std::vector<unsigned> ids = {3, 0, 8, 3};
+    std::vector<float> emb(ids.size() * hidden), gathered(2 * hidden);
+    std::vector<int> pick = {3, 1};
+    emu::launch({(unsigned)ids.size(), 1, 1}, {32, 1, 1}, [&] {
+        embedding<float>(table.data(), ids.data(), emb.data(), hidden);
+    });
+    emu::launch({2, 1, 1}, {32, 1, 1}, [&] {
+        gather_rows_f32(emb.data(), pick.data(), gathered.data(), hidden);
+    });
+    bool rows_ok = true;
+    for (size_t t = 0; t < ids.size(); ++t)
+        rows_ok &= std::equal(emb.begin() + t * hidden, emb.begin() + (t + 1) * hidden,
+                              table.begin() + ids[t] * hidden);
+    for (int r = 0; r < 2; ++r)
+        rows_ok &= std::equal(gathered.begin() + r * hidden, gathered.begin() + (r + 1) * hidden,
+                              emb.begin() + pick[r] * hidden);
+    expect(rows_ok, "embedding and gather_rows");
+}
+
 int main() {
+    elementwise();
     router_and_permute();
     norms();
     ropes();
