@@ -467,9 +467,10 @@ impl EngineCore {
             .finish_step(self.stats.num_steps, record, &self.assets);
     }
 
-    /// On a GPU, the logits rows whose sequences need only the greedy token (no bias,
-    /// penalties, top logprobs or grammar, and no choices forked from them): the device
-    /// reduces those to two numbers instead of copying the row back.
+    /// On a GPU, the logits rows that need at most the greedy token: sequences that sample
+    /// greedily with nothing else to do on the row (no bias, penalties, top logprobs or
+    /// grammar, and no choices forked from them), and prompt chunks that sample nothing. The
+    /// device reduces those to two numbers instead of copying the row back.
     fn mark_greedy_rows(&mut self, plan: &SchedulerOutput, grammars: &[StepGrammar]) {
         self.greedy.wanted.clear();
         self.greedy.reduced.clear();
@@ -477,14 +478,13 @@ impl EngineCore {
             return;
         }
         for (row, s) in plan.scheduled.iter().enumerate() {
-            let wanted = s.samples
-                && !grammars.iter().any(|g| g.row == row)
+            let greedy_only = !grammars.iter().any(|g| g.row == row)
                 && !self.scheduler.has_forks(s.id)
                 && self
                     .states
                     .get(&s.id)
                     .is_some_and(|r| needs_only_greedy(&r.params));
-            self.greedy.wanted.push(wanted);
+            self.greedy.wanted.push(!s.samples || greedy_only);
         }
     }
 
