@@ -273,7 +273,7 @@ impl CudaBackend {
         host: &[T],
         dst: &mut impl DevicePtrMut<T>,
     ) -> Result<(), CudaError> {
-        check_same_len("copy_htod", host.len(), dst.len())?;
+        ops::check_len("copy_htod", "host slice", host.len(), dst.len())?;
         if host.is_empty() {
             return Ok(());
         }
@@ -287,7 +287,7 @@ impl CudaBackend {
         src: &impl DevicePtr<T>,
         dst: &mut impl DevicePtrMut<T>,
     ) -> Result<(), CudaError> {
-        check_same_len("copy_dtod", src.len(), dst.len())?;
+        ops::check_len("copy_dtod", "source", src.len(), dst.len())?;
         if src.len() == 0 {
             return Ok(());
         }
@@ -295,21 +295,16 @@ impl CudaBackend {
         Ok(self.stream.memcpy_dtod(src, dst)?)
     }
 
-    /// Queues a copy of `src` into the pinned `dst` (of the same length); it is there once
+    /// Queues a copy of `src` into the start of the pinned `dst` (at least as long); it is there once
     /// the stream is synchronised ([`CudaBackend::pinned_contents`]).
     pub fn copy_dtoh_pinned<T: DeviceRepr>(
         &self,
         src: &impl DevicePtr<T>,
         dst: &mut PinnedHostSlice<T>,
     ) -> Result<(), CudaError> {
-        if dst.len() < src.len() {
-            return Err(CudaError::length(
-                "copy_dtoh_pinned",
-                "destination",
-                src.len(),
-                dst.len(),
-            ));
-        }
+        ops::check("copy_dtoh_pinned", dst.len() >= src.len(), || {
+            format!("{} elements into {} pinned", src.len(), dst.len())
+        })?;
         self.count(Work::DtoH);
         Ok(self.stream.memcpy_dtoh(src, dst)?)
     }
@@ -424,13 +419,5 @@ impl GpuMark {
     /// for `end` if the stream has not reached it (read them after the step's sync).
     pub fn seconds_until(&self, end: &GpuMark) -> Result<f64, CudaError> {
         Ok(f64::from(self.0.elapsed_ms(&end.0)?) / 1e3)
-    }
-}
-
-fn check_same_len(op: &'static str, got: usize, expected: usize) -> Result<(), CudaError> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(CudaError::length(op, "destination", expected, got))
     }
 }
