@@ -14,13 +14,15 @@ use moeserve_backend::cuda::ops::{
     self, AttentionShape, DeviceRouting, ExpertTable, LatentShape, RmsNormArgs, Split,
 };
 use moeserve_backend::cuda::{
-    CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice,
+    CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut,
 };
 use moeserve_core::ExpertId;
 
 use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout, Span, span_seconds};
 use super::host_step::{AttentionLayout, HostRouting, StepInputs, dropless_routing};
-use super::workspace::{MlpViews, MoeViews, StepDims, StepViews, StepWorkspace, ViewMut};
+use super::workspace::{
+    InputViews, MlpViews, MoeViews, OutputViews, StepDims, StepViews, StepWorkspace, ViewMut,
+};
 use super::{DeviceFeedForward, DeviceLatent, DeviceMlp, DeviceMoe, DeviceWeights, LayerCache};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::models::decoder::Greedy;
@@ -51,32 +53,6 @@ pub(super) struct StepMode {
     pub(super) expert_parallel: bool,
 }
 
-/// The step's index arrays on the device.
-struct DeviceInputs<'w> {
-    ids: CudaViewMut<'w, u32>,
-    positions: CudaViewMut<'w, i32>,
-    token_seq: CudaViewMut<'w, i32>,
-    slots: CudaViewMut<'w, i64>,
-    tables: CudaViewMut<'w, i32>,
-    logit_rows: CudaViewMut<'w, i32>,
-    /// The attention kernel's token tiles (room for one per token; `num_tiles` used).
-    tiles: CudaViewMut<'w, i32>,
-}
-
-/// The logits' buffers and where the step's results come back to.
-struct OutputViews<'w, T> {
-    last: CudaViewMut<'w, f32>,
-    last_normed: CudaViewMut<'w, T>,
-    logits: CudaViewMut<'w, T>,
-    greedy_ids: CudaViewMut<'w, i32>,
-    greedy_logprobs: CudaViewMut<'w, f32>,
-    logits_host: &'w mut PinnedHostSlice<T>,
-    greedy_ids_host: &'w mut PinnedHostSlice<i32>,
-    greedy_logprobs_host: &'w mut PinnedHostSlice<f32>,
-    topk_ids_host: &'w mut PinnedHostSlice<i32>,
-    offsets_host: &'w mut PinnedHostSlice<i32>,
-}
-
 /// A layer's routing summary before the step's end.
 struct PendingRecord {
     /// The host router's summary; `None` for a layer routed on the device, summarised from
@@ -105,7 +81,7 @@ pub(super) struct CudaStep<'m, T> {
     /// The layers' KV caches, written by the step.
     kv: &'m mut [LayerCache<T>],
     x: &'m StepInputs,
-    inputs: DeviceInputs<'m>,
+    inputs: InputViews<'m>,
     wants: StepMode,
     observe: &'m mut dyn FnMut(Observed),
     residual: CudaViewMut<'m, f32>,
@@ -164,38 +140,14 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
     ) -> std::result::Result<Self, CudaError> {
         let gpu = m.gpu;
         let StepViews {
-            ids,
-            positions,
-            token_seq,
-            slots,
-            tables,
-            logit_rows,
-            tiles,
+            mut inputs,
             partials,
             residual,
             acts,
             moe,
             mlp,
-            last,
-            last_normed,
-            logits,
-            greedy_ids,
-            greedy_logprobs,
-            logits_host,
-            greedy_ids_host,
-            greedy_logprobs_host,
-            topk_ids_host,
-            offsets_host,
+            out,
         } = ws.views(dims);
-        let mut inputs = DeviceInputs {
-            ids,
-            positions,
-            token_seq,
-            slots,
-            tables,
-            logit_rows,
-            tiles,
-        };
         gpu.copy_htod(&x.ids, &mut inputs.ids)?;
         gpu.copy_htod(&x.positions, &mut inputs.positions)?;
         gpu.copy_htod(&x.token_seq, &mut inputs.token_seq)?;
@@ -218,18 +170,7 @@ impl<'m, T: CudaElement> CudaStep<'m, T> {
             partials,
             moe,
             mlp,
-            out: OutputViews {
-                last,
-                last_normed,
-                logits,
-                greedy_ids,
-                greedy_logprobs,
-                logits_host,
-                greedy_ids_host,
-                greedy_logprobs_host,
-                topk_ids_host,
-                offsets_host,
-            },
+            out,
             records: Vec::new(),
             row_order: rows.order,
             sampled_rows: rows.sampled,

@@ -121,19 +121,29 @@ struct Shape {
 
 /// The step's buffers viewed at its size.
 pub(crate) struct StepViews<'w, T> {
+    pub(crate) inputs: InputViews<'w>,
+    pub(crate) partials: CudaViewMut<'w, f32>,
+    pub(crate) residual: CudaViewMut<'w, f32>,
+    pub(crate) acts: [CudaViewMut<'w, T>; Act::COUNT],
+    pub(crate) moe: MoeViews<'w, T>,
+    pub(crate) mlp: MlpViews<'w, T>,
+    pub(crate) out: OutputViews<'w, T>,
+}
+
+/// The step's index arrays on the device.
+pub(crate) struct InputViews<'w> {
     pub(crate) ids: CudaViewMut<'w, u32>,
     pub(crate) positions: CudaViewMut<'w, i32>,
     pub(crate) token_seq: CudaViewMut<'w, i32>,
     pub(crate) slots: CudaViewMut<'w, i64>,
     pub(crate) tables: CudaViewMut<'w, i32>,
     pub(crate) logit_rows: CudaViewMut<'w, i32>,
-    /// Sized for the most tiles (one per token); the step views its own.
+    /// The attention kernel's token tiles (room for one per token; the step uses its own).
     pub(crate) tiles: CudaViewMut<'w, i32>,
-    pub(crate) partials: CudaViewMut<'w, f32>,
-    pub(crate) residual: CudaViewMut<'w, f32>,
-    pub(crate) acts: [CudaViewMut<'w, T>; Act::COUNT],
-    pub(crate) moe: MoeViews<'w, T>,
-    pub(crate) mlp: MlpViews<'w, T>,
+}
+
+/// The logits' buffers and where the step's results come back to.
+pub(crate) struct OutputViews<'w, T> {
     pub(crate) last: CudaViewMut<'w, f32>,
     pub(crate) last_normed: CudaViewMut<'w, T>,
     pub(crate) logits: CudaViewMut<'w, T>,
@@ -322,13 +332,15 @@ impl<T: CudaElement> StepWorkspace<T> {
             buf.slice_mut(..width.map_or(1, |w| t * w))
         });
         StepViews {
-            ids: self.ids.slice_mut(..t),
-            positions: self.positions.slice_mut(..t),
-            token_seq: self.token_seq.slice_mut(..t),
-            slots: self.slots.slice_mut(..t),
-            tables: self.tables.slice_mut(..d.table_entries),
-            logit_rows: self.logit_rows.slice_mut(..r),
-            tiles: self.tiles.slice_mut(..2 * t),
+            inputs: InputViews {
+                ids: self.ids.slice_mut(..t),
+                positions: self.positions.slice_mut(..t),
+                token_seq: self.token_seq.slice_mut(..t),
+                slots: self.slots.slice_mut(..t),
+                tables: self.tables.slice_mut(..d.table_entries),
+                logit_rows: self.logit_rows.slice_mut(..r),
+                tiles: self.tiles.slice_mut(..2 * t),
+            },
             partials: self.partials.slice_mut(..d.partial_floats.max(1)),
             residual: self.residual.slice_mut(..t * h),
             acts,
@@ -353,16 +365,18 @@ impl<T: CudaElement> StepWorkspace<T> {
                 out: self.mlp_out.slice_mut(..t * h),
                 gate_logit: self.mlp_gate_logit.slice_mut(..t),
             },
-            last: self.last.slice_mut(..r * h),
-            last_normed: self.last_normed.slice_mut(..r * h),
-            logits: self.logits.slice_mut(..r * s.vocab),
-            greedy_ids: self.greedy_ids.slice_mut(..r),
-            greedy_logprobs: self.greedy_logprobs.slice_mut(..r),
-            logits_host: &mut self.logits_host,
-            greedy_ids_host: &mut self.greedy_ids_host,
-            greedy_logprobs_host: &mut self.greedy_logprobs_host,
-            topk_ids_host: &mut self.topk_ids_host,
-            offsets_host: &mut self.offsets_host,
+            out: OutputViews {
+                last: self.last.slice_mut(..r * h),
+                last_normed: self.last_normed.slice_mut(..r * h),
+                logits: self.logits.slice_mut(..r * s.vocab),
+                greedy_ids: self.greedy_ids.slice_mut(..r),
+                greedy_logprobs: self.greedy_logprobs.slice_mut(..r),
+                logits_host: &mut self.logits_host,
+                greedy_ids_host: &mut self.greedy_ids_host,
+                greedy_logprobs_host: &mut self.greedy_logprobs_host,
+                topk_ids_host: &mut self.topk_ids_host,
+                offsets_host: &mut self.offsets_host,
+            },
         }
     }
 }
