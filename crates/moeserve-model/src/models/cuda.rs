@@ -55,8 +55,7 @@ use crate::config::{ModelConfig, QkNorm};
 use crate::kv_cache::KvCacheLayout;
 use crate::{ModelError, Result};
 use expert_parallel::ExpertGpus;
-use host_step::{AttentionLayout, PARTIAL_FLOATS, attention_geometry, greedy_order, step_inputs};
-use moeserve_backend::cuda::ops::Split;
+use host_step::{AttentionLayout, attention_split, greedy_order, partial_floats, step_inputs};
 use step::{CudaStep, Observed, RowOrder, StepMode, StepModel, StepRows};
 use weights::{HostWeights, RandomWeights, Tensor, WeightSource};
 use workspace::{StepDims, StepWorkspace};
@@ -630,14 +629,13 @@ impl<T: CudaElement> DeviceModel<T> {
     ) -> Result<()> {
         let blocks = max_context.div_ceil(self.layout.block_size).max(1);
         // The largest split: a decode step of every sequence at the longest context.
-        let (heads, _, value_dim) = attention_geometry(&self.config);
-        let split = Split::for_step(max_sequences, heads, value_dim, max_context, PARTIAL_FLOATS);
+        let split = attention_split(&self.config, max_sequences, max_context);
         let dims = StepDims {
             tokens: max_tokens.max(1),
             table_entries: max_sequences.max(1) * blocks,
             logit_rows: max_sequences.max(1),
             segments: self.segments(),
-            partial_floats: split.partial_floats(max_sequences, heads, value_dim),
+            partial_floats: partial_floats(&self.config, split, max_sequences),
         };
         self.workspace.fit(&self.gpu, dims).map_err(backend)
     }
@@ -754,7 +752,7 @@ impl<T: CudaElement> DeviceModel<T> {
             table_entries: x.block_tables.len(),
             logit_rows: x.logit_rows.len(),
             segments: self.segments(),
-            partial_floats: attention.partial_floats(c, x.ids.len()),
+            partial_floats: partial_floats(c, attention.split, x.ids.len()),
         };
         self.workspace.fit(&self.gpu, dims).map_err(backend)?;
         let DeviceModel {

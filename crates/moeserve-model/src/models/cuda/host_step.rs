@@ -1,7 +1,7 @@
 //! The host's share of a CUDA step: the index arrays the kernels read (positions, slots, block
 //! tables, logit rows) and routings made on the host in the kernels' layout.
 
-use moeserve_backend::cuda::ops::{Split, attention_tiles, rows_per_block};
+use moeserve_backend::cuda::ops::{MOE_GEMM_ROWS, Split, attention_tiles, rows_per_block};
 
 use crate::Result;
 use crate::batch::{BatchLimits, ForwardBatch, TokenPlace};
@@ -9,7 +9,7 @@ use crate::config::ModelConfig;
 use crate::kv_cache::slot_of;
 use crate::models::LogitsFor;
 use crate::moe::record::LayerRouting;
-use crate::moe::{RoutedStep, RoutingCounts};
+use crate::moe::{Capacity, RoutedStep, RoutingCounts, Scoring};
 
 /// The host-side layout of one step: what the kernels index by.
 pub(super) struct StepInputs {
@@ -67,15 +67,46 @@ pub(super) fn step_inputs(
 
 /// Floats of room for split attention's partial results (64 MiB; a batch of 64 Mixtral
 /// sequences at 16 384 tokens of context needs 8.5 M).
-pub(crate) const PARTIAL_FLOATS: usize = 1 << 24;
+const PARTIAL_FLOATS: usize = 1 << 24;
 
 /// The attention kernel's view of a model: query heads, KV heads, value width (MLA: all heads
 /// over one latent "KV head", values `kv_lora_rank` wide).
-pub(crate) fn attention_geometry(c: &ModelConfig) -> (usize, usize, usize) {
+fn attention_geometry(c: &ModelConfig) -> (usize, usize, usize) {
     match &c.mla {
         Some(m) => (c.num_attention_heads, 1, m.kv_lora_rank),
         None => (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
     }
+}
+
+/// How attention splits the keys of `tokens` step tokens whose longest context is
+/// `max_context` (one partition per `PARTITION_KEYS` keys while the partials fit).
+pub(crate) fn attention_split(c: &ModelConfig, tokens: usize, max_context: usize) -> Split {
+    let (heads, _, value_dim) = attention_geometry(c);
+    Split::for_step(tokens, heads, value_dim, max_context, PARTIAL_FLOATS)
+}
+
+/// Floats of partial results `split` writes for `tokens` tokens.
+pub(crate) fn partial_floats(c: &ModelConfig, split: Split, tokens: usize) -> usize {
+    let (heads, _, value_dim) = attention_geometry(c);
+    split.partial_floats(tokens, heads, value_dim)
+}
+
+/// Whether a step's MoE layers route on the device: Mixtral's softmax top-k (what the router
+/// kernel computes), dropless, on one GPU. Anything else routes on the host with the CPU's
+/// router (capacity, sigmoid scoring and groups, placement slots).
+pub(crate) fn routes_on_device(c: &ModelConfig, capacity: Capacity, expert_parallel: bool) -> bool {
+    capacity == Capacity::Dropless
+        && !expert_parallel
+        && c.router_scoring == Scoring::Softmax
+        && c.routed_scaling_factor == 1.0
+}
+
+/// Whether a device-routed step of `tokens` tokens runs its experts on the GEMM that reads the
+/// segment offsets on the device: at most `MOE_GEMM_ROWS` rows per expert on average, where
+/// one pass over each expert's weights serves its rows. Larger steps read the offsets back for
+/// cuBLAS.
+pub(crate) fn experts_on_device_offsets(c: &ModelConfig, tokens: usize) -> bool {
+    tokens * c.num_experts_per_tok <= MOE_GEMM_ROWS * c.num_local_experts
 }
 
 /// How one step's attention runs: its token tiles and its split of long contexts.
@@ -86,20 +117,13 @@ pub(super) struct AttentionLayout {
 
 impl AttentionLayout {
     pub(super) fn new(c: &ModelConfig, x: &StepInputs) -> Self {
-        let (heads, kv_heads, value_dim) = attention_geometry(c);
+        let (heads, kv_heads, _) = attention_geometry(c);
         let (_, tokens_per_tile) = rows_per_block(heads, kv_heads);
         let max_context = x.positions.iter().max().map_or(0, |p| *p as usize + 1);
-        let split = Split::for_step(x.ids.len(), heads, value_dim, max_context, PARTIAL_FLOATS);
         AttentionLayout {
             tiles: attention_tiles(&x.token_seq, tokens_per_tile),
-            split,
+            split: attention_split(c, x.ids.len(), max_context),
         }
-    }
-
-    /// Floats of partial results the split writes.
-    pub(super) fn partial_floats(&self, c: &ModelConfig, tokens: usize) -> usize {
-        let (heads, _, value_dim) = attention_geometry(c);
-        self.split.partial_floats(tokens, heads, value_dim)
     }
 }
 

@@ -9,14 +9,12 @@
 
 use std::convert::Infallible;
 
+use super::host_step::{attention_split, experts_on_device_offsets, routes_on_device};
 use moeserve_backend::cuda::WorkCounts;
-use moeserve_backend::cuda::ops::{MOE_GEMM_ROWS, Split};
-
-use super::host_step::{PARTIAL_FLOATS, attention_geometry};
 
 use crate::config::ModelConfig;
 use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, decode};
-use crate::moe::{Capacity, Scoring};
+use crate::moe::Capacity;
 
 /// The step a plan is for.
 #[derive(Clone, Copy, Debug)]
@@ -89,9 +87,7 @@ impl Planner<'_> {
 
     /// The attention kernel, and its reduction when the step's contexts are split.
     fn attention(&mut self) {
-        let (heads, _, value_dim) = attention_geometry(self.c);
-        let s = self.shape;
-        let split = Split::for_step(s.tokens, heads, value_dim, s.max_context, PARTIAL_FLOATS);
+        let split = attention_split(self.c, self.shape.tokens, self.shape.max_context);
         self.kernels(1 + u64::from(split.partitions > 1));
     }
 
@@ -99,13 +95,6 @@ impl Planner<'_> {
     fn read_back(&mut self) {
         self.counts.dtoh += 1;
         self.counts.syncs += 1;
-    }
-
-    /// `step.rs`'s `routes_on_device`.
-    fn routes_on_device(&self) -> bool {
-        self.shape.capacity == Capacity::Dropless
-            && self.c.router_scoring == Scoring::Softmax
-            && self.c.routed_scaling_factor == 1.0
     }
 
     /// `mlp_into`: `[w1; w3]` GEMM, SwiGLU, `w2` GEMM.
@@ -205,9 +194,8 @@ impl DecoderOps for Planner<'_> {
 
     fn sparse_moe(&mut self, _: usize, _: usize) -> Result<(), Infallible> {
         let (c, shape) = (self.c, self.shape);
-        let e = c.num_local_experts;
         self.gemms(1); // router logits
-        let device_offsets = if self.routes_on_device() {
+        let device_offsets = if routes_on_device(c, shape.capacity, false) {
             // Zero the counts, top-k, offsets.
             self.counts.memsets += 1;
             self.kernels(2);
@@ -215,7 +203,7 @@ impl DecoderOps for Planner<'_> {
                 self.read_back();
             }
             self.device_routed_layers += 1;
-            let small = shape.tokens * c.num_experts_per_tok <= MOE_GEMM_ROWS * e;
+            let small = experts_on_device_offsets(c, shape.tokens);
             if !small {
                 self.read_back();
             }

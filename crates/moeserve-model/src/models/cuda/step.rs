@@ -19,7 +19,10 @@ use moeserve_backend::cuda::{
 use moeserve_core::ExpertId;
 
 use super::expert_parallel::{ExpertGpus, LayerRows, SegmentLayout, Span, span_seconds};
-use super::host_step::{AttentionLayout, HostRouting, StepInputs, dropless_routing};
+use super::host_step::{
+    AttentionLayout, HostRouting, StepInputs, dropless_routing, experts_on_device_offsets,
+    routes_on_device,
+};
 use super::workspace::{
     InputViews, MlpViews, MoeViews, OutputViews, StepDims, StepViews, StepWorkspace, ViewMut,
 };
@@ -28,7 +31,7 @@ use crate::config::{MlaConfig, ModelConfig};
 use crate::models::decoder::Greedy;
 use crate::models::ops::{Act, DecoderOps, LayerWeight, Point, read_write, read_write_mut};
 use crate::moe::record::LayerRouting;
-use crate::moe::{Capacity, RouterConfig, Scoring, route_with_bias};
+use crate::moe::{Capacity, RouterConfig, route_with_bias};
 
 /// Values read back from the device during a step.
 pub(super) enum Observed {
@@ -684,22 +687,11 @@ impl<T: CudaElement> DecoderOps for CudaStep<'_, T> {
 }
 
 impl<T: CudaElement> CudaStep<'_, T> {
-    /// Whether this step's MoE layers route on the device: Mixtral's softmax top-k (what the
-    /// router kernel computes), dropless, on one GPU. Anything else routes on the host with the
-    /// CPU's router (capacity, sigmoid scoring and groups, placement slots).
-    fn routes_on_device(&self) -> bool {
-        let c = self.m.config;
-        self.wants.capacity == Capacity::Dropless
-            && !self.wants.expert_parallel
-            && c.router_scoring == Scoring::Softmax
-            && c.routed_scaling_factor == 1.0
-    }
-
     /// `Delta` = the routed experts of `block` on `Normed`: router GEMM → top-k (on the device
-    /// when [`CudaStep::routes_on_device`], else on the host) → permute → experts → unpermute.
-    /// Device-routed layers of a small step (at most [`ops::MOE_GEMM_ROWS`] rows per expert on
-    /// average) run the experts on the device-offset GEMM and copy nothing back; larger steps
-    /// read the offsets back for cuBLAS, one wait per layer, which their GEMMs dwarf.
+    /// when `routes_on_device`, else on the host) → permute → experts → unpermute.
+    /// Device-routed layers of a small step (`experts_on_device_offsets`) run the experts on the
+    /// device-offset GEMM and copy nothing back; larger steps read the offsets back for cuBLAS,
+    /// one wait per layer, which their GEMMs dwarf.
     fn routed_experts(
         &mut self,
         block: &DeviceMoe<T>,
@@ -712,7 +704,7 @@ impl<T: CudaElement> CudaStep<'_, T> {
             c.num_experts_per_tok,
             c.moe_intermediate_size,
         );
-        let on_device = self.routes_on_device();
+        let on_device = routes_on_device(c, wants.capacity, wants.expert_parallel);
         let b = &mut self.moe;
         let (pairs, width) = (b.pairs, b.segments + 1);
         let normed = &self.acts[Act::Normed.index()];
@@ -761,7 +753,7 @@ impl<T: CudaElement> CudaStep<'_, T> {
                 (self.observe)(Observed::RouterLogits(logits));
             }
             match &block.tables {
-                Some(_) if pairs <= ops::MOE_GEMM_ROWS * e => None,
+                Some(_) if experts_on_device_offsets(c, t) => None,
                 _ => Some(
                     gpu.download(&offsets)?
                         .iter()
