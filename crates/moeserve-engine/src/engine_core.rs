@@ -11,15 +11,13 @@ use std::time::Instant;
 use moeserve_backend::device::Device;
 use moeserve_core::{BlockId, CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
-use moeserve_model::models::{
-    CudaMoeModel, ForwardOptions, ForwardWorkspace, Greedy, GreedyRows, MoeModel,
-};
+use moeserve_model::models::{ForwardOptions, Greedy, GreedyRows};
 use moeserve_model::moe::MoeStepRecord;
 use moeserve_structured::Grammar;
 
 use crate::assets::ModelAssets;
-use crate::kv_cache::{BlockCopy, KvCacheConfig, KvCacheManager};
+use crate::executor::Executor;
+use crate::kv_cache::{KvCacheConfig, KvCacheManager};
 use crate::moe::{MoeRequestCounts, MoeRuntime, MoeStats};
 use crate::output::{OutputContext, SequenceOutput, TokenUpdate};
 use crate::request::{GenerateOutput, GenerateRequest, RequestTimings, RoutedExpertsMode};
@@ -37,85 +35,6 @@ pub struct EngineConfig {
     pub moe: MoeConfig,
     /// Where the forward runs (`--device`, resolved at start-up).
     pub device: Device,
-}
-
-/// The forward pass and the KV storage it reads and writes.
-enum Executor {
-    /// The CPU forward of the loaded model; keys and values in host memory, the step's
-    /// buffers reused from step to step.
-    Cpu {
-        kv: PagedKvCache,
-        workspace: Box<ForwardWorkspace>,
-    },
-    /// The model's weights and KV cache on a CUDA device.
-    Cuda(Box<CudaMoeModel>),
-}
-
-impl Executor {
-    fn new(
-        model: &MoeModel,
-        device: &Device,
-        layout: KvCacheLayout,
-        moe: &MoeConfig,
-        limits: &SchedulerLimits,
-    ) -> Result<Self> {
-        match device {
-            Device::Cpu => {
-                // Sized once for the largest step, so steps allocate nothing in the kernels.
-                model.reserve_task_scratch(limits.max_num_batched_tokens, limits.max_model_len);
-                Ok(Executor::Cpu {
-                    kv: PagedKvCache::new(layout),
-                    workspace: Box::default(),
-                })
-            }
-            Device::Cuda(info) => {
-                // Expert parallelism puts device d's experts on GPU d.
-                if moe.expert_parallel_size > info.num_devices {
-                    return Err(EngineError::InvalidRequest {
-                        field: "expert_parallel_size",
-                        message: format!(
-                            "{} GPUs asked for, this machine has {} ({info})",
-                            moe.expert_parallel_size, info.num_devices
-                        ),
-                    });
-                }
-                // Refused here, at start-up, rather than at the first step.
-                if moe.uses_expert_parallelism() && model.config().experts.bias {
-                    return Err(EngineError::InvalidRequest {
-                        field: "expert_parallel_size",
-                        message: format!(
-                            "{}: experts with biases (GPT-OSS) run on one GPU on CUDA so far; \
-                             expert parallelism for them runs on the CPU (--device cpu)",
-                            model.config().architecture
-                        ),
-                    });
-                }
-                // With expert parallelism each GPU holds only the experts placed on it.
-                let mut gpu = if moe.uses_expert_parallelism() {
-                    CudaMoeModel::expert_parallel(model, layout, info.ordinal)?
-                } else {
-                    CudaMoeModel::new(model, layout, info.ordinal)?
-                };
-                // Sized once for the largest step, so steps allocate nothing on the device.
-                gpu.reserve(
-                    limits.max_num_batched_tokens,
-                    limits.max_num_seqs,
-                    limits.max_model_len,
-                )?;
-                Ok(Executor::Cuda(Box::new(gpu)))
-            }
-        }
-    }
-
-    /// Copies a block's keys and values into another (a forked choice's partial block).
-    fn copy_block(&mut self, copy: BlockCopy) -> Result<()> {
-        let (src, dst) = (copy.src.0 as usize, copy.dst.0 as usize);
-        match self {
-            Executor::Cpu { kv, .. } => kv.copy_block(src, dst),
-            Executor::Cuda(gpu) => gpu.copy_block(src, dst)?,
-        }
-        Ok(())
-    }
 }
 
 /// What happened to one request in a step.
@@ -474,7 +393,7 @@ impl EngineCore {
     fn mark_greedy_rows(&mut self, plan: &SchedulerOutput, grammars: &[StepGrammar]) {
         self.greedy.wanted.clear();
         self.greedy.reduced.clear();
-        if !matches!(self.executor, Executor::Cuda(_)) {
+        if !self.executor.is_cuda() {
             return;
         }
         for (row, s) in plan.scheduled.iter().enumerate() {
@@ -659,14 +578,8 @@ impl EngineCore {
             greedy,
             ..Default::default()
         };
-        match &mut self.executor {
-            Executor::Cpu { kv, workspace } => {
-                self.assets.model.forward_in(&batch, kv, opts, workspace)?;
-                workspace.swap_logits(logits);
-            }
-            Executor::Cuda(gpu) => *logits = gpu.forward(&batch, opts)?,
-        }
-        Ok(())
+        self.executor
+            .forward(&self.assets.model, &batch, opts, logits)
     }
 
     /// Samples every sequence of the step that needs a token, in parallel (each sequence has

@@ -15,6 +15,7 @@
 pub mod assets;
 pub mod engine_core;
 mod error;
+mod executor;
 pub mod handle;
 pub mod kv_cache;
 pub mod metrics;
