@@ -119,12 +119,29 @@ fn reference(c: &Case, q: &[f32], k_cache: &[f32], v_cache: &[f32]) -> Vec<f32> 
     out
 }
 
-/// The attention kernel's tiles and split for `c`'s tokens over `heads` query and `kv_heads`
-/// key heads, with `room` floats for the split's partials (0: no split).
+/// `c`'s block tables, token sequences and positions on the device, and the attention kernel's
+/// tiles and split for its tokens over `heads` query and `kv_heads` key heads, with `room`
+/// floats for the split's partials (0: no split).
 struct Layout {
+    tables: CudaSlice<i32>,
+    token_seq: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
     tiles: CudaSlice<i32>,
     split: Split,
     partials: CudaSlice<f32>,
+}
+
+impl Layout {
+    fn at(&mut self) -> AttentionTiles<'_> {
+        AttentionTiles {
+            block_tables: self.tables.as_view(),
+            token_seq: self.token_seq.as_view(),
+            positions: self.positions.as_view(),
+            tiles: self.tiles.as_view(),
+            split: self.split,
+            partials: self.partials.as_view_mut(),
+        }
+    }
 }
 
 fn layout(
@@ -136,12 +153,16 @@ fn layout(
     room: usize,
 ) -> Layout {
     let token_seq: Vec<i32> = c.tokens.iter().map(|(s, _)| *s as i32).collect();
+    let positions: Vec<i32> = c.tokens.iter().map(|(_, p)| *p as i32).collect();
     let (_, tokens_per_tile) = rows_per_block(heads, kv_heads);
     let tiles = attention_tiles(&token_seq, tokens_per_tile);
     let context = c.tokens.iter().map(|(_, p)| p + 1).max().unwrap();
     let split = Split::for_step(c.tokens.len(), heads, dv, context, room);
     let partials = split.partial_floats(c.tokens.len(), heads, dv).max(1);
     Layout {
+        tables: gpu.upload(&c.tables.concat()).unwrap(),
+        token_seq: gpu.upload(&token_seq).unwrap(),
+        positions: gpu.upload(&positions).unwrap(),
         tiles: gpu.upload(&tiles).unwrap(),
         split,
         partials: gpu.zeros(partials).unwrap(),
@@ -163,15 +184,7 @@ fn run_with<T: CudaElement>(c: &Case, room: usize) {
     let (q, q_f32) = rounded::<T>(&random(n * s.num_heads * s.head_dim, 20, 1.0));
     let (k, k_f32) = rounded::<T>(&random(kv_len, 21, 1.0));
     let (v, v_f32) = rounded::<T>(&random(kv_len, 22, 1.0));
-    let table: Vec<i32> = c.tables.concat();
-    let token_seq: Vec<i32> = c.tokens.iter().map(|(s, _)| *s as i32).collect();
-    let positions: Vec<i32> = c.tokens.iter().map(|(_, p)| *p as i32).collect();
     let (q_d, k_d, v_d) = (upload(gpu, &q), upload(gpu, &k), upload(gpu, &v));
-    let (table_d, seq_d, pos_d) = (
-        gpu.upload(&table).unwrap(),
-        gpu.upload(&token_seq).unwrap(),
-        gpu.upload(&positions).unwrap(),
-    );
     let sinks_d = c.sinks.as_ref().map(|s| gpu.upload(s).unwrap());
     let mut l = layout(gpu, c, s.num_heads, s.num_kv_heads, s.head_dim, room);
     let mut out = gpu.zeros::<T>(n * s.num_heads * s.head_dim).unwrap();
@@ -182,14 +195,7 @@ fn run_with<T: CudaElement>(c: &Case, room: usize) {
             q: q_d.as_view(),
             k_cache: k_d.as_view(),
             v_cache: v_d.as_view(),
-            at: AttentionTiles {
-                block_tables: table_d.as_view(),
-                token_seq: seq_d.as_view(),
-                positions: pos_d.as_view(),
-                tiles: l.tiles.as_view(),
-                split: l.split,
-                partials: l.partials.as_view_mut(),
-            },
+            at: l.at(),
             sinks: sinks_d.as_ref().map(|s| s.as_view()),
             shape: s,
         },
@@ -278,15 +284,7 @@ fn latent_attention_matches_the_reference<T: CudaElement>() {
     let (bs, n) = (c.shape.block_size, c.tokens.len());
     let (q, q_f32) = rounded::<T>(&random(n * heads * latent, 30, 1.0));
     let (cache, cache_f32) = rounded::<T>(&random(c.num_blocks * bs * latent, 31, 1.0));
-    let table: Vec<i32> = c.tables.concat();
-    let token_seq: Vec<i32> = c.tokens.iter().map(|(s, _)| *s as i32).collect();
-    let positions: Vec<i32> = c.tokens.iter().map(|(_, p)| *p as i32).collect();
     let (q_d, cache_d) = (upload(gpu, &q), upload(gpu, &cache));
-    let (table_d, seq_d, pos_d) = (
-        gpu.upload(&table).unwrap(),
-        gpu.upload(&token_seq).unwrap(),
-        gpu.upload(&positions).unwrap(),
-    );
     let mut out = gpu.zeros::<T>(n * heads * rank).unwrap();
     // Split over blocks: the 300-token context is one partition of 512 unless forced smaller.
     let mut l = layout(gpu, &c, heads, 1, rank, ROOM);
@@ -296,14 +294,7 @@ fn latent_attention_matches_the_reference<T: CudaElement>() {
             out: out.as_view_mut(),
             q: q_d.as_view(),
             cache: cache_d.as_view(),
-            at: AttentionTiles {
-                block_tables: table_d.as_view(),
-                token_seq: seq_d.as_view(),
-                positions: pos_d.as_view(),
-                tiles: l.tiles.as_view(),
-                split: l.split,
-                partials: l.partials.as_view_mut(),
-            },
+            at: l.at(),
             num_heads: heads,
             latent_dim: latent,
             value_dim: rank,
