@@ -7,11 +7,11 @@
 //! `STREAM_BYTES=N` sets the total size of the matrices (default 1 GiB); `STREAM_BYTES=1` runs
 //! one matrix over and over (7 MiB, from the caches): the kernel's speed without DRAM.
 //! `STREAM_DTYPE=int4` streams GPTQ-style int4 matrices (groups of 128) of the same total size
-//! in their own bytes instead of bf16.
+//! in their own bytes instead of bf16; `STREAM_DTYPE=f16` f16 matrices.
 
 use std::time::Instant;
 
-use half::bf16;
+use half::{bf16, f16};
 use moeserve_backend::cpu::int4::{GroupOf, Int4Panels, Int4Source};
 use moeserve_backend::cpu::{matmul_wt, probe};
 use moeserve_backend::{Weight, WeightBytes};
@@ -28,6 +28,7 @@ fn main() {
         .ok()
         .map_or(1 << 30, |v| v.parse().unwrap());
     let int4 = std::env::var("STREAM_DTYPE").is_ok_and(|d| d == "int4");
+    let f16 = std::env::var("STREAM_DTYPE").is_ok_and(|d| d == "f16");
     let count = (total / (n * k * if int4 { 1 } else { 4 } / 2)).max(1);
     let weights: Vec<Weight> = (0..count)
         .map(|j| {
@@ -40,10 +41,15 @@ fn main() {
                 let groups = k / 128;
                 Weight::int4(Int4Panels::new((n, k), groups, GroupOf::Runs(128), src).unwrap())
             } else {
-                let bytes: Vec<u8> = (0..n * k)
-                    .flat_map(|i| bf16::from_f32(((i + j) % 251) as f32 * 1e-3).to_le_bytes())
-                    .collect();
-                Weight::new(DType::BF16, vec![n, k], WeightBytes::owned(&bytes)).unwrap()
+                let value = |i: usize| ((i + j) % 251) as f32 * 1e-3;
+                let (dtype, bytes): (DType, Vec<u8>) = if f16 {
+                    let bytes = (0..n * k).flat_map(|i| f16::from_f32(value(i)).to_le_bytes());
+                    (DType::F16, bytes.collect())
+                } else {
+                    let bytes = (0..n * k).flat_map(|i| bf16::from_f32(value(i)).to_le_bytes());
+                    (DType::BF16, bytes.collect())
+                };
+                Weight::new(dtype, vec![n, k], WeightBytes::owned(&bytes)).unwrap()
             };
             w.packed();
             w

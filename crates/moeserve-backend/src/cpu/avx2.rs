@@ -65,7 +65,6 @@ impl Lanes8 for bf16 {
         }
     }
 
-    /// See [`bf16_rows3_loop`].
     #[inline(always)]
     unsafe fn rows3_loop<const WIDEN: bool>(
         t: &super::avx512::PanelTile<Self>,
@@ -76,115 +75,178 @@ impl Lanes8 for bf16 {
     }
 }
 
-/// [`Lanes8::rows3_loop`] for bf16, in assembly so that the registers are ours.
+/// A 3-row tile's loop in assembly, so that the registers are ours ([`Lanes8::rows3_loop`]).
 ///
 /// A 3-row tile fills all 16 vector registers (12 sums, 3 broadcasts, the weights). Compiled
-/// from the generic loop, LLVM kept the `and`'s mask (or a zero for `vpblendw`) in a register
-/// and spilled one or two sums instead: a store and a reload on those sums' FMA chains at
-/// every position. Here the mask is read from L1 at each use. The FMAs are the generic loop's,
-/// in the same order, so the bits are the same (the kernel tests compare the batch of 3 with
-/// each row alone, which runs the 1-row loop). This tile is the widening first tile of every
-/// expert product with more than 3 rows: ≈ 30 % of a 32-sequence decode step's time on Zen 3
-/// (`perf record`), and the step ran ≈ 5 % faster with it (bench/RESULTS.md).
+/// from the generic loop, LLVM spilled one or two sums for every element type (for bf16 and
+/// FP8 to keep a widening constant in a register): a store and a reload on those sums' FMA
+/// chains at every position. Here a constant is read from L1 at each use. The FMAs are the
+/// generic loop's, in the same order, so the bits are the same (the kernel tests compare a
+/// batch of 3 with each row alone, which runs the 1-row loop). With bf16 weights this tile is
+/// the widening first tile of every expert product with more than 3 rows: ≈ 30 % of a
+/// 32-sequence decode step's time on Zen 3 (`perf record`), and the step ran ≈ 5 % faster with
+/// it; a 3-row f16 product from the caches ran 1.3–2× faster (bench/RESULTS.md).
 ///
-/// # Safety
-/// As [`panel_tile`]'s; the CPU supports AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn bf16_rows3_loop<const WIDEN: bool>(
-    t: &super::avx512::PanelTile<bf16>,
-    acc: &mut [__m256; 12],
-) -> bool {
-    if !t.prefetch || t.kc == 0 {
-        return false;
-    }
-    // Each position: the three rows' activations broadcast into ymm12–14; the 64 bytes
-    // of weights as four 8-column vectors in ymm15 in turn (columns 0–7, 8–15 shifted up,
-    // 16–23, 24–31 masked; see `load_columns`); sum (row i, vector j) in ymm(4i + j).
-    macro_rules! rows3 {
-        ($($widen:literal)?) => {
-            std::arch::asm!(
-                "/* widened into {wide} */",
-                "2:",
-                "vbroadcastss ymm12, dword ptr [{x}]",
-                "vbroadcastss ymm13, dword ptr [{x} + 4]",
-                "vbroadcastss ymm14, dword ptr [{x} + 8]",
-                "prefetcht2 byte ptr [{w} + {ahead}]",
-                "vmovdqu ymm15, ymmword ptr [{w}]",
-                "vpslld ymm15, ymm15, 16",
-                $(concat!($widen, "vmovups ymmword ptr [{wide}], ymm15"),)?
-                "vfmadd231ps ymm0, ymm15, ymm12",
-                "vfmadd231ps ymm4, ymm15, ymm13",
-                "vfmadd231ps ymm8, ymm15, ymm14",
-                "vmovdqu ymm15, ymmword ptr [{w} + 32]",
-                "vpslld ymm15, ymm15, 16",
-                $(concat!($widen, "vmovups ymmword ptr [{wide} + 32], ymm15"),)?
-                "vfmadd231ps ymm1, ymm15, ymm12",
-                "vfmadd231ps ymm5, ymm15, ymm13",
-                "vfmadd231ps ymm9, ymm15, ymm14",
-                "vmovdqa ymm15, ymmword ptr [{mask}]",
-                "vpand ymm15, ymm15, ymmword ptr [{w}]",
-                $(concat!($widen, "vmovups ymmword ptr [{wide} + 64], ymm15"),)?
-                "vfmadd231ps ymm2, ymm15, ymm12",
-                "vfmadd231ps ymm6, ymm15, ymm13",
-                "vfmadd231ps ymm10, ymm15, ymm14",
-                "vmovdqa ymm15, ymmword ptr [{mask}]",
-                "vpand ymm15, ymm15, ymmword ptr [{w} + 32]",
-                $(concat!($widen, "vmovups ymmword ptr [{wide} + 96], ymm15"),)?
-                "vfmadd231ps ymm3, ymm15, ymm12",
-                "vfmadd231ps ymm7, ymm15, ymm13",
-                "vfmadd231ps ymm11, ymm15, ymm14",
-                "add {x}, 12",
-                "add {w}, 64",
-                $(concat!($widen, "add {wide}, 128"),)?
-                "dec {n}",
-                "jnz 2b",
-                x = inout(reg) t.x => _,
-                w = inout(reg) t.w => _,
-                wide = inout(reg) t.widen_to => _,
-                n = inout(reg) t.kc => _,
-                mask = in(reg) HIGH_HALVES.0.as_ptr(),
-                ahead = const super::avx512::PREFETCH_BYTES,
-                inout("ymm0") acc[0],
-                inout("ymm1") acc[1],
-                inout("ymm2") acc[2],
-                inout("ymm3") acc[3],
-                inout("ymm4") acc[4],
-                inout("ymm5") acc[5],
-                inout("ymm6") acc[6],
-                inout("ymm7") acc[7],
-                inout("ymm8") acc[8],
-                inout("ymm9") acc[9],
-                inout("ymm10") acc[10],
-                inout("ymm11") acc[11],
-                out("ymm12") _,
-                out("ymm13") _,
-                out("ymm14") _,
-                out("ymm15") _,
-                options(nostack),
-            )
-        };
-    }
-    // SAFETY: the caller's: x holds kc × 3 activations, w kc positions, and with WIDEN
-    // widen_to kc × 32 floats; the mask is 32-byte aligned.
-    unsafe {
-        if WIDEN {
-            rows3!("");
-        } else {
-            rows3!();
-        }
-    }
-    true
+/// Each position: the three rows' activations broadcast into ymm12–14; the weights' four
+/// 8-column vectors in ymm15 in turn, each put there by `$load` (`{w}`: the position,
+/// `{mask}`: the element type's constant), and with `$widen` also stored widened; sum
+/// (row i, vector j) in ymm(4i + j). `$bytes`: a position's bytes.
+macro_rules! rows3_asm {
+    ($t:expr, $acc:expr, $mask:expr, $bytes:literal, [$l0:literal, $l1:literal, $l2:literal, $l3:literal] $(, $widen:literal)?) => {
+        std::arch::asm!(
+            "/* widened into {wide}; constant at {mask} */",
+            "2:",
+            "vbroadcastss ymm12, dword ptr [{x}]",
+            "vbroadcastss ymm13, dword ptr [{x} + 4]",
+            "vbroadcastss ymm14, dword ptr [{x} + 8]",
+            "prefetcht2 byte ptr [{w} + {ahead}]",
+            $l0,
+            $(concat!($widen, "vmovups ymmword ptr [{wide}], ymm15"),)?
+            "vfmadd231ps ymm0, ymm15, ymm12",
+            "vfmadd231ps ymm4, ymm15, ymm13",
+            "vfmadd231ps ymm8, ymm15, ymm14",
+            $l1,
+            $(concat!($widen, "vmovups ymmword ptr [{wide} + 32], ymm15"),)?
+            "vfmadd231ps ymm1, ymm15, ymm12",
+            "vfmadd231ps ymm5, ymm15, ymm13",
+            "vfmadd231ps ymm9, ymm15, ymm14",
+            $l2,
+            $(concat!($widen, "vmovups ymmword ptr [{wide} + 64], ymm15"),)?
+            "vfmadd231ps ymm2, ymm15, ymm12",
+            "vfmadd231ps ymm6, ymm15, ymm13",
+            "vfmadd231ps ymm10, ymm15, ymm14",
+            $l3,
+            $(concat!($widen, "vmovups ymmword ptr [{wide} + 96], ymm15"),)?
+            "vfmadd231ps ymm3, ymm15, ymm12",
+            "vfmadd231ps ymm7, ymm15, ymm13",
+            "vfmadd231ps ymm11, ymm15, ymm14",
+            "add {x}, 12",
+            concat!("add {w}, ", $bytes),
+            $(concat!($widen, "add {wide}, 128"),)?
+            "dec {n}",
+            "jnz 2b",
+            x = inout(reg) $t.x => _,
+            w = inout(reg) $t.w => _,
+            wide = inout(reg) $t.widen_to => _,
+            n = inout(reg) $t.kc => _,
+            mask = in(reg) $mask,
+            ahead = const super::avx512::PREFETCH_BYTES,
+            inout("ymm0") $acc[0],
+            inout("ymm1") $acc[1],
+            inout("ymm2") $acc[2],
+            inout("ymm3") $acc[3],
+            inout("ymm4") $acc[4],
+            inout("ymm5") $acc[5],
+            inout("ymm6") $acc[6],
+            inout("ymm7") $acc[7],
+            inout("ymm8") $acc[8],
+            inout("ymm9") $acc[9],
+            inout("ymm10") $acc[10],
+            inout("ymm11") $acc[11],
+            out("ymm12") _,
+            out("ymm13") _,
+            out("ymm14") _,
+            out("ymm15") _,
+            options(nostack),
+        )
+    };
 }
 
-/// Keeps the high 16 bits of each 32-bit lane (the bf16 `rows3_loop`'s mask).
+/// [`rows3_asm`] for one element type: `$name::<WIDEN>(t, acc)` runs the loop and returns
+/// `true`, or `false` (nothing run) when the tile does not prefetch or is empty.
+macro_rules! rows3_loop {
+    ($name:ident, $elem:ty, $mask:expr, $bytes:literal, $loads:tt) => {
+        /// # Safety
+        /// As [`panel_tile`]'s; the CPU supports AVX2, FMA and F16C.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $name<const WIDEN: bool>(
+            t: &super::avx512::PanelTile<$elem>,
+            acc: &mut [__m256; 12],
+        ) -> bool {
+            if !t.prefetch || t.kc == 0 {
+                return false;
+            }
+            // SAFETY: the caller's: x holds kc × 3 activations, w kc positions, and with
+            // WIDEN widen_to kc × 32 floats; the constants are aligned for their loads.
+            unsafe {
+                if WIDEN {
+                    rows3_asm!(t, acc, $mask, $bytes, $loads, "");
+                } else {
+                    rows3_asm!(t, acc, $mask, $bytes, $loads);
+                }
+            }
+            true
+        }
+    };
+}
+
+// bf16: columns 0–7 and 8–15 are the two 32-byte halves shifted up, 16–23 and 24–31 the
+// halves masked (see `load_columns`).
+rows3_loop!(
+    bf16_rows3_loop,
+    bf16,
+    HIGH_HALVES.0.as_ptr(),
+    "64",
+    [
+        "vmovdqu ymm15, ymmword ptr [{w}]\nvpslld ymm15, ymm15, 16",
+        "vmovdqu ymm15, ymmword ptr [{w} + 32]\nvpslld ymm15, ymm15, 16",
+        "vmovdqa ymm15, ymmword ptr [{mask}]\nvpand ymm15, ymm15, ymmword ptr [{w}]",
+        "vmovdqa ymm15, ymmword ptr [{mask}]\nvpand ymm15, ymm15, ymmword ptr [{w} + 32]"
+    ]
+);
+
+// f16: each 8 columns converted.
+rows3_loop!(
+    f16_rows3_loop,
+    f16,
+    std::ptr::null::<u8>(),
+    "64",
+    [
+        "vcvtph2ps ymm15, xmmword ptr [{w}]",
+        "vcvtph2ps ymm15, xmmword ptr [{w} + 16]",
+        "vcvtph2ps ymm15, xmmword ptr [{w} + 32]",
+        "vcvtph2ps ymm15, xmmword ptr [{w} + 48]"
+    ]
+);
+
+// FP8 e4m3: each 8 columns sign-extended, shifted and masked into f16s, then converted (see
+// the `E4m3` `load_columns`).
+rows3_loop!(
+    fp8_rows3_loop,
+    super::fp8::E4m3,
+    F16_OF_E4M3.0.as_ptr(),
+    "32",
+    [
+        "vpmovsxbw xmm15, qword ptr [{w}]\nvpsllw xmm15, xmm15, 7\nvpand xmm15, xmm15, xmmword ptr [{mask}]\nvcvtph2ps ymm15, xmm15",
+        "vpmovsxbw xmm15, qword ptr [{w} + 8]\nvpsllw xmm15, xmm15, 7\nvpand xmm15, xmm15, xmmword ptr [{mask}]\nvcvtph2ps ymm15, xmm15",
+        "vpmovsxbw xmm15, qword ptr [{w} + 16]\nvpsllw xmm15, xmm15, 7\nvpand xmm15, xmm15, xmmword ptr [{mask}]\nvcvtph2ps ymm15, xmm15",
+        "vpmovsxbw xmm15, qword ptr [{w} + 24]\nvpsllw xmm15, xmm15, 7\nvpand xmm15, xmm15, xmmword ptr [{mask}]\nvcvtph2ps ymm15, xmm15"
+    ]
+);
+
+/// Keeps the high 16 bits of each 32-bit lane (bf16's `rows3_loop`).
 #[repr(align(32))]
 struct Mask([u32; 8]);
 static HIGH_HALVES: Mask = Mask([0xffff_0000; 8]);
+
+/// Clears bit 14 of each 16-bit lane (FP8's `rows3_loop`, see the `E4m3` `load_columns`).
+#[repr(align(16))]
+struct Mask16([u16; 8]);
+static F16_OF_E4M3: Mask16 = Mask16([!0x4000; 8]);
 
 impl Lanes8 for f16 {
     #[inline(always)]
     unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.add(8 * J) as *const __m128i)) }
+    }
+
+    #[inline(always)]
+    unsafe fn rows3_loop<const WIDEN: bool>(
+        t: &super::avx512::PanelTile<Self>,
+        acc: &mut [__m256; 12],
+    ) -> bool {
+        // SAFETY: the caller's.
+        unsafe { f16_rows3_loop::<WIDEN>(t, acc) }
     }
 }
 
@@ -198,6 +260,15 @@ impl Lanes8 for super::fp8::E4m3 {
             let bits = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(!0x4000));
             _mm256_cvtph_ps(bits)
         }
+    }
+
+    #[inline(always)]
+    unsafe fn rows3_loop<const WIDEN: bool>(
+        t: &super::avx512::PanelTile<Self>,
+        acc: &mut [__m256; 12],
+    ) -> bool {
+        // SAFETY: the caller's.
+        unsafe { fp8_rows3_loop::<WIDEN>(t, acc) }
     }
 }
 
