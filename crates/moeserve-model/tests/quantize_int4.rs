@@ -209,8 +209,9 @@ fn sources_gptq_cannot_hold_are_refused_by_name() {
 /// Accuracy of a GPTQ int4 checkpoint of the demo model (real SmolLM2 weights; groups of 64,
 /// which divide its 576 and 1536 inputs), teacher-forced against the transformers references
 /// of the dense model. Measured 2026-12-03 (AVX2): mean |Δlogprob| 0.250 (greedy agreement
-/// 81.0 %) on smolmoe-demo, 0.367 (77.1 %) on smolmoe-eval; bench/RESULTS.md compares it with
-/// llama.cpp's Q4_K_M of the same weights. The calibration text is sampled from the model at
+/// 81.0 %) on smolmoe-demo, 0.367 (77.1 %) on smolmoe-eval; 2026-12-06 (AVX2, Zen 3) with
+/// each group's range fitted (`INT4_SHRINKS`): 0.270 (84.8 %), 0.292 (81.3 %).
+/// bench/RESULTS.md compares it with llama.cpp's Q4_K_M of the same weights. The calibration text is sampled from the model at
 /// temperature 1, and the AVX-512 and AVX2 forwards differ in their last bits (outside the
 /// GEMMs), so each ISA calibrates on other text: 2026-12-04 on one Sapphire Rapids, AVX-512
 /// 0.360 / 0.380, AVX2 0.250 / 0.367, AVX2 with `--seed 1` 0.270 / 0.342 — smolmoe-demo's 79

@@ -1,9 +1,10 @@
 //! GPTQ (Frantar et al. 2022) onto the int8 grid of `--quantization int8` or GPTQ's own 4-bit
-//! grid ([`super::int4`]), in act-order with static groups: every group's scale and offset are fixed beforehand from the original weights
-//! (exactly what round-to-nearest stores), then the columns are quantized in order of decreasing
-//! Hessian diagonal, each column's rounding error spread over the columns not yet quantized
-//! through the inverse Hessian's Cholesky factor. Only the integers differ from round-to-nearest,
-//! so the kernels and the stored format are unchanged.
+//! grid ([`super::int4`]), in act-order with static groups: every group's scale and offset are
+//! fixed beforehand from the original weights (int8: exactly what round-to-nearest stores;
+//! int4: the range that rounds them best, [`INT4_SHRINKS`]), then the columns are quantized in
+//! order of decreasing Hessian diagonal, each column's rounding error spread over the columns
+//! not yet quantized through the inverse Hessian's Cholesky factor. Only the integers differ
+//! from round-to-nearest on the same grid, so the kernels and the stored format are unchanged.
 //!
 //! ```text
 //! H = Σ x xᵀ + λ·mean(diag H)·I          x: the matrix's calibration inputs, λ = damp
@@ -69,7 +70,22 @@ pub fn gptq_int8(
     (rows, fallback)
 }
 
-/// [`gptq_int8`] onto GPTQ's 4-bit grid with static groups of `group` inputs ([`Int4Rows`]).
+/// The ranges [`gptq_int4`] tries for each group: its values' range scaled by 1, 0.99, …, 0.71
+/// (AutoGPTQ's `mse` search steps by 0.01 too, down to 0.2; the first 30 steps bound the cost
+/// at 30 roundings per weight).
+pub const INT4_SHRINKS: [f32; 30] = {
+    let mut s = [0.0; 30];
+    let mut i = 0;
+    while i < 30 {
+        s[i] = 1.0 - i as f32 / 100.0;
+        i += 1;
+    }
+    s
+};
+
+/// [`gptq_int8`] onto GPTQ's 4-bit grid with static groups of `group` inputs ([`Int4Rows`]),
+/// each group's range the one of [`INT4_SHRINKS`] that rounds the original weights with the
+/// least error weighted by the Hessian's diagonal (each input's mean square).
 pub fn gptq_int4(
     w: &[f32],
     (n, k): (usize, usize),
@@ -77,7 +93,8 @@ pub fn gptq_int4(
     h: Vec<f32>,
     opts: GptqOptions,
 ) -> (Int4Rows, Option<Fallback>) {
-    let mut rows = Int4Rows::round_to_nearest(w, (n, k), group);
+    let importance: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
+    let mut rows = Int4Rows::fitted(w, (n, k), group, &INT4_SHRINKS, Some(&importance));
     let fallback = gptq_columns(w, (n, k), h, opts, |r, column, value| {
         let (code, dequantized) = rows.nearest(r, column, value);
         rows.codes[r * k + column] = code;
@@ -483,7 +500,10 @@ mod tests {
         let x = correlated_inputs(&mut rng, k, 600);
         let (rows, fallback) = gptq_int4(&w, (n, k), group, hessian(&x, k), GptqOptions::default());
         assert_eq!(fallback, None);
-        let rtn = Int4Rows::round_to_nearest(&w, (n, k), group);
+        // Round-to-nearest on the same grid (each group's range fitted as `gptq_int4` fits it).
+        let h = hessian(&x, k);
+        let importance: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
+        let rtn = Int4Rows::fitted(&w, (n, k), group, &INT4_SHRINKS, Some(&importance));
         let (gptq_err, rtn_err) = (
             output_error_of(&w, &x, (n, k), |r, p| rows.dequantized(r, p)),
             output_error_of(&w, &x, (n, k), |r, p| rtn.dequantized(r, p)),

@@ -32,9 +32,26 @@ impl Int4Rows {
         self.k.div_ceil(self.group)
     }
 
-    /// The grid of `w: [n, k]` in groups of `group` inputs, each weight rounded to nearest.
+    /// The grid of `w: [n, k]` in groups of `group` inputs, each group's range its values'
+    /// (widened to include 0), each weight rounded to nearest.
     pub fn round_to_nearest(w: &[f32], (n, k): (usize, usize), group: usize) -> Self {
-        assert!(w.len() == n * k && group > 0);
+        Self::fitted(w, (n, k), group, &[1.0], None)
+    }
+
+    /// As [`Self::round_to_nearest`], but each group's range is its values' scaled by the one
+    /// of `shrinks` whose rounding error, `Σ importance[p] · (w − grid(w))²` over the group's
+    /// inputs `p`, is least (GPTQ's `mse` option: clipping a few outliers buys finer steps for
+    /// the rest). `importance`: per input, e.g. the Hessian's diagonal (the mean square of
+    /// that input over the calibration tokens); `None` weighs every input the same.
+    pub fn fitted(
+        w: &[f32],
+        (n, k): (usize, usize),
+        group: usize,
+        shrinks: &[f32],
+        importance: Option<&[f32]>,
+    ) -> Self {
+        assert!(w.len() == n * k && group > 0 && !shrinks.is_empty());
+        assert!(importance.is_none_or(|i| i.len() == k));
         let groups = k.div_ceil(group);
         let mut rows = Int4Rows {
             n,
@@ -46,21 +63,24 @@ impl Int4Rows {
         };
         for r in 0..n {
             for g in 0..groups {
-                let values = &w[r * k + g * group..r * k + ((g + 1) * group).min(k)];
+                let inputs = g * group..((g + 1) * group).min(k);
+                let values = &w[r * k + inputs.start..r * k + inputs.end];
+                let weights = importance.map(|i| &i[inputs]);
                 let (lo, hi) = values
                     .iter()
                     .fold((0.0f32, 0.0f32), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
                 // GPTQ's quantizer: an all-zero group gets the range [−1, 1].
                 let (lo, hi) = if lo == hi { (-1.0, 1.0) } else { (lo, hi) };
-                let mut scale = (hi - lo) / 15.0;
-                let mut zero = (-lo / scale).round();
-                if zero < 1.0 {
-                    // v1 cannot store a zero point of 0 (see the module note).
-                    scale = hi / 14.0;
-                    zero = 1.0;
+                let mut best = (f32::INFINITY, f16::ZERO, 0);
+                for &shrink in shrinks {
+                    let (scale, zero) = group_grid(lo * shrink, hi * shrink);
+                    let error = grid_error(values, weights, scale.to_f32(), f32::from(zero));
+                    if error < best.0 {
+                        best = (error, scale, zero);
+                    }
                 }
-                rows.scales[g * n + r] = f16::from_f32(scale);
-                rows.zeros[g * n + r] = zero as u8;
+                rows.scales[g * n + r] = best.1;
+                rows.zeros[g * n + r] = best.2;
             }
             for p in 0..k {
                 rows.codes[r * k + p] = rows.nearest(r, p, w[r * k + p]).0;
@@ -121,6 +141,35 @@ impl Int4Rows {
     }
 }
 
+/// The scale (as stored, f16) and zero point of GPTQ's grid over `[lo, hi]` (`lo ≤ 0 ≤ hi`).
+fn group_grid(lo: f32, hi: f32) -> (f16, u8) {
+    let mut scale = (hi - lo) / 15.0;
+    let mut zero = (-lo / scale).round();
+    if zero < 1.0 {
+        // v1 cannot store a zero point of 0 (see the module note).
+        scale = hi / 14.0;
+        zero = 1.0;
+    }
+    (f16::from_f32(scale), zero as u8)
+}
+
+/// `Σ weight · (v − grid(v))²` over `values` on the grid of `scale` and `zero` (weights 1 when
+/// `None`), each value rounded as [`Int4Rows::nearest`] rounds it.
+fn grid_error(values: &[f32], weights: Option<&[f32]>, scale: f32, zero: f32) -> f32 {
+    let err = |v: f32| {
+        let d = if scale == 0.0 {
+            0.0
+        } else {
+            (((v / scale).round() + zero).clamp(0.0, 15.0) - zero) * scale
+        };
+        (v - d) * (v - d)
+    };
+    match weights {
+        Some(weights) => values.iter().zip(weights).map(|(v, w)| w * err(*v)).sum(),
+        None => values.iter().map(|v| err(*v)).sum(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,6 +204,36 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_fitted_grid_clips_an_unimportant_outlier_and_is_never_worse_than_the_full_range() {
+        // Row 0: 0, 0.1, …, 1.4 (a grid of step 0.1) and an outlier, 1.45, on an input that
+        // matters little; row 1: an evenly spread group, which the full range already fits.
+        let (n, k, group) = (2, 16, 16);
+        let w: Vec<f32> = (0..k)
+            .map(|p| if p < 15 { p as f32 / 10.0 } else { 1.45 })
+            .chain((0..k).map(|p| p as f32 / 8.0 - 1.0))
+            .collect();
+        let mut importance = [1.0; 16];
+        importance[15] = 1e-3;
+        let full = Int4Rows::round_to_nearest(&w, (n, k), group);
+        let fitted = Int4Rows::fitted(
+            &w,
+            (n, k),
+            group,
+            &super::super::gptq::INT4_SHRINKS,
+            Some(&importance),
+        );
+        let error = |rows: &Int4Rows, r: usize| {
+            (0..k)
+                .map(|p| importance[p] * (rows.dequantized(r, p) - w[r * k + p]).powi(2))
+                .sum::<f32>()
+        };
+        assert!(fitted.scales[0] < full.scales[0], "the outlier is clipped");
+        assert_eq!(fitted.codes[15], 15, "to the top of the grid");
+        assert!(error(&fitted, 0) < 0.1 * error(&full, 0));
+        assert!(error(&fitted, 1) <= error(&full, 1));
     }
 
     #[test]
