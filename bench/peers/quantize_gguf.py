@@ -1,7 +1,7 @@
 """Quantizes a GGUF with llama.cpp's own quantizer (llama_model_quantize, as the llama-quantize
 tool does), e.g. the bf16 export of a preset to Q4_K_M, the 4-bit type llama.cpp users take.
 
-    python bench/peers/quantize_gguf.py IN.gguf OUT.gguf q4_k_m|q4_0|q8_0 [THREADS]
+    python bench/peers/quantize_gguf.py IN.gguf OUT.gguf q4_k_m|q4_0|q4_1|q8_0 [THREADS]
 
 Needs llama-cpp-python.
 """
@@ -13,6 +13,7 @@ import llama_cpp
 TYPES = {
     "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
     "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+    "q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1,
     "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
 }
 
