@@ -71,16 +71,18 @@ impl Int4Rows {
                     .fold((0.0f32, 0.0f32), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
                 // GPTQ's quantizer: an all-zero group gets the range [−1, 1].
                 let (lo, hi) = if lo == hi { (-1.0, 1.0) } else { (lo, hi) };
-                let mut best = (f32::INFINITY, f16::ZERO, 0);
-                for &shrink in shrinks {
-                    let (scale, zero) = group_grid(lo * shrink, hi * shrink);
-                    let error = grid_error(values, weights, scale.to_f32(), f32::from(zero));
-                    if error < best.0 {
-                        best = (error, scale, zero);
-                    }
-                }
-                rows.scales[g * n + r] = best.1;
-                rows.zeros[g * n + r] = best.2;
+                // The first candidate unless another rounds better (so a NaN error keeps it).
+                let (_, scale, zero) = shrinks
+                    .iter()
+                    .map(|&shrink| {
+                        let (scale, zero) = group_grid(lo * shrink, hi * shrink);
+                        let error = grid_error(values, weights, scale.to_f32(), f32::from(zero));
+                        (error, scale, zero)
+                    })
+                    .reduce(|best, c| if c.0 < best.0 { c } else { best })
+                    .expect("shrinks is not empty");
+                rows.scales[g * n + r] = scale;
+                rows.zeros[g * n + r] = zero;
             }
             for p in 0..k {
                 rows.codes[r * k + p] = rows.nearest(r, p, w[r * k + p]).0;
