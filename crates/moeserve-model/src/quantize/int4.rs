@@ -239,6 +239,24 @@ mod tests {
     }
 
     #[test]
+    fn a_group_whose_error_is_not_a_number_keeps_a_storable_grid() {
+        let w = [0.5, f32::NAN, -0.25, 1.0];
+        let importance = [1.0; 4];
+        let rows = Int4Rows::fitted(
+            &w,
+            (1, 4),
+            4,
+            &super::super::gptq::INT4_SHRINKS,
+            Some(&importance),
+        );
+        // The full range (the first candidate), whose zero point v1 can store.
+        assert_eq!(
+            (rows.scales[0], rows.zeros[0]),
+            (f16::from_f32(1.25 / 15.0), 3)
+        );
+    }
+
+    #[test]
     fn gptq_words_hold_codes_and_zero_points_as_the_format_says() {
         let (n, k, group) = (8, 16, 8);
         let w: Vec<f32> = (0..n * k)
