@@ -76,7 +76,7 @@ impl Int4Rows {
                     .iter()
                     .map(|&shrink| {
                         let (scale, zero) = group_grid(lo * shrink, hi * shrink);
-                        let error = grid_error(values, weights, scale.to_f32(), f32::from(zero));
+                        let error = grid_error(values, weights, scale.to_f32(), zero);
                         (error, scale, zero)
                     })
                     .reduce(|best, c| if c.0 < best.0 { c } else { best })
@@ -94,13 +94,7 @@ impl Int4Rows {
     /// The code nearest `value` at row `r`, input `p`, and the value it stands for.
     pub fn nearest(&self, r: usize, p: usize, value: f32) -> (u8, f32) {
         let g = (p / self.group) * self.n + r;
-        let (scale, zero) = (self.scales[g].to_f32(), f32::from(self.zeros[g]));
-        if scale == 0.0 {
-            // A group too small for f16's scales: every code stands for 0.
-            return (self.zeros[g], 0.0);
-        }
-        let code = ((value / scale).round() + zero).clamp(0.0, 15.0);
-        (code as u8, (code - zero) * scale)
+        on_grid(value, self.scales[g].to_f32(), self.zeros[g])
     }
 
     /// The value of element `(r, p)`.
@@ -155,17 +149,21 @@ fn group_grid(lo: f32, hi: f32) -> (f16, u8) {
     (f16::from_f32(scale), zero as u8)
 }
 
+/// The code nearest `value` on the grid of `scale` and `zero`, and the value it stands for.
+fn on_grid(value: f32, scale: f32, zero: u8) -> (u8, f32) {
+    if scale == 0.0 {
+        // A group too small for f16's scales: every code stands for 0.
+        return (zero, 0.0);
+    }
+    let zero = f32::from(zero);
+    let code = ((value / scale).round() + zero).clamp(0.0, 15.0);
+    (code as u8, (code - zero) * scale)
+}
+
 /// `Σ weight · (v − grid(v))²` over `values` on the grid of `scale` and `zero` (weights 1 when
-/// `None`), each value rounded as [`Int4Rows::nearest`] rounds it.
-fn grid_error(values: &[f32], weights: Option<&[f32]>, scale: f32, zero: f32) -> f32 {
-    let err = |v: f32| {
-        let d = if scale == 0.0 {
-            0.0
-        } else {
-            (((v / scale).round() + zero).clamp(0.0, 15.0) - zero) * scale
-        };
-        (v - d) * (v - d)
-    };
+/// `None`), each value rounded by [`on_grid`].
+fn grid_error(values: &[f32], weights: Option<&[f32]>, scale: f32, zero: u8) -> f32 {
+    let err = |v: f32| (v - on_grid(v, scale, zero).1).powi(2);
     match weights {
         Some(weights) => values.iter().zip(weights).map(|(v, w)| w * err(*v)).sum(),
         None => values.iter().map(|v| err(*v)).sum(),
