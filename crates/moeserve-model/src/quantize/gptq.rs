@@ -93,14 +93,18 @@ pub fn gptq_int4(
     h: Vec<f32>,
     opts: GptqOptions,
 ) -> (Int4Rows, Option<Fallback>) {
-    let importance: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
-    let mut rows = Int4Rows::fitted(w, (n, k), group, &INT4_SHRINKS, Some(&importance));
+    let mut rows = Int4Rows::fitted(w, (n, k), group, &INT4_SHRINKS, Some(&diagonal(&h, k)));
     let fallback = gptq_columns(w, (n, k), h, opts, |r, column, value| {
         let (code, dequantized) = rows.nearest(r, column, value);
         rows.codes[r * k + column] = code;
         dequantized
     });
     (rows, fallback)
+}
+
+/// The diagonal of `h: [k, k]`: each input's sum of squares over the calibration tokens.
+fn diagonal(h: &[f32], k: usize) -> Vec<f32> {
+    (0..k).map(|i| h[i * k + i]).collect()
 }
 
 /// GPTQ's column loop over `w: [n, k]`: `round(r, column, value)` puts `value` (the column's
@@ -498,12 +502,11 @@ mod tests {
         let (n, k, group) = (24, 128, 32);
         let w = random(&mut rng, n * k);
         let x = correlated_inputs(&mut rng, k, 600);
-        let (rows, fallback) = gptq_int4(&w, (n, k), group, hessian(&x, k), GptqOptions::default());
-        assert_eq!(fallback, None);
-        // Round-to-nearest on the same grid (each group's range fitted as `gptq_int4` fits it).
         let h = hessian(&x, k);
-        let importance: Vec<f32> = (0..k).map(|i| h[i * k + i]).collect();
-        let rtn = Int4Rows::fitted(&w, (n, k), group, &INT4_SHRINKS, Some(&importance));
+        // Round-to-nearest on the same grid (each group's range fitted as `gptq_int4` fits it).
+        let rtn = Int4Rows::fitted(&w, (n, k), group, &INT4_SHRINKS, Some(&diagonal(&h, k)));
+        let (rows, fallback) = gptq_int4(&w, (n, k), group, h, GptqOptions::default());
+        assert_eq!(fallback, None);
         let (gptq_err, rtn_err) = (
             output_error_of(&w, &x, (n, k), |r, p| rows.dequantized(r, p)),
             output_error_of(&w, &x, (n, k), |r, p| rtn.dequantized(r, p)),
