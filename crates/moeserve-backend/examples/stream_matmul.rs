@@ -27,8 +27,8 @@ fn main() {
     let total: usize = std::env::var("STREAM_BYTES")
         .ok()
         .map_or(1 << 30, |v| v.parse().unwrap());
-    let int4 = std::env::var("STREAM_DTYPE").is_ok_and(|d| d == "int4");
-    let f16 = std::env::var("STREAM_DTYPE").is_ok_and(|d| d == "f16");
+    let dtype = std::env::var("STREAM_DTYPE").unwrap_or_default();
+    let (int4, f16) = (dtype == "int4", dtype == "f16");
     let count = (total / (n * k * if int4 { 1 } else { 4 } / 2)).max(1);
     let weights: Vec<Weight> = (0..count)
         .map(|j| {
