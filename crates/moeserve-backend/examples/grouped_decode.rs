@@ -7,7 +7,8 @@
 //!
 //! `R` is the rows of every expert (`8` is a 32-sequence top-2 step of 8 experts, evenly
 //! routed) or a comma-separated count per expert (`13,9,5,3,9,9,11,5`, as a real step routes).
-//! `GROUPED_LAYERS=N` sets the layer count (default 8).
+//! `GROUPED_LAYERS=N` sets the layer count (default 8), `GROUPED_REPS=N` the timed passes
+//! (default 7; more for profiling a small shape).
 
 use std::time::Instant;
 
@@ -55,6 +56,9 @@ fn main() {
     let layers: usize = std::env::var("GROUPED_LAYERS")
         .ok()
         .map_or(8, |v| v.parse().unwrap());
+    let reps: usize = std::env::var("GROUPED_REPS")
+        .ok()
+        .map_or(7, |v| v.parse().unwrap());
     let weights: Vec<[Weight; 3]> = (0..layers * experts)
         .map(|e| {
             [
@@ -81,7 +85,7 @@ fn main() {
             .collect();
         let mut out = vec![0.0f32; m * hidden];
         let mut times = Vec::new();
-        for _ in 0..7 {
+        for _ in 0..reps {
             let start = Instant::now();
             // On a pool thread, as the engine's forward runs.
             rayon::scope(|_| {

@@ -7,11 +7,13 @@
 //! `STREAM_BYTES=N` sets the total size of the matrices (default 1 GiB); `STREAM_BYTES=1` runs
 //! one matrix over and over (7 MiB, from the caches): the kernel's speed without DRAM.
 //! `STREAM_DTYPE=int4` streams GPTQ-style int4 matrices (groups of 128) of the same total size
-//! in their own bytes instead of bf16; `STREAM_DTYPE=f16` f16 matrices.
+//! in their own bytes instead of bf16; `STREAM_DTYPE=f16` f16 matrices; `STREAM_DTYPE=fp8`
+//! e4m3 matrices in blocks of 128 × 128, as DeepSeek-V3 ships them.
 
 use std::time::Instant;
 
 use half::{bf16, f16};
+use moeserve_backend::cpu::fp8::{BlockScales, E4m3};
 use moeserve_backend::cpu::int4::{GroupOf, Int4Panels, Int4Source};
 use moeserve_backend::cpu::{matmul_wt, probe};
 use moeserve_backend::{Weight, WeightBytes};
@@ -28,8 +30,13 @@ fn main() {
         .ok()
         .map_or(1 << 30, |v| v.parse().unwrap());
     let dtype = std::env::var("STREAM_DTYPE").unwrap_or_default();
-    let (int4, f16) = (dtype == "int4", dtype == "f16");
-    let count = (total / (n * k * if int4 { 1 } else { 4 } / 2)).max(1);
+    let (int4, f16, fp8) = (dtype == "int4", dtype == "f16", dtype == "fp8");
+    let bytes_per_two = match () {
+        _ if int4 => 1,
+        _ if fp8 => 2,
+        _ => 4,
+    };
+    let count = (total / (n * k * bytes_per_two / 2)).max(1);
     let weights: Vec<Weight> = (0..count)
         .map(|j| {
             let w = if int4 {
@@ -40,6 +47,18 @@ fn main() {
                 };
                 let groups = k / 128;
                 Weight::int4(Int4Panels::new((n, k), groups, GroupOf::Runs(128), src).unwrap())
+            } else if fp8 {
+                let bytes: Vec<u8> = (0..n * k)
+                    .map(|i| E4m3::from_f32(((i + j) % 251) as f32 * 1e-2 - 1.25).0)
+                    .collect();
+                let scales = BlockScales {
+                    block: [128, 128],
+                    k,
+                    scales: (0..n.div_ceil(128) * k.div_ceil(128))
+                        .map(|b| 1e-3 * (1 + b % 5) as f32)
+                        .collect(),
+                };
+                Weight::fp8(vec![n, k], WeightBytes::owned(&bytes), scales).unwrap()
             } else {
                 let value = |i: usize| ((i + j) % 251) as f32 * 1e-3;
                 let (dtype, bytes): (DType, Vec<u8>) = if f16 {

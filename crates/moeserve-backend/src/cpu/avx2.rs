@@ -1,10 +1,13 @@
 //! AVX2 + FMA microkernel for `x · Wᵀ` over the same panel-packed weights as the AVX-512 one
 //! (`packed.rs`), for x86-64 CPUs without AVX-512 (AMD Zen 2/3, most Intel client cores).
 //!
-//! A 32-column panel row is four 8-lane vectors; with 16 vector registers a call takes at most
-//! [`MAX_MR`] activation rows (12 accumulators, one weight vector, three broadcasts). Every
-//! output lane is the same FMA chain over `p = 0..k` in order as on AVX-512, so the two paths
-//! give bit-identical results (a test checks it) and batch invariance carries over.
+//! A 32-column panel row is four 8-lane vectors. With 16 vector registers a tile of up to 3
+//! activation rows takes the whole panel width at once ([`panel_tile`]: 12 accumulators, one
+//! weight vector, three broadcasts); a tile of 4 to [`MAX_MR`] rows takes it in two halves of
+//! 16 columns ([`half_panel_tile`]: 12 accumulators, two weight vectors, one broadcast — the
+//! 6 × 16 shape of BLIS's Haswell kernel). Every output lane is the same FMA chain over
+//! `p = 0..k` in order as on AVX-512, so the two paths give bit-identical results (a test
+//! checks it) and batch invariance carries over.
 
 use std::arch::x86_64::*;
 
@@ -13,11 +16,22 @@ use half::{bf16, f16};
 use super::packed::PANEL;
 
 /// Activation rows per microkernel call.
-pub(super) const MAX_MR: usize = 3;
+pub(super) const MAX_MR: usize = 6;
+
+/// The most rows a tile takes across the whole panel width ([`panel_tile`]); wider tiles are
+/// [`half_panel_tile`]s.
+pub(super) const MAX_FULL_WIDTH_MR: usize = 3;
 
 /// An element type whose panel positions (32 columns, see `packed.rs`) can be widened to f32,
 /// 8 lanes at a time.
 pub(super) trait Lanes8: Copy {
+    /// Whether a product of more rows than one tile widens each block to f32 once, in its first
+    /// tile, for the others to read from L1 (`matmul::Block::run_tiles_widening`) rather than
+    /// each tile converting the block itself: it pays where the conversion is several
+    /// instructions (FP8: 1.2–1.3× at 16–32 rows, `STREAM_DTYPE=fp8 examples/stream_matmul`),
+    /// not for bf16 and f16 (one instruction per 8 columns; widening cost them 5–20 %).
+    const WIDEN_ONCE: bool = false;
+
     /// Columns `8j .. 8j + 8` of the panel position at `p`, `j < 4`.
     ///
     /// # Safety
@@ -33,10 +47,7 @@ pub(super) trait Lanes8: Copy {
     /// As [`panel_tile`]'s, with `acc` the tile's running sums (`acc[4i + j]`: row `i`,
     /// columns `8j .. 8j + 8`).
     #[inline(always)]
-    unsafe fn rows3_loop<const WIDEN: bool>(
-        _t: &super::avx512::PanelTile<Self>,
-        _acc: &mut [__m256; 12],
-    ) -> bool {
+    unsafe fn rows3_loop(_t: &super::avx512::PanelTile<Self>, _acc: &mut [__m256; 12]) -> bool {
         false
     }
 }
@@ -66,12 +77,9 @@ impl Lanes8 for bf16 {
     }
 
     #[inline(always)]
-    unsafe fn rows3_loop<const WIDEN: bool>(
-        t: &super::avx512::PanelTile<Self>,
-        acc: &mut [__m256; 12],
-    ) -> bool {
+    unsafe fn rows3_loop(t: &super::avx512::PanelTile<Self>, acc: &mut [__m256; 12]) -> bool {
         // SAFETY: the caller's.
-        unsafe { bf16_rows3_loop::<WIDEN>(t, acc) }
+        unsafe { bf16_rows3_loop(t, acc) }
     }
 }
 
@@ -82,52 +90,44 @@ impl Lanes8 for bf16 {
 /// FP8 to keep a widening constant in a register): a store and a reload on those sums' FMA
 /// chains at every position. Here a constant is read from L1 at each use. The FMAs are the
 /// generic loop's, in the same order, so the bits are the same (the kernel tests compare a
-/// batch of 3 with each row alone, which runs the 1-row loop). With bf16 weights this tile is
-/// the widening first tile of every expert product with more than 3 rows: ≈ 30 % of a
-/// 32-sequence decode step's time on Zen 3 (`perf record`), and the step ran ≈ 5 % faster with
-/// it; a 3-row f16 product from the caches ran 1.3–2× faster (bench/RESULTS.md).
+/// batch of 3 with each row alone, which runs the 1-row loop). A 3-row f16 product from the
+/// caches ran 1.3–2× faster with it (bench/RESULTS.md).
 ///
 /// Each position: the three rows' activations broadcast into ymm12–14; the weights' four
 /// 8-column vectors in ymm15 in turn, each put there by `$load` (`{w}`: the position,
-/// `{mask}`: the element type's constant), and with `$widen` also stored widened; sum
+/// `{mask}`: the element type's constant); sum
 /// (row i, vector j) in ymm(4i + j). `$bytes`: a position's bytes.
 macro_rules! rows3_asm {
-    ($t:expr, $acc:expr, $mask:expr, $bytes:literal, [$l0:literal, $l1:literal, $l2:literal, $l3:literal] $(, $widen:literal)?) => {
+    ($t:expr, $acc:expr, $mask:expr, $bytes:literal, [$l0:literal, $l1:literal, $l2:literal, $l3:literal]) => {
         std::arch::asm!(
-            "/* widened into {wide}; constant at {mask} */",
+            "/* constant at {mask} */",
             "2:",
             "vbroadcastss ymm12, dword ptr [{x}]",
             "vbroadcastss ymm13, dword ptr [{x} + 4]",
             "vbroadcastss ymm14, dword ptr [{x} + 8]",
             "prefetcht2 byte ptr [{w} + {ahead}]",
             $l0,
-            $(concat!($widen, "vmovups ymmword ptr [{wide}], ymm15"),)?
             "vfmadd231ps ymm0, ymm15, ymm12",
             "vfmadd231ps ymm4, ymm15, ymm13",
             "vfmadd231ps ymm8, ymm15, ymm14",
             $l1,
-            $(concat!($widen, "vmovups ymmword ptr [{wide} + 32], ymm15"),)?
             "vfmadd231ps ymm1, ymm15, ymm12",
             "vfmadd231ps ymm5, ymm15, ymm13",
             "vfmadd231ps ymm9, ymm15, ymm14",
             $l2,
-            $(concat!($widen, "vmovups ymmword ptr [{wide} + 64], ymm15"),)?
             "vfmadd231ps ymm2, ymm15, ymm12",
             "vfmadd231ps ymm6, ymm15, ymm13",
             "vfmadd231ps ymm10, ymm15, ymm14",
             $l3,
-            $(concat!($widen, "vmovups ymmword ptr [{wide} + 96], ymm15"),)?
             "vfmadd231ps ymm3, ymm15, ymm12",
             "vfmadd231ps ymm7, ymm15, ymm13",
             "vfmadd231ps ymm11, ymm15, ymm14",
             "add {x}, 12",
             concat!("add {w}, ", $bytes),
-            $(concat!($widen, "add {wide}, 128"),)?
             "dec {n}",
             "jnz 2b",
             x = inout(reg) $t.x => _,
             w = inout(reg) $t.w => _,
-            wide = inout(reg) $t.widen_to => _,
             n = inout(reg) $t.kc => _,
             mask = in(reg) $mask,
             ahead = const super::avx512::PREFETCH_BYTES,
@@ -152,29 +152,20 @@ macro_rules! rows3_asm {
     };
 }
 
-/// [`rows3_asm`] for one element type: `$name::<WIDEN>(t, acc)` runs the loop and returns
+/// [`rows3_asm`] for one element type: `$name(t, acc)` runs the loop and returns
 /// `true`, or `false` (nothing run) when the tile does not prefetch or is empty.
 macro_rules! rows3_loop {
     ($name:ident, $elem:ty, $mask:expr, $bytes:literal, $loads:tt) => {
         /// # Safety
         /// As [`panel_tile`]'s; the CPU supports AVX2, FMA and F16C.
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $name<const WIDEN: bool>(
-            t: &super::avx512::PanelTile<$elem>,
-            acc: &mut [__m256; 12],
-        ) -> bool {
+        unsafe fn $name(t: &super::avx512::PanelTile<$elem>, acc: &mut [__m256; 12]) -> bool {
             if !t.prefetch || t.kc == 0 {
                 return false;
             }
-            // SAFETY: the caller's: x holds kc × 3 activations, w kc positions, and with
-            // WIDEN widen_to kc × 32 floats; the constants are aligned for their loads.
-            unsafe {
-                if WIDEN {
-                    rows3_asm!(t, acc, $mask, $bytes, $loads, "");
-                } else {
-                    rows3_asm!(t, acc, $mask, $bytes, $loads);
-                }
-            }
+            // SAFETY: the caller's: x holds kc × 3 activations and w kc positions; the
+            // constants are aligned for their loads.
+            unsafe { rows3_asm!(t, acc, $mask, $bytes, $loads) };
             true
         }
     };
@@ -241,16 +232,15 @@ impl Lanes8 for f16 {
     }
 
     #[inline(always)]
-    unsafe fn rows3_loop<const WIDEN: bool>(
-        t: &super::avx512::PanelTile<Self>,
-        acc: &mut [__m256; 12],
-    ) -> bool {
+    unsafe fn rows3_loop(t: &super::avx512::PanelTile<Self>, acc: &mut [__m256; 12]) -> bool {
         // SAFETY: the caller's.
-        unsafe { f16_rows3_loop::<WIDEN>(t, acc) }
+        unsafe { f16_rows3_loop(t, acc) }
     }
 }
 
 impl Lanes8 for super::fp8::E4m3 {
+    const WIDEN_ONCE: bool = true;
+
     /// As the AVX-512 variant: the f16 of value / 2^8 (the 2^8 is in the panel's scales).
     #[inline(always)]
     unsafe fn load_columns<const J: usize>(p: *const Self) -> __m256 {
@@ -263,12 +253,9 @@ impl Lanes8 for super::fp8::E4m3 {
     }
 
     #[inline(always)]
-    unsafe fn rows3_loop<const WIDEN: bool>(
-        t: &super::avx512::PanelTile<Self>,
-        acc: &mut [__m256; 12],
-    ) -> bool {
+    unsafe fn rows3_loop(t: &super::avx512::PanelTile<Self>, acc: &mut [__m256; 12]) -> bool {
         // SAFETY: the caller's.
-        unsafe { fp8_rows3_loop::<WIDEN>(t, acc) }
+        unsafe { fp8_rows3_loop(t, acc) }
     }
 }
 
@@ -287,14 +274,14 @@ unsafe fn load_columns<T: Lanes8>(p: *const T, j: usize) -> __m256 {
 }
 
 /// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block; the
-/// operands as for the AVX-512 kernel ([`super::avx512::PanelTile`]), `WIDEN` as there.
+/// operands as for the AVX-512 kernel ([`super::avx512::PanelTile`]), for `MR` ≤
+/// [`MAX_FULL_WIDTH_MR`]. These small tiles never widen a block for others: a product of more
+/// rows starts with a [`half_panel_tile`].
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C and the pointers cover the sizes `PanelTile` describes.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize, const WIDEN: bool>(
-    t: super::avx512::PanelTile<T>,
-) {
+pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::PanelTile<T>) {
     let mut acc = [[_mm256_setzero_ps(); 4]; MR];
     unsafe {
         if !t.first {
@@ -306,7 +293,7 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize, const WIDEN: bool>(
         }
         if MR == 3 {
             let mut sums: [__m256; 12] = std::array::from_fn(|r| acc[r / 4][r % 4]);
-            if T::rows3_loop::<WIDEN>(&t, &mut sums) {
+            if T::rows3_loop(&t, &mut sums) {
                 for (r, s) in sums.into_iter().enumerate() {
                     _mm256_storeu_ps(t.acc.add((r / 4) * PANEL + 8 * (r % 4)), s);
                 }
@@ -323,9 +310,6 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize, const WIDEN: bool>(
             let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
             for j in 0..4 {
                 let w = load_columns(wp, j);
-                if WIDEN {
-                    _mm256_storeu_ps(t.widen_to.add(p * PANEL + 8 * j), w);
-                }
                 for (row, x) in acc.iter_mut().zip(&xs) {
                     row[j] = _mm256_fmadd_ps(w, *x, row[j]);
                 }
@@ -334,6 +318,58 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize, const WIDEN: bool>(
         for (i, row) in acc.iter().enumerate() {
             for (j, a) in row.iter().enumerate() {
                 _mm256_storeu_ps(t.acc.add(i * PANEL + 8 * j), *a);
+            }
+        }
+    }
+}
+
+/// [`panel_tile`] for 4 to [`MAX_MR`] rows, in two passes over the block: columns 0–7 and
+/// 16–23, then 8–15 and 24–31 (for bf16 each pass's columns are one 32-byte load: its lanes
+/// shifted up, and masked). A position of a pass is two weight vectors, `MR` broadcasts and
+/// `2 · MR` FMAs — for 6 rows 12 FMAs per 8 loads and 2 conversions, where two 3-row
+/// full-width tiles take 8 loads and 8 conversions for 24 (and the 16 registers hold no more
+/// than 3 full-width rows). Measured on Zen 3 against 3-row tiles after a widening first tile
+/// (bench/RESULTS.md): 8 rows per expert 1.1×, 16 rows 1.08×. With `WIDEN` (the product's
+/// first tile, for element types with [`Lanes8::WIDEN_ONCE`]) each position is also stored
+/// widened into `t.widen_to`; the first pass prefetches the weight stream.
+///
+/// # Safety
+/// As [`panel_tile`]'s, `3 < MR ≤ MAX_MR`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn half_panel_tile<T: Lanes8, const MR: usize, const WIDEN: bool>(
+    t: super::avx512::PanelTile<T>,
+) {
+    unsafe {
+        for h in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+            if !t.first {
+                for (i, row) in acc.iter_mut().enumerate() {
+                    row[0] = _mm256_loadu_ps(t.acc.add(i * PANEL + 8 * h));
+                    row[1] = _mm256_loadu_ps(t.acc.add(i * PANEL + 8 * (h + 2)));
+                }
+            }
+            for p in 0..t.kc {
+                let wp = t.w.add(p * PANEL);
+                if t.prefetch && h == 0 {
+                    _mm_prefetch::<_MM_HINT_T2>(
+                        wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8,
+                    );
+                }
+                let w0 = load_columns(wp, h);
+                let w1 = load_columns(wp, h + 2);
+                if WIDEN {
+                    _mm256_storeu_ps(t.widen_to.add(p * PANEL + 8 * h), w0);
+                    _mm256_storeu_ps(t.widen_to.add(p * PANEL + 8 * (h + 2)), w1);
+                }
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let x = _mm256_set1_ps(*t.x.add(p * MR + i));
+                    row[0] = _mm256_fmadd_ps(w0, x, row[0]);
+                    row[1] = _mm256_fmadd_ps(w1, x, row[1]);
+                }
+            }
+            for (i, row) in acc.iter().enumerate() {
+                _mm256_storeu_ps(t.acc.add(i * PANEL + 8 * h), row[0]);
+                _mm256_storeu_ps(t.acc.add(i * PANEL + 8 * (h + 2)), row[1]);
             }
         }
     }

@@ -437,7 +437,9 @@ fn panel_product<T: Element>(
         }
         PanelScales::None => None,
     };
-    let widen = d.m > max_rows_per_tile(isa) && std::mem::size_of::<T>() < 4;
+    let widen = d.m > max_rows_per_tile(isa)
+        && std::mem::size_of::<T>() < 4
+        && (isa != Isa::Avx2 || <T as super::avx2::Lanes8>::WIDEN_ONCE);
     let panel = w.panel(q);
     // FP8: per weight block, in KC parts when it is wider.
     let step = match blocks {
@@ -663,7 +665,9 @@ impl Block<'_> {
     /// [`Self::run_tiles`] of a 16- or 8-bit `block` for more rows than one tile: the first
     /// tile reads the weight stream and writes each position widened to f32 into `wide` as it
     /// goes, the others read `wide` from L1 — the stream's misses overlap the first tile's
-    /// FMAs instead of stalling a separate widening pass, and the widening is done once.
+    /// FMAs instead of stalling a separate widening pass, and the widening is done once. On
+    /// AVX2 only for element types whose conversion costs several instructions
+    /// ([`super::avx2::Lanes8::WIDEN_ONCE`]).
     fn run_tiles_widening<U: Element>(
         self,
         isa: Isa,
@@ -721,12 +725,17 @@ impl Block<'_> {
         // (mr each), the block kc × 32 elements (caller), acc mr × 32.
         unsafe {
             if isa == Isa::Avx2 {
-                use super::avx2::panel_tile as tile;
+                use super::avx2::{half_panel_tile as half, panel_tile as full};
+                // A widening tile is a product's first, of more rows than a full-width tile.
+                debug_assert!(!WIDEN || mr > super::avx2::MAX_FULL_WIDTH_MR);
                 return match mr {
-                    3 => tile::<U, 3, WIDEN>(t),
-                    2 => tile::<U, 2, WIDEN>(t),
-                    1 => tile::<U, 1, WIDEN>(t),
-                    _ => unreachable!("AVX2 row tiles hold 1..=3 rows"),
+                    6 => half::<U, 6, WIDEN>(t),
+                    5 => half::<U, 5, WIDEN>(t),
+                    4 => half::<U, 4, WIDEN>(t),
+                    3 => full::<U, 3>(t),
+                    2 => full::<U, 2>(t),
+                    1 => full::<U, 1>(t),
+                    _ => unreachable!("AVX2 row tiles hold 1..=6 rows"),
                 };
             }
             match mr {

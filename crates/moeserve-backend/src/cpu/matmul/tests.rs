@@ -46,10 +46,20 @@ fn matches_scalar_reference_for_every_dtype_and_odd_sizes() {
 #[test]
 fn each_row_is_bit_identical_whatever_the_batch() {
     // k = 700 spans several blocks; 40 and 30 rows cut into tiles of different sizes; 3 rows
-    // are one tile on AVX2 (its hand-scheduled bf16 loop reading the weights directly).
+    // are one full-width tile on AVX2 (its hand-scheduled loop), 4, 5 and 6 one half-panel
+    // tile, 8 two of 4.
+    let shapes = [
+        (40, 70, 200),
+        (30, 45, 700),
+        (3, 70, 300),
+        (4, 33, 257),
+        (5, 40, 130),
+        (6, 64, 300),
+        (8, 70, 300),
+    ];
     for (dtype, (m, n, k)) in [DType::F32, DType::F16, DType::BF16]
         .into_iter()
-        .flat_map(|t| [(t, (40, 70, 200)), (t, (30, 45, 700)), (t, (3, 70, 300))])
+        .flat_map(|t| shapes.map(|s| (t, s)))
     {
         let x = pseudo_random(m * k, 3);
         let w = weight_of(dtype, vec![n, k], &pseudo_random(n * k, 4));
