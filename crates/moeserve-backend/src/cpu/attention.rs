@@ -140,7 +140,7 @@ pub(super) mod avx512 {
     ///   15 keys' by one transposing tree ([`sum_lanes_16`]), not one horizontal sum per key;
     ///   every head of the group runs through a chunk of keys while it is in L1, so each key
     ///   row comes from memory once;
-    /// - softmax of each head's row with a vectorised `exp` ([`exp`]);
+    /// - softmax of each head's row with a vectorised `exp` (`exp.rs`);
     /// - the output, an FMA chain over the rows in order held in registers, up to
     ///   [`VALUE_HEADS`] heads at a time, so each value row is loaded once for all of them.
     ///
@@ -298,7 +298,10 @@ pub(super) mod avx512 {
             let mut sum = _mm512_setzero_ps();
             for c in 0..chunks {
                 let m = mask_of(c);
-                let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(16 * c)), max));
+                let e = crate::cpu::exp::avx512::exp(_mm512_sub_ps(
+                    _mm512_maskz_loadu_ps(m, p.add(16 * c)),
+                    max,
+                ));
                 sum = _mm512_mask_add_ps(sum, m, sum, e);
                 _mm512_mask_storeu_ps(p.add(16 * c), m, e);
             }
@@ -313,34 +316,6 @@ pub(super) mod avx512 {
                 _mm512_mask_storeu_ps(p.add(16 * c), m, _mm512_mul_ps(e, inv));
             }
         }
-    }
-
-    /// `e^x` for `x ≤ 0` to about 1 ulp (Cephes `expf`: `2^n · e^r`, `|r| ≤ ln2/2`, a degree-6
-    /// polynomial); below -100 the result underflows to 0.
-    #[target_feature(enable = "avx512f")]
-    pub(in crate::cpu) fn exp(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-100.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut y = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            0.166_666_65,
-            0.5,
-        ] {
-            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-        }
-        let y = _mm512_fmadd_ps(
-            _mm512_mul_ps(y, r),
-            r,
-            _mm512_add_ps(r, _mm512_set1_ps(1.0)),
-        );
-        _mm512_scalef_ps(y, n)
     }
 }
 
@@ -380,7 +355,7 @@ mod avx2 {
                 }
             }
             for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-                super::softmax_with_sink(row, a.sink(h));
+                softmax(row, a.sink(h));
             }
             out.fill(0.0);
             for (s, slot) in a.slots.iter().enumerate() {
@@ -399,6 +374,46 @@ mod avx2 {
                 }
             }
         }
+    }
+
+    /// Softmax of one row in place as the AVX-512 variant, 8 lanes at a time; a last part of
+    /// fewer than 8 runs through a padded copy, its lanes added after the others in order. A
+    /// sink joins the max and the sum.
+    #[target_feature(enable = "avx2,fma")]
+    fn softmax(row: &mut [f32], sink: Option<f32>) {
+        use crate::cpu::exp::avx2::exp;
+        let max = (row.iter().copied()).fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
+        let vmax = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        let mut chunks = row.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: 8 elements.
+            unsafe {
+                let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), vmax));
+                sum = _mm256_add_ps(sum, e);
+                _mm256_storeu_ps(c.as_mut_ptr(), e);
+            }
+        }
+        let four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
+        let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        let mut total = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)));
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            let mut padded = [max; 8];
+            padded[..rest.len()].copy_from_slice(rest);
+            // SAFETY: 8 elements.
+            unsafe {
+                let e = exp(_mm256_sub_ps(_mm256_loadu_ps(padded.as_ptr()), vmax));
+                _mm256_storeu_ps(padded.as_mut_ptr(), e);
+            }
+            rest.copy_from_slice(&padded[..rest.len()]);
+            total += rest.iter().sum::<f32>();
+        }
+        if let Some(sink) = sink {
+            total += (sink - max).exp();
+        }
+        let inv = 1.0 / total;
+        row.iter_mut().for_each(|v| *v *= inv);
     }
 }
 
@@ -445,23 +460,13 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn simd_exp_and_lane_sums_are_accurate() {
+    fn lane_sums_are_exact() {
         use std::arch::x86_64::*;
         if !std::arch::is_x86_feature_detected!("avx512f") {
             return;
         }
         // SAFETY: AVX-512F was detected.
         unsafe {
-            for base in [0.0f32, -0.3, -1.7, -10.0, -40.0, -87.0, -95.0, -1e9] {
-                let xs: [f32; 16] = std::array::from_fn(|i| base - i as f32 * 0.37);
-                let mut got = [0.0f32; 16];
-                _mm512_storeu_ps(got.as_mut_ptr(), avx512::exp(_mm512_loadu_ps(xs.as_ptr())));
-                for (x, g) in xs.iter().zip(got) {
-                    let want = (*x as f64).exp();
-                    let err = (g as f64 - want).abs();
-                    assert!(err <= 2.5e-7 * want + 1e-37, "exp({x}) = {g}, want {want}");
-                }
-            }
             let v: [__m512; 16] = std::array::from_fn(|j| {
                 let lanes: [f32; 16] = std::array::from_fn(|i| (j * 16 + i) as f32);
                 _mm512_loadu_ps(lanes.as_ptr())

@@ -9,6 +9,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod convert;
+mod exp;
 pub mod fp8;
 mod grouped;
 pub mod int4;

@@ -143,6 +143,12 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
         unsafe { silu_mul_avx512(gate, up) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are available; the slices have equal lengths.
+        unsafe { silu_mul_avx2(gate, up) };
+        return;
+    }
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
     }
@@ -166,8 +172,7 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
         // SAFETY: lanes under the mask are inside both slices.
         unsafe {
             let x = _mm512_maskz_loadu_ps(m, g.add(c));
-            let e =
-                super::attention::avx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            let e = super::exp::avx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
             let denom = _mm512_add_ps(one, e);
             let positive = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
             let numer = _mm512_mask_blend_ps(positive, e, one);
@@ -181,16 +186,71 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// [`silu_mul_avx512`] 8 lanes at a time, the same operations (so the same bits); a last
+/// part of fewer than 8 runs through a padded copy.
+///
+/// # Safety
+/// AVX2 and FMA are available and `gate.len() == up.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) {
+    use std::arch::x86_64::*;
+    let mut gates = gate.chunks_exact_mut(8);
+    let mut ups = up.chunks_exact(8);
+    for (g, u) in (&mut gates).zip(&mut ups) {
+        // SAFETY: 8 elements each.
+        unsafe {
+            let y = silu_mul_8(_mm256_loadu_ps(g.as_ptr()), _mm256_loadu_ps(u.as_ptr()));
+            _mm256_storeu_ps(g.as_mut_ptr(), y);
+        }
+    }
+    let (g, u) = (gates.into_remainder(), ups.remainder());
+    if !g.is_empty() {
+        let (mut gp, mut up) = ([0.0f32; 8], [0.0f32; 8]);
+        gp[..g.len()].copy_from_slice(g);
+        up[..u.len()].copy_from_slice(u);
+        // SAFETY: 8 elements each.
+        unsafe {
+            let y = silu_mul_8(_mm256_loadu_ps(gp.as_ptr()), _mm256_loadu_ps(up.as_ptr()));
+            _mm256_storeu_ps(gp.as_mut_ptr(), y);
+        }
+        g.copy_from_slice(&gp[..g.len()]);
+    }
+}
+
+/// `silu(x) · u` in 8 lanes ([`silu_mul_avx512`]'s steps).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn silu_mul_8(
+    x: std::arch::x86_64::__m256,
+    u: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let (zero, one) = (_mm256_setzero_ps(), _mm256_set1_ps(1.0));
+    let abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+    let e = super::exp::avx2::exp(_mm256_sub_ps(zero, abs));
+    let positive = _mm256_cmp_ps::<_CMP_GE_OQ>(x, zero);
+    let sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
+    _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), u)
+}
+
 /// `ln Σ_i e^{x_i}`, a row of logits' normaliser (`logprob = x - log_sum_exp`): the max, then
 /// `e^{x - max}` summed in f64. The row must hold no NaN or +inf and a finite value. With
-/// AVX-512 the exponentials are the vectorised f32 `exp` (about 1 ulp; the sampler runs this
-/// over the whole vocabulary of every sequence every step), summed in f64 lanes.
+/// AVX-512 or AVX2 the exponentials are the vectorised f32 `exp` (`exp.rs`, about 1 ulp; the
+/// sampler runs this over the whole vocabulary of every sequence every step), summed in f64
+/// lanes.
 pub fn log_sum_exp(x: &[f32]) -> f32 {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     #[cfg(target_arch = "x86_64")]
     if super::isa() == super::Isa::Avx512 {
         // SAFETY: AVX-512F is available.
         let sum = unsafe { sum_exp_avx512(x, max) };
+        return max + sum.ln() as f32;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx2 {
+        // SAFETY: AVX2 and FMA are available.
+        let sum = unsafe { sum_exp_avx2(x, max) };
         return max + sum.ln() as f32;
     }
     let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
@@ -212,13 +272,54 @@ unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f64 {
         let m = super::attention::avx512::mask(n - c);
         // SAFETY: lanes under the mask are inside `x`.
         let v = unsafe { _mm512_maskz_loadu_ps(m, p.add(c)) };
-        let e = super::attention::avx512::exp(_mm512_sub_ps(v, max));
+        let e = super::exp::avx512::exp(_mm512_sub_ps(v, max));
         let e = _mm512_maskz_mov_ps(m, e);
         lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
         let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)));
         hi = _mm512_add_pd(hi, _mm512_cvtps_pd(upper));
     }
     _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
+}
+
+/// `Σ e^{x_i - max}` in f64, 8 lanes of `exp` at a time; the last part of fewer than 8 runs
+/// padded with `max`, its padding lanes cleared before the sum.
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_exp_avx2(x: &[f32], max: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let vmax = _mm256_set1_ps(max);
+    let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    let mut add = |e: __m256| {
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+    };
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        // SAFETY: 8 elements.
+        add(super::exp::avx2::exp(_mm256_sub_ps(
+            unsafe { _mm256_loadu_ps(c.as_ptr()) },
+            vmax,
+        )));
+    }
+    if !rest.is_empty() {
+        let mut padded = [max; 8];
+        padded[..rest.len()].copy_from_slice(rest);
+        // SAFETY: 8 elements.
+        let e = super::exp::avx2::exp(_mm256_sub_ps(
+            unsafe { _mm256_loadu_ps(padded.as_ptr()) },
+            vmax,
+        ));
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest.len() as i32), lanes);
+        add(_mm256_and_ps(e, _mm256_castsi256_ps(kept)));
+    }
+    let sum = _mm256_add_pd(lo, hi);
+    let two = _mm_add_pd(_mm256_castpd256_pd128(sum), _mm256_extractf128_pd::<1>(sum));
+    _mm_cvtsd_f64(_mm_add_sd(two, _mm_unpackhi_pd(two, two)))
 }
 
 /// Numerically stable softmax of one row, in place.
