@@ -329,7 +329,7 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
 /// `2 · MR` FMAs — for 6 rows 12 FMAs per 8 loads and 2 conversions, where two 3-row
 /// full-width tiles take 8 loads and 8 conversions for 24 (and the 16 registers hold no more
 /// than 3 full-width rows). Measured on Zen 3 against 3-row tiles after a widening first tile
-/// (bench/RESULTS.md): 8 rows per expert 1.1×, 16 rows 1.08×. With `WIDEN` (the product's
+/// (bench/RESULTS.md): ≈ 1.08× at 8 and at 16 rows per expert. With `WIDEN` (the product's
 /// first tile, for element types with [`Lanes8::WIDEN_ONCE`]) each position is also stored
 /// widened into `t.widen_to`; the first pass prefetches the weight stream.
 ///
