@@ -325,8 +325,17 @@ mod avx2 {
 
     use super::KvHeadQuery;
 
-    /// As the AVX-512 variant, 8 lanes at a time; a score's lanes are summed as
-    /// `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`, a fixed order.
+    /// Keys (and values) per pass over the group's query heads: 64 rows of a 64-wide head are
+    /// 16 KiB, so a chunk is read from memory once and from L1 by the other heads.
+    const CHUNK: usize = 64;
+
+    /// As the AVX-512 variant, 8 lanes at a time:
+    /// - scores, 8 keys at a time: 8 independent FMA chains over the head's width sharing each
+    ///   load of the query, then one transposing tree ([`sum_lanes_8`]) instead of a
+    ///   horizontal sum per key — a key's score is its lanes summed in one fixed order
+    ///   whatever its neighbours, so it depends on the query and the key alone;
+    /// - the output of each head, 8 vectors at a time held in registers over a chunk of value
+    ///   rows (an FMA chain over the rows in order, as before: the same bits).
     ///
     /// # Safety
     /// AVX2 and FMA are available and `head_dim` and `value_dim` are multiples of 8.
@@ -334,46 +343,115 @@ mod avx2 {
     pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
         let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
         let group = a.q.len() / d;
-        unsafe {
-            for (s, slot) in a.slots.iter().enumerate() {
-                let k = a.keys.row(*slot, d).as_ptr();
-                for h in 0..group {
-                    let q = a.q.as_ptr().add(h * d);
-                    let mut acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-                    for c in (8..d).step_by(8) {
-                        acc = _mm256_fmadd_ps(
-                            _mm256_loadu_ps(q.add(c)),
-                            _mm256_loadu_ps(k.add(c)),
-                            acc,
-                        );
+        let scale = _mm256_set1_ps(a.scale);
+        for c0 in (0..n).step_by(CHUNK) {
+            let c1 = (c0 + CHUNK).min(n);
+            for h in 0..group {
+                let q = &a.q[h * d..(h + 1) * d];
+                for s0 in (c0..c1).step_by(8) {
+                    let keys = (c1 - s0).min(8);
+                    // Past the last key, the last key again; its sums are cleared below.
+                    let rows: [&[f32]; 8] =
+                        std::array::from_fn(|j| a.keys.row(a.slots[s0 + j.min(keys - 1)], d));
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    // SAFETY: q and every row hold d = 8·i elements.
+                    unsafe {
+                        let qv = _mm256_loadu_ps(q.as_ptr());
+                        for (acc, row) in acc.iter_mut().zip(&rows) {
+                            *acc = _mm256_mul_ps(qv, _mm256_loadu_ps(row.as_ptr()));
+                        }
+                        for c in (8..d).step_by(8) {
+                            let qv = _mm256_loadu_ps(q.as_ptr().add(c));
+                            for (acc, row) in acc.iter_mut().zip(&rows) {
+                                *acc =
+                                    _mm256_fmadd_ps(qv, _mm256_loadu_ps(row.as_ptr().add(c)), *acc);
+                            }
+                        }
                     }
-                    let four =
-                        _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-                    let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-                    let one = _mm_add_ss(two, _mm_shuffle_ps(two, two, 1));
-                    scores[h * n + s] = _mm_cvtss_f32(one) * a.scale;
+                    acc[keys..].fill(_mm256_setzero_ps());
+                    let mut sums = [0.0f32; 8];
+                    // SAFETY: 8 elements.
+                    unsafe {
+                        _mm256_storeu_ps(sums.as_mut_ptr(), _mm256_mul_ps(sum_lanes_8(&acc), scale))
+                    };
+                    scores[h * n + s0..h * n + s0 + keys].copy_from_slice(&sums[..keys]);
                 }
             }
-            for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-                softmax(row, a.sink(h));
-            }
-            out.fill(0.0);
-            for (s, slot) in a.slots.iter().enumerate() {
-                let v = a.values.row(*slot, dv).as_ptr();
-                for h in 0..group {
-                    let p = _mm256_set1_ps(scores[h * n + s]);
-                    let o = out.as_mut_ptr().add(h * dv);
-                    for c in (0..dv).step_by(8) {
-                        let acc = _mm256_fmadd_ps(
-                            p,
-                            _mm256_loadu_ps(v.add(c)),
-                            _mm256_loadu_ps(o.add(c)),
-                        );
-                        _mm256_storeu_ps(o.add(c), acc);
+        }
+        for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+            softmax(row, a.sink(h));
+        }
+        out.fill(0.0);
+        for c0 in (0..n).step_by(CHUNK) {
+            let c1 = (c0 + CHUNK).min(n);
+            for h in 0..group {
+                let p = &scores[h * n + c0..h * n + c1];
+                for col in (0..dv).step_by(64) {
+                    let o = &mut out[h * dv + col..h * dv + (col + 64).min(dv)];
+                    // SAFETY: every value row holds dv elements, `o` the columns' width.
+                    unsafe {
+                        match o.len() / 8 {
+                            8 => weigh_values::<8>(a, &a.slots[c0..c1], p, col, o),
+                            7 => weigh_values::<7>(a, &a.slots[c0..c1], p, col, o),
+                            6 => weigh_values::<6>(a, &a.slots[c0..c1], p, col, o),
+                            5 => weigh_values::<5>(a, &a.slots[c0..c1], p, col, o),
+                            4 => weigh_values::<4>(a, &a.slots[c0..c1], p, col, o),
+                            3 => weigh_values::<3>(a, &a.slots[c0..c1], p, col, o),
+                            2 => weigh_values::<2>(a, &a.slots[c0..c1], p, col, o),
+                            _ => weigh_values::<1>(a, &a.slots[c0..c1], p, col, o),
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// `o += Σ_s p[s] · values[slots[s]][col .. col + 8·V]` in `V` registers, an FMA chain
+    /// over the rows in order.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available; `o` holds `8·V` elements and each value row `col + 8·V`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weigh_values<const V: usize>(
+        a: &KvHeadQuery<'_>,
+        slots: &[usize],
+        p: &[f32],
+        col: usize,
+        o: &mut [f32],
+    ) {
+        debug_assert_eq!(o.len(), 8 * V);
+        // SAFETY: the caller's sizes.
+        unsafe {
+            let mut acc: [__m256; V] =
+                std::array::from_fn(|i| _mm256_loadu_ps(o.as_ptr().add(8 * i)));
+            for (slot, p) in slots.iter().zip(p) {
+                let v = a.values.row(*slot, a.value_dim)[col..].as_ptr();
+                let p = _mm256_set1_ps(*p);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * i)), *acc);
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), *acc);
+            }
+        }
+    }
+
+    /// `[Σ lanes of v[0], …, Σ lanes of v[7]]`, each as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`
+    /// (`hadd` pairs lanes within each 128-bit half, the last add joins the halves).
+    #[target_feature(enable = "avx2")]
+    fn sum_lanes_8(v: &[__m256; 8]) -> __m256 {
+        let t = [
+            _mm256_hadd_ps(v[0], v[1]),
+            _mm256_hadd_ps(v[2], v[3]),
+            _mm256_hadd_ps(v[4], v[5]),
+            _mm256_hadd_ps(v[6], v[7]),
+        ];
+        let (u0, u1) = (_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(u0, u1),
+            _mm256_permute2f128_ps::<0x31>(u0, u1),
+        )
     }
 
     /// Softmax of one row in place as the AVX-512 variant, 8 lanes at a time; a last part of
