@@ -326,9 +326,10 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
 /// [`panel_tile`] for 4 to [`MAX_MR`] rows, in two passes over the block: columns 0–7 and
 /// 16–23, then 8–15 and 24–31 (for bf16 each pass's columns are one 32-byte load: its lanes
 /// shifted up, and masked). A position of a pass is two weight vectors, `MR` broadcasts and
-/// `2 · MR` FMAs — for 6 rows 12 FMAs per 8 loads and 2 conversions, where two 3-row
-/// full-width tiles take 8 loads and 8 conversions for 24 (and the 16 registers hold no more
-/// than 3 full-width rows). Measured on Zen 3 against 3-row tiles after a widening first tile
+/// `2 · MR` FMAs: 6 rows convert 4 weight vectors per 24 FMAs over both passes where two
+/// 3-row full-width tiles convert 8 (the 16 registers hold no more than 3 full-width rows),
+/// and the extra broadcasts cost nothing measurable on Zen 3 (an L1-resident loop of either
+/// form runs at the FMA peak). Measured on Zen 3 against 3-row tiles after a widening first tile
 /// (bench/RESULTS.md): ≈ 1.08× at 8 and at 16 rows per expert. With `WIDEN` (the product's
 /// first tile, for element types with [`Lanes8::WIDEN_ONCE`]) each position is also stored
 /// widened into `t.widen_to`; the first pass prefetches the weight stream.

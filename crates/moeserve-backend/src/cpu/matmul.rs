@@ -726,8 +726,9 @@ impl Block<'_> {
         unsafe {
             if isa == Isa::Avx2 {
                 use super::avx2::{half_panel_tile as half, panel_tile as full};
-                // A widening tile is a product's first, of more rows than a full-width tile.
-                debug_assert!(!WIDEN || mr > super::avx2::MAX_FULL_WIDTH_MR);
+                // A widening tile is a product's first, of more rows than a full-width tile
+                // (which would not widen, and the others would read an unwritten block).
+                assert!(!WIDEN || mr > super::avx2::MAX_FULL_WIDTH_MR);
                 return match mr {
                     6 => half::<U, 6, WIDEN>(t),
                     5 => half::<U, 5, WIDEN>(t),
