@@ -440,7 +440,7 @@ mod avx2 {
     /// `[Σ lanes of v[0], …, Σ lanes of v[7]]`, each as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`
     /// (`hadd` pairs lanes within each 128-bit half, the last add joins the halves).
     #[target_feature(enable = "avx2")]
-    fn sum_lanes_8(v: &[__m256; 8]) -> __m256 {
+    pub(super) fn sum_lanes_8(v: &[__m256; 8]) -> __m256 {
         let t = [
             _mm256_hadd_ps(v[0], v[1]),
             _mm256_hadd_ps(v[2], v[3]),
@@ -554,6 +554,38 @@ mod tests {
             let want: [f32; 16] =
                 std::array::from_fn(|j| (0..16).map(|i| (j * 16 + i) as f32).sum());
             assert_eq!(sums, want);
+        }
+    }
+
+    /// Each AVX2 score is its own lanes in the documented order, bit for bit, whatever the
+    /// other seven vectors hold — so a key's score does not depend on where its chunk starts.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_lane_sums_keep_one_order_per_key() {
+        use std::arch::x86_64::*;
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            eprintln!("skipped: needs AVX2");
+            return;
+        }
+        // Magnitudes far apart, so that every order of the sum rounds differently.
+        let scales = [1.0f32, 3e3, 1e-3, 7e5, 0.3, 1e-6, 2e4, 11.0];
+        let lanes: Vec<f32> = (pseudo_random(64, 21).iter().enumerate())
+            .map(|(i, v)| v * scales[(i + i / 8) % 8])
+            .collect();
+        let order = |l: &[f32]| ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+        // SAFETY: AVX2 was detected; 8 lanes per vector.
+        let sums = unsafe {
+            let v: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(lanes[8 * j..].as_ptr()));
+            let mut sums = [0.0f32; 8];
+            _mm256_storeu_ps(sums.as_mut_ptr(), avx2::sum_lanes_8(&v));
+            sums
+        };
+        for (j, got) in sums.iter().enumerate() {
+            assert_eq!(
+                got.to_bits(),
+                order(&lanes[8 * j..8 * j + 8]).to_bits(),
+                "key {j}"
+            );
         }
     }
 
