@@ -320,7 +320,7 @@ pub(super) mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::KvHeadQuery;
@@ -386,19 +386,19 @@ mod avx2 {
             let c1 = (c0 + CHUNK).min(n);
             for h in 0..group {
                 let p = &scores[h * n + c0..h * n + c1];
+                // 64 columns at a time, then any last columns 8 at a time.
                 for col in (0..dv).step_by(64) {
-                    let o = &mut out[h * dv + col..h * dv + (col + 64).min(dv)];
+                    let width = (dv - col).min(64);
+                    let slots = &a.slots[c0..c1];
+                    let o = &mut out[h * dv + col..h * dv + col + width];
                     // SAFETY: every value row holds dv elements, `o` the columns' width.
                     unsafe {
-                        match o.len() / 8 {
-                            8 => weigh_values::<8>(a, &a.slots[c0..c1], p, col, o),
-                            7 => weigh_values::<7>(a, &a.slots[c0..c1], p, col, o),
-                            6 => weigh_values::<6>(a, &a.slots[c0..c1], p, col, o),
-                            5 => weigh_values::<5>(a, &a.slots[c0..c1], p, col, o),
-                            4 => weigh_values::<4>(a, &a.slots[c0..c1], p, col, o),
-                            3 => weigh_values::<3>(a, &a.slots[c0..c1], p, col, o),
-                            2 => weigh_values::<2>(a, &a.slots[c0..c1], p, col, o),
-                            _ => weigh_values::<1>(a, &a.slots[c0..c1], p, col, o),
+                        if width == 64 {
+                            weigh_values::<8>(a, slots, p, col, o);
+                        } else {
+                            for (i, o) in o.chunks_exact_mut(8).enumerate() {
+                                weigh_values::<1>(a, slots, p, col + 8 * i, o);
+                            }
                         }
                     }
                 }
@@ -437,6 +437,14 @@ mod avx2 {
         }
     }
 
+    /// The low `len` lanes set (all 8 from 8 up), as `maskload` and `maskstore` take them: a
+    /// row's tail chunk.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::cpu) fn mask(len: usize) -> __m256i {
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(len.min(8) as i32), lanes)
+    }
+
     /// `[Σ lanes of v[0], …, Σ lanes of v[7]]`, each as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`
     /// (`hadd` pairs lanes within each 128-bit half, the last add joins the halves).
     #[target_feature(enable = "avx2")]
@@ -454,39 +462,40 @@ mod avx2 {
         )
     }
 
-    /// Softmax of one row in place as the AVX-512 variant, 8 lanes at a time; a last part of
-    /// fewer than 8 runs through a padded copy, its lanes added after the others in order. A
-    /// sink joins the max and the sum.
+    /// Softmax of one row in place as the AVX-512 variant, 8 lanes at a time (the last part
+    /// under a [`mask`]); a sink joins the max and the sum.
     #[target_feature(enable = "avx2,fma")]
     fn softmax(row: &mut [f32], sink: Option<f32>) {
-        use crate::cpu::exp::avx2::exp;
+        let (n, p) = (row.len(), row.as_mut_ptr());
         let max = (row.iter().copied()).fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
         let vmax = _mm256_set1_ps(max);
         let mut sum = _mm256_setzero_ps();
-        let mut chunks = row.chunks_exact_mut(8);
-        for c in &mut chunks {
-            // SAFETY: 8 elements.
+        for c in (0..n).step_by(8) {
+            let m = mask(n - c);
+            // SAFETY: lanes under the mask are inside the row; the others read and write
+            // nothing, and their `exp(0)` is cleared before the sum.
             unsafe {
-                let e = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), vmax));
+                let x = _mm256_blendv_ps(
+                    vmax,
+                    _mm256_maskload_ps(p.add(c), m),
+                    _mm256_castsi256_ps(m),
+                );
+                let e = _mm256_and_ps(
+                    crate::cpu::exp::avx2::exp(_mm256_sub_ps(x, vmax)),
+                    _mm256_castsi256_ps(m),
+                );
                 sum = _mm256_add_ps(sum, e);
-                _mm256_storeu_ps(c.as_mut_ptr(), e);
+                // A masked store is slow on some cores: only for the last part.
+                if n - c >= 8 {
+                    _mm256_storeu_ps(p.add(c), e);
+                } else {
+                    _mm256_maskstore_ps(p.add(c), m, e);
+                }
             }
         }
         let four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
         let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
         let mut total = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)));
-        let rest = chunks.into_remainder();
-        if !rest.is_empty() {
-            let mut padded = [max; 8];
-            padded[..rest.len()].copy_from_slice(rest);
-            // SAFETY: 8 elements.
-            unsafe {
-                let e = exp(_mm256_sub_ps(_mm256_loadu_ps(padded.as_ptr()), vmax));
-                _mm256_storeu_ps(padded.as_mut_ptr(), e);
-            }
-            rest.copy_from_slice(&padded[..rest.len()]);
-            total += rest.iter().sum::<f32>();
-        }
         if let Some(sink) = sink {
             total += (sink - max).exp();
         }

@@ -186,8 +186,8 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// [`silu_mul_avx512`] 8 lanes at a time, the same operations (so the same bits); a last
-/// part of fewer than 8 runs through a padded copy.
+/// [`silu_mul_avx512`] 8 lanes at a time, the same operations (so the same bits); the last
+/// part under a mask.
 ///
 /// # Safety
 /// AVX2 and FMA are available and `gate.len() == up.len()`.
@@ -195,26 +195,23 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) {
     use std::arch::x86_64::*;
-    let mut gates = gate.chunks_exact_mut(8);
-    let mut ups = up.chunks_exact(8);
-    for (g, u) in (&mut gates).zip(&mut ups) {
-        // SAFETY: 8 elements each.
+    let n = gate.len();
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    for c in (0..n).step_by(8) {
+        // SAFETY: 8 elements from `c`, or the lanes under the mask inside both slices.
         unsafe {
-            let y = silu_mul_8(_mm256_loadu_ps(g.as_ptr()), _mm256_loadu_ps(u.as_ptr()));
-            _mm256_storeu_ps(g.as_mut_ptr(), y);
+            if n - c >= 8 {
+                let y = silu_mul_8(_mm256_loadu_ps(g.add(c)), _mm256_loadu_ps(u.add(c)));
+                _mm256_storeu_ps(g.add(c), y);
+            } else {
+                let m = super::attention::avx2::mask(n - c);
+                let y = silu_mul_8(
+                    _mm256_maskload_ps(g.add(c), m),
+                    _mm256_maskload_ps(u.add(c), m),
+                );
+                _mm256_maskstore_ps(g.add(c), m, y);
+            }
         }
-    }
-    let (g, u) = (gates.into_remainder(), ups.remainder());
-    if !g.is_empty() {
-        let (mut gp, mut up) = ([0.0f32; 8], [0.0f32; 8]);
-        gp[..g.len()].copy_from_slice(g);
-        up[..u.len()].copy_from_slice(u);
-        // SAFETY: 8 elements each.
-        unsafe {
-            let y = silu_mul_8(_mm256_loadu_ps(gp.as_ptr()), _mm256_loadu_ps(up.as_ptr()));
-            _mm256_storeu_ps(gp.as_mut_ptr(), y);
-        }
-        g.copy_from_slice(&gp[..g.len()]);
     }
 }
 
@@ -281,8 +278,8 @@ unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f64 {
     _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
 }
 
-/// `Σ e^{x_i - max}` in f64, 8 lanes of `exp` at a time; the last part of fewer than 8 runs
-/// padded with `max`, its padding lanes cleared before the sum.
+/// `Σ e^{x_i - max}` in f64, 8 lanes of `exp` at a time; the last part under a mask, its
+/// other lanes cleared before the sum.
 ///
 /// # Safety
 /// AVX2 and FMA are available.
@@ -290,32 +287,15 @@ unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f64 {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn sum_exp_avx2(x: &[f32], max: f32) -> f64 {
     use std::arch::x86_64::*;
-    let vmax = _mm256_set1_ps(max);
+    let (n, p, vmax) = (x.len(), x.as_ptr(), _mm256_set1_ps(max));
     let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
-    let mut add = |e: __m256| {
+    for c in (0..n).step_by(8) {
+        let m = _mm256_castsi256_ps(super::attention::avx2::mask(n - c));
+        // SAFETY: lanes under the mask are inside `x`; the others read nothing.
+        let v = unsafe { _mm256_maskload_ps(p.add(c), _mm256_castps_si256(m)) };
+        let e = _mm256_and_ps(super::exp::avx2::exp(_mm256_sub_ps(v, vmax)), m);
         lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
         hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
-    };
-    let chunks = x.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        // SAFETY: 8 elements.
-        add(super::exp::avx2::exp(_mm256_sub_ps(
-            unsafe { _mm256_loadu_ps(c.as_ptr()) },
-            vmax,
-        )));
-    }
-    if !rest.is_empty() {
-        let mut padded = [max; 8];
-        padded[..rest.len()].copy_from_slice(rest);
-        // SAFETY: 8 elements.
-        let e = super::exp::avx2::exp(_mm256_sub_ps(
-            unsafe { _mm256_loadu_ps(padded.as_ptr()) },
-            vmax,
-        ));
-        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let kept = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest.len() as i32), lanes);
-        add(_mm256_and_ps(e, _mm256_castsi256_ps(kept)));
     }
     let sum = _mm256_add_pd(lo, hi);
     let two = _mm_add_pd(_mm256_castpd256_pd128(sum), _mm256_extractf128_pd::<1>(sum));
