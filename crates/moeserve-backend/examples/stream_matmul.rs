@@ -31,12 +31,15 @@ fn main() {
         .map_or(1 << 30, |v| v.parse().unwrap());
     let dtype = std::env::var("STREAM_DTYPE").unwrap_or_default();
     let (int4, f16, fp8) = (dtype == "int4", dtype == "f16", dtype == "fp8");
-    let bytes_per_two = match () {
-        _ if int4 => 1,
-        _ if fp8 => 2,
-        _ => 4,
+    // Bytes per two weights.
+    let per_two = if int4 {
+        1
+    } else if fp8 {
+        2
+    } else {
+        4
     };
-    let count = (total / (n * k * bytes_per_two / 2)).max(1);
+    let count = (total / (n * k * per_two / 2)).max(1);
     let weights: Vec<Weight> = (0..count)
         .map(|j| {
             let w = if int4 {
