@@ -105,7 +105,7 @@ macro_rules! rows3_asm {
             "vbroadcastss ymm12, dword ptr [{x}]",
             "vbroadcastss ymm13, dword ptr [{x} + 4]",
             "vbroadcastss ymm14, dword ptr [{x} + 8]",
-            "prefetcht2 byte ptr [{w} + {ahead}]",
+            "prefetcht2 byte ptr [{ahead}]",
             $l0,
             "vfmadd231ps ymm0, ymm15, ymm12",
             "vfmadd231ps ymm4, ymm15, ymm13",
@@ -123,6 +123,7 @@ macro_rules! rows3_asm {
             "vfmadd231ps ymm7, ymm15, ymm13",
             "vfmadd231ps ymm11, ymm15, ymm14",
             "add {x}, 12",
+            "add {ahead}, {step}",
             concat!("add {w}, ", $bytes),
             "dec {n}",
             "jnz 2b",
@@ -130,7 +131,8 @@ macro_rules! rows3_asm {
             w = inout(reg) $t.w => _,
             n = inout(reg) $t.kc => _,
             mask = in(reg) $mask,
-            ahead = const super::avx512::PREFETCH_BYTES,
+            ahead = inout(reg) $t.prefetch => _,
+            step = in(reg) $t.prefetch_step,
             inout("ymm0") $acc[0],
             inout("ymm1") $acc[1],
             inout("ymm2") $acc[2],
@@ -160,7 +162,7 @@ macro_rules! rows3_loop {
         /// As [`panel_tile`]'s; the CPU supports AVX2, FMA and F16C.
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn $name(t: &super::avx512::PanelTile<$elem>, acc: &mut [__m256; 12]) -> bool {
-            if !t.prefetch || t.kc == 0 {
+            if t.prefetch_step == 0 || t.kc == 0 {
                 return false;
             }
             // SAFETY: the caller's: x holds kc × 3 activations and w kc positions; the
@@ -302,9 +304,9 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
         }
         for p in 0..t.kc {
             let wp = t.w.add(p * PANEL);
-            if t.prefetch {
+            if t.prefetch_step != 0 {
                 _mm_prefetch::<_MM_HINT_T2>(
-                    wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8
+                    t.prefetch.wrapping_add(p * t.prefetch_step) as *const i8
                 );
             }
             let xs: [__m256; MR] = std::array::from_fn(|i| _mm256_set1_ps(*t.x.add(p * MR + i)));
@@ -332,7 +334,7 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
 /// form runs at the FMA peak). Measured on Zen 3 against 3-row tiles after a widening first tile
 /// (bench/RESULTS.md): ≈ 1.08× at 8 and at 16 rows per expert. With `WIDEN` (the product's
 /// first tile, for element types with [`Lanes8::WIDEN_ONCE`]) each position is also stored
-/// widened into `t.widen_to`; the first pass prefetches the weight stream.
+/// widened into `t.widen_to`. Each pass prefetches its share of the weight stream.
 ///
 /// # Safety
 /// As [`panel_tile`]'s, `3 < MR ≤ MAX_MR`.
@@ -351,10 +353,9 @@ pub(super) unsafe fn half_panel_tile<T: Lanes8, const MR: usize, const WIDEN: bo
             }
             for p in 0..t.kc {
                 let wp = t.w.add(p * PANEL);
-                if t.prefetch && h == 0 {
-                    _mm_prefetch::<_MM_HINT_T2>(
-                        wp.wrapping_byte_add(super::avx512::PREFETCH_BYTES) as *const i8,
-                    );
+                if t.prefetch_step != 0 {
+                    let ahead = (h * t.kc + p) * t.prefetch_step;
+                    _mm_prefetch::<_MM_HINT_T2>(t.prefetch.wrapping_add(ahead) as *const i8);
                 }
                 let w0 = load_columns(wp, h);
                 let w1 = load_columns(wp, h + 2);

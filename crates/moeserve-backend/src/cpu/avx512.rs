@@ -93,9 +93,13 @@ pub(super) struct PanelTile<T> {
     pub acc: *mut f32,
     /// The first block of the panel: the sums start from zero.
     pub first: bool,
-    /// `w` is the weight stream itself (not a block already widened into a scratch buffer
-    /// by the first tile, which prefetched): prefetch ahead of it.
-    pub prefetch: bool,
+    /// The weight stream's lines this call prefetches: at position `p` of its pass `h` (a
+    /// tile makes one pass over the block, or two on AVX2 with more than three rows),
+    /// `prefetch + (h · kc + p) · prefetch_step` (the block's row tiles share its stream out
+    /// over their passes: `matmul::StreamShare`).
+    pub prefetch: *const u8,
+    /// Bytes between two prefetches; 0: the call prefetches nothing.
+    pub prefetch_step: usize,
     /// Where a widening call ([`panel_tile`]'s `WIDEN`) stores each position of `w`, widened
     /// to f32, as it reads it (`kc × PANEL` elements), for the block's other row tiles; null
     /// otherwise.
@@ -124,8 +128,10 @@ pub(super) unsafe fn panel_tile<T: Lanes, const MR: usize, const WIDEN: bool>(t:
         }
         for p in 0..t.kc {
             let wp = t.w.add(p * PANEL);
-            if t.prefetch {
-                _mm_prefetch::<_MM_HINT_T2>(wp.wrapping_byte_add(PREFETCH_BYTES) as *const i8);
+            if t.prefetch_step != 0 {
+                _mm_prefetch::<_MM_HINT_T2>(
+                    t.prefetch.wrapping_add(p * t.prefetch_step) as *const i8
+                );
             }
             let [w0, w1] = T::load_position(wp);
             if WIDEN {

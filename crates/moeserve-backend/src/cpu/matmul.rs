@@ -632,6 +632,61 @@ pub(super) fn tile_of(m: usize, max_mr: usize, i: usize) -> (usize, usize) {
     (t * base + t.min(extra), base + usize::from(t < extra))
 }
 
+/// The weight-stream lines one block's row tiles prefetch: the block's own size in bytes,
+/// [`PREFETCH_BYTES`](super::avx512::PREFETCH_BYTES) ahead of it, shared out evenly over every
+/// pass the tiles make over the block (a tile of more than three rows makes two on AVX2).
+///
+/// A product of many rows reads a block from memory in its first pass and from L1 in the
+/// others; prefetching only in the first pass asked for a block's worth of lines in a burst,
+/// at the rate of the FMAs, then nothing while the other passes ran — bursts beyond what the
+/// memory delivers. Spread over every pass the requests arrive at the average rate. With one
+/// pass (batch 1) it is the same stream as before: `PREFETCH_BYTES` ahead of each position.
+#[derive(Clone, Copy)]
+struct StreamShare {
+    /// The first byte to prefetch.
+    start: *const u8,
+    /// Bytes between two prefetches (0: none), equal for every position of every pass.
+    step: usize,
+    /// Positions per pass.
+    kc: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl StreamShare {
+    fn of_block<U>(isa: Isa, b: Block<'_>, block: &[U], prefetch: bool) -> Self {
+        let passes: usize = row_tiles(b.d.m, b.x.max_mr)
+            .map(|(_, mr)| passes_per_tile(isa, mr))
+            .sum();
+        let step = if prefetch && b.kc > 0 {
+            std::mem::size_of_val(block).div_ceil(passes * b.kc)
+        } else {
+            0
+        };
+        let start = block.as_ptr().cast::<u8>();
+        Self {
+            start: start.wrapping_add(super::avx512::PREFETCH_BYTES),
+            step,
+            kc: b.kc,
+        }
+    }
+
+    /// Where the prefetches of a tile whose first pass is the block's `pass`-th begin, and
+    /// their step.
+    fn from_pass(&self, pass: usize) -> (*const u8, usize) {
+        (self.start.wrapping_add(pass * self.kc * self.step), self.step)
+    }
+}
+
+/// Passes a tile of `mr` rows makes over a block: two for AVX2's half-panel tiles.
+fn passes_per_tile(isa: Isa, mr: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && mr > super::avx2::MAX_FULL_WIDTH_MR {
+        return 2;
+    }
+    let _ = (isa, mr);
+    1
+}
+
 /// One block of positions `k0 .. k0 + kc` of a panel.
 #[derive(Clone, Copy)]
 struct Block<'a> {
@@ -645,20 +700,24 @@ struct Block<'a> {
 #[cfg(target_arch = "x86_64")]
 impl Block<'_> {
     /// Every row tile through `block` (`kc × PANEL` elements), sums carried in `acc`.
-    /// `prefetch`: `block` is the weight stream itself (not a widened copy).
+    /// `prefetch`: `block` is the weight stream itself (not a widened copy), whose lines ahead
+    /// the tiles prefetch ([`StreamShare`]).
     fn run_tiles<U: Element>(self, isa: Isa, block: &[U], prefetch: bool, acc: &mut [f32]) {
-        for (i0, mr) in row_tiles(self.d.m, self.x.max_mr) {
+        let share = StreamShare::of_block(isa, self, block, prefetch);
+        let mut pass = 0;
+        for tile in row_tiles(self.d.m, self.x.max_mr) {
             // SAFETY: the caller's `isa` is supported; the block is kc × 32 elements.
             unsafe {
                 self.tile::<U, false>(
                     isa,
-                    (i0, mr),
+                    tile,
                     block.as_ptr(),
-                    prefetch,
+                    share.from_pass(pass),
                     std::ptr::null_mut(),
                     acc,
                 )
             };
+            pass += passes_per_tile(isa, tile.1);
         }
     }
 
@@ -677,23 +736,26 @@ impl Block<'_> {
     ) {
         debug_assert_eq!(block.len(), wide.len());
         let wide = wide.as_mut_ptr();
+        let share = StreamShare::of_block(isa, self, block, true);
+        let mut pass = 0;
         for (t, tile) in row_tiles(self.d.m, self.x.max_mr).enumerate() {
             // SAFETY: the caller's `isa` is supported; the block and `wide` are kc × 32
             // elements, and the first tile writes `wide` before the others read it.
             unsafe {
                 if t == 0 {
-                    self.tile::<U, true>(isa, tile, block.as_ptr(), true, wide, acc)
+                    self.tile::<U, true>(isa, tile, block.as_ptr(), share.from_pass(0), wide, acc)
                 } else {
                     self.tile::<f32, false>(
                         isa,
                         tile,
                         wide.cast_const(),
-                        false,
+                        share.from_pass(pass),
                         std::ptr::null_mut(),
                         acc,
                     )
                 }
             }
+            pass += passes_per_tile(isa, tile.1);
         }
     }
 
@@ -707,7 +769,7 @@ impl Block<'_> {
         isa: Isa,
         (i0, mr): (usize, usize),
         w: *const U,
-        prefetch: bool,
+        (prefetch, prefetch_step): (*const u8, usize),
         widen_to: *mut f32,
         acc: &mut [f32],
     ) {
@@ -719,6 +781,7 @@ impl Block<'_> {
             acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
             first: self.first,
             prefetch,
+            prefetch_step,
             widen_to,
         };
         // SAFETY: the caller's `isa` is supported; x holds the tile's kc positions from k0
