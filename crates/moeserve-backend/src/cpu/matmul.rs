@@ -613,8 +613,9 @@ fn max_rows_per_tile(isa: Isa) -> usize {
 /// `m` rows cut into the fewest tiles of at most `max_mr` rows, sizes as equal as possible
 /// (11 rows run as one tile of 11, not 8 + 3): `(first row, rows)`.
 pub(super) fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
-    let count = m.div_ceil(max_mr).max(1);
-    let (base, extra) = (m / count, m % count);
+    // One tile without dividing: this runs for every block of every product (batch 1's too).
+    let count = if m <= max_mr { 1 } else { m.div_ceil(max_mr) };
+    let (base, extra) = if count == 1 { (m, 0) } else { (m / count, m % count) };
     (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
 }
 
@@ -654,13 +655,16 @@ struct StreamShare {
 #[cfg(target_arch = "x86_64")]
 impl StreamShare {
     fn of_block<U>(isa: Isa, b: Block<'_>, block: &[U], prefetch: bool) -> Self {
+        debug_assert_eq!(block.len(), b.kc * PANEL);
         let passes: usize = row_tiles(b.d.m, b.x.max_mr)
             .map(|(_, mr)| passes_per_tile(isa, mr))
             .sum();
-        let step = if prefetch && b.kc > 0 {
-            std::mem::size_of_val(block).div_ceil(passes * b.kc)
-        } else {
-            0
+        // The block's bytes over its passes' positions: a position's bytes over the passes.
+        let position = PANEL * std::mem::size_of::<U>();
+        let step = match passes {
+            _ if !prefetch => 0,
+            1 => position,
+            _ => position.div_ceil(passes),
         };
         let start = block.as_ptr().cast::<u8>();
         Self {
