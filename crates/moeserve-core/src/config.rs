@@ -15,6 +15,48 @@ fn invalid(field: &'static str, message: String) -> Result<(), ConfigError> {
     Err(ConfigError { field, message })
 }
 
+/// Element type of the KV cache (`--kv-cache-dtype`, vLLM's flag and names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheDtype {
+    /// f32 on the CPU, where activations are f32 and a cached row is then exactly what
+    /// recomputing it gives; the weights' dtype on CUDA.
+    #[default]
+    Auto,
+    #[serde(alias = "fp32", alias = "f32")]
+    Float32,
+    /// Half the bytes per token of f32: twice the tokens per `--kv-cache-memory`, half the
+    /// bytes each decode step's attention reads; keys and values rounded to bf16 once when
+    /// written (vLLM's `auto` on a bf16 model).
+    #[serde(alias = "bf16")]
+    Bfloat16,
+}
+
+impl KvCacheDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Float32 => "float32",
+            KvCacheDtype::Bfloat16 => "bfloat16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(KvCacheDtype::Auto),
+            "float32" | "fp32" | "f32" => Ok(KvCacheDtype::Float32),
+            "bfloat16" | "bf16" => Ok(KvCacheDtype::Bfloat16),
+            _ => Err(format!(
+                "{s:?} is not a KV cache dtype: auto, float32 or bfloat16 (fp8 is not supported)"
+            )),
+        }
+    }
+}
+
 /// Paged KV cache settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -25,6 +67,8 @@ pub struct CacheConfig {
     pub kv_cache_memory: Option<u64>,
     /// Reuse full blocks across requests with a common prefix (`--enable-prefix-caching`).
     pub enable_prefix_caching: bool,
+    /// Element type of the cached keys and values (`--kv-cache-dtype`, as vLLM).
+    pub kv_cache_dtype: KvCacheDtype,
     /// Share of a GPU's memory the engine may use, weights and KV cache together
     /// (`--gpu-memory-utilization`, as vLLM); sizes the KV cache on CUDA when
     /// `kv_cache_memory` is not given.
@@ -37,6 +81,7 @@ impl Default for CacheConfig {
             block_size: 16,
             kv_cache_memory: None,
             enable_prefix_caching: true,
+            kv_cache_dtype: KvCacheDtype::Auto,
             gpu_memory_utilization: 0.9,
         }
     }

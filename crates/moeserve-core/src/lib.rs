@@ -14,7 +14,7 @@ pub mod mxfp4;
 mod placement;
 mod sampling;
 
-pub use config::{CacheConfig, ConfigError, SchedulerConfig};
+pub use config::{CacheConfig, ConfigError, KvCacheDtype, SchedulerConfig};
 pub use dtype::DType;
 pub use ids::{BlockId, DeviceId, ExpertId, RequestId};
 pub use moe_config::{ExpertMetrics, MoeConfig, OverflowPolicy};

@@ -11,6 +11,7 @@ use std::time::Instant;
 use moeserve_backend::device::Device;
 use moeserve_core::{BlockId, CacheConfig, MoeConfig, RequestId, SamplingParams, SchedulerConfig};
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
+use moeserve_model::kv_cache::KvDtype;
 use moeserve_model::models::{ForwardOptions, Greedy, GreedyRows};
 use moeserve_model::moe::MoeStepRecord;
 use moeserve_structured::Grammar;
@@ -129,9 +130,10 @@ impl EngineCore {
             SchedulerLimits::new(&config.scheduler, model.config().max_position_embeddings);
         let block_size = config.cache.block_size;
         let unit = model.kv_layout(1, block_size);
+        let kv_dtype = kv_dtype(config, model.weight_dtype())?;
         let (bytes_per_block, budget) = match &config.device {
             Device::Cpu => (
-                unit.bytes_per_token() * block_size,
+                unit.bytes_per_token_in(kv_dtype.size_in_bytes()) * block_size,
                 config
                     .cache
                     .kv_cache_memory
@@ -189,13 +191,17 @@ impl EngineCore {
             max_concurrency_at_max_len: num_blocks as f64
                 / limits.max_model_len.div_ceil(block_size) as f64,
             max_model_len: limits.max_model_len,
+            kv_cache_dtype: match config.device {
+                Device::Cpu => kv_dtype.name().to_string(),
+                Device::Cuda(_) => model.weight_dtype().safetensors_name().to_ascii_lowercase(),
+            },
             ..EngineStats::default()
         };
         Ok(EngineCore {
             executor: Executor::new(
                 model,
                 &config.device,
-                model.kv_layout(num_blocks, block_size),
+                (model.kv_layout(num_blocks, block_size), kv_dtype),
                 &config.moe,
                 &limits,
             )?,
@@ -813,6 +819,29 @@ fn gpu_kv_cache_bytes(total: u64, utilization: f32, weights: u64) -> Option<u64>
     usable
         .checked_sub(weights + GPU_ACTIVATION_RESERVE)
         .filter(|b| *b > 0)
+}
+
+/// The CPU cache's element type for `--kv-cache-dtype`. On CUDA the cache holds the weights'
+/// dtype: any other dtype asked for there is refused at start-up rather than ignored.
+fn kv_dtype(config: &EngineConfig, weights: moeserve_core::DType) -> Result<KvDtype> {
+    use moeserve_core::{DType, KvCacheDtype};
+    let asked = config.cache.kv_cache_dtype;
+    match (&config.device, asked) {
+        (Device::Cpu, KvCacheDtype::Auto | KvCacheDtype::Float32) => Ok(KvDtype::F32),
+        (Device::Cpu, KvCacheDtype::Bfloat16) => Ok(KvDtype::Bf16),
+        (Device::Cuda(_), KvCacheDtype::Auto) => Ok(KvDtype::F32),
+        (Device::Cuda(_), KvCacheDtype::Float32) if weights == DType::F32 => Ok(KvDtype::F32),
+        (Device::Cuda(_), KvCacheDtype::Bfloat16) if weights == DType::BF16 => Ok(KvDtype::Bf16),
+        (Device::Cuda(_), _) => Err(EngineError::InvalidRequest {
+            field: "kv_cache_dtype",
+            message: format!(
+                "{} asked for; on CUDA the KV cache holds the weights' dtype ({}): use auto, \
+                 or --device cpu",
+                asked.name(),
+                weights.safetensors_name()
+            ),
+        }),
+    }
 }
 
 fn default_kv_cache_bytes() -> u64 {

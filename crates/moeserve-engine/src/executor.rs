@@ -4,7 +4,7 @@
 use moeserve_backend::device::Device;
 use moeserve_core::MoeConfig;
 use moeserve_model::batch::ForwardBatch;
-use moeserve_model::kv_cache::{KvCacheLayout, PagedKvCache};
+use moeserve_model::kv_cache::{KvCacheLayout, KvDtype, PagedKvCache};
 use moeserve_model::models::{CudaMoeModel, ForwardOptions, ForwardWorkspace, MoeModel};
 
 use crate::kv_cache::BlockCopy;
@@ -27,7 +27,7 @@ impl Executor {
     pub(crate) fn new(
         model: &MoeModel,
         device: &Device,
-        layout: KvCacheLayout,
+        (layout, kv_dtype): (KvCacheLayout, KvDtype),
         moe: &MoeConfig,
         limits: &SchedulerLimits,
     ) -> Result<Self> {
@@ -36,7 +36,7 @@ impl Executor {
                 // Sized once for the largest step, so steps allocate nothing in the kernels.
                 model.reserve_task_scratch(limits.max_num_batched_tokens, limits.max_model_len);
                 Ok(Executor::Cpu {
-                    kv: PagedKvCache::new(layout),
+                    kv: PagedKvCache::with_dtype(layout, kv_dtype),
                     workspace: Box::default(),
                 })
             }

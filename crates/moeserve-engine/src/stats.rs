@@ -11,6 +11,8 @@ pub struct EngineStats {
     pub kv_cache_usage: f32,
     pub num_kv_blocks: usize,
     pub kv_cache_bytes: u64,
+    /// The cached keys' and values' element type (`--kv-cache-dtype` resolved).
+    pub kv_cache_dtype: String,
     pub max_model_len: usize,
     /// How many requests of `max_model_len` tokens the cache holds at once.
     pub max_concurrency_at_max_len: f64,

@@ -150,3 +150,48 @@ fn a_latent_kv_cache_holds_more_tokens_in_the_same_memory() {
          heads expanded ({ratio:.2}×)"
     );
 }
+
+/// `--kv-cache-dtype bfloat16` holds twice the tokens of f32 in the same `--kv-cache-memory`,
+/// says so in the stats, and serves: its greedy completion of a prompt is the f32 cache's.
+#[test]
+fn a_bf16_kv_cache_holds_twice_the_tokens_and_serves() {
+    use moeserve_core::{KvCacheDtype, SamplingParams};
+    use moeserve_engine::request::{GenerateRequest, Prompt};
+    let assets =
+        Arc::new(ModelAssets::load(&repo_root().join("tests/fixtures/qwen3-moe")).unwrap());
+    let engine = |dtype| {
+        let config = EngineConfig {
+            cache: CacheConfig {
+                block_size: 16,
+                kv_cache_memory: Some(8 << 20),
+                kv_cache_dtype: dtype,
+                ..CacheConfig::default()
+            },
+            scheduler: SchedulerConfig {
+                max_num_seqs: 1024,
+                ..SchedulerConfig::default()
+            },
+            ..Default::default()
+        };
+        LlmEngine::new(assets.clone(), &config).unwrap()
+    };
+    let (mut wide, mut narrow) = (engine(KvCacheDtype::Auto), engine(KvCacheDtype::Bfloat16));
+    let (a, b) = (wide.core().stats(), narrow.core().stats());
+    assert_eq!(
+        (a.kv_cache_dtype.as_str(), b.kv_cache_dtype.as_str()),
+        ("float32", "bfloat16")
+    );
+    assert_eq!(b.num_kv_blocks, 2 * a.num_kv_blocks);
+    let prompt: Vec<u32> = (1..40).collect();
+    let run = |e: &mut LlmEngine| {
+        let request = GenerateRequest {
+            prompt: Prompt::TokenIds(prompt.clone()),
+            params: SamplingParams::greedy(8),
+            grammar: None,
+            routed_experts: Default::default(),
+        };
+        let out = e.generate(vec![request], |_, _| {}).pop().unwrap().unwrap();
+        out.token_ids
+    };
+    assert_eq!(run(&mut narrow), run(&mut wide));
+}

@@ -3,7 +3,10 @@
 //! A *slot* is `block_id * block_size + offset`; a sequence's block table maps its positions to
 //! blocks (position `p` lives in block `table[p / block_size]` at offset `p % block_size`). Which
 //! blocks belong to whom is the engine's business (block pool, prefix cache); this type only
-//! stores rows. Values are kept in f32 so cached attention equals recomputation exactly.
+//! stores rows. Rows are kept in f32 by default, so cached attention equals recomputation
+//! exactly; a bf16 cache ([`KvDtype::Bf16`], `--kv-cache-dtype bfloat16`) holds twice the
+//! tokens in the same memory and reads half the bytes per decode step, its rows rounded once
+//! when written (attention widens them back as it loads them).
 //!
 //! ```text
 //! k: [num_layers][num_blocks][block_size][key_dim]     (grouped-query: num_kv_heads * head_dim)
@@ -14,7 +17,79 @@
 //! `[kv_lora_rank | qk_rope_head_dim]`, whatever the number of heads: it is every head's key,
 //! and its latent part every head's value, so there is no separate value row (`value_dim` 0).
 
+use half::bf16;
+
 use crate::config::ModelConfig;
+
+/// The element type of a CPU cache's rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "float32",
+            KvDtype::Bf16 => "bfloat16",
+        }
+    }
+}
+
+/// One layer's key and value rows in their stored element type (see [`PagedKvCache::layer_rows`]).
+#[derive(Clone, Copy)]
+pub enum LayerRows<'a> {
+    F32(&'a [f32], &'a [f32]),
+    Bf16(&'a [bf16], &'a [bf16]),
+}
+
+/// Keys or values of every layer, in the cache's element type.
+enum Rows {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Rows {
+    fn zeros(dtype: KvDtype, len: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => Rows::F32(vec![0.0; len]),
+            KvDtype::Bf16 => Rows::Bf16(vec![bf16::ZERO; len]),
+        }
+    }
+
+    fn write(&mut self, at: usize, row: &[f32]) {
+        match self {
+            Rows::F32(v) => v[at..at + row.len()].copy_from_slice(row),
+            Rows::Bf16(v) => v[at..at + row.len()]
+                .iter_mut()
+                .zip(row)
+                .for_each(|(d, x)| *d = bf16::from_f32(*x)),
+        }
+    }
+
+    fn read(&self, range: std::ops::Range<usize>) -> Vec<f32> {
+        match self {
+            Rows::F32(v) => v[range].to_vec(),
+            Rows::Bf16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
+        match self {
+            Rows::F32(v) => v.copy_within(src, dst),
+            Rows::Bf16(v) => v.copy_within(src, dst),
+        }
+    }
+}
 
 /// Sizes of a paged KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,12 +118,13 @@ impl KvCacheLayout {
         }
     }
 
-    /// Bytes one token occupies across all layers (keys and values) in this f32 cache.
+    /// Bytes one token occupies across all layers (keys and values) in an f32 cache.
     pub fn bytes_per_token(&self) -> usize {
         self.bytes_per_token_in(std::mem::size_of::<f32>())
     }
 
-    /// The same with elements of `element_bytes` (a GPU cache holds the weights' dtype).
+    /// The same with elements of `element_bytes` (a bf16 CPU cache; a GPU cache holds the
+    /// weights' dtype).
     pub fn bytes_per_token_in(&self, element_bytes: usize) -> usize {
         self.num_layers * (self.key_dim + self.value_dim) * element_bytes
     }
@@ -61,22 +137,33 @@ impl KvCacheLayout {
 /// Key and value rows for every slot of every layer.
 pub struct PagedKvCache {
     layout: KvCacheLayout,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    dtype: KvDtype,
+    k: Rows,
+    v: Rows,
 }
 
 impl PagedKvCache {
+    /// An f32 cache.
     pub fn new(layout: KvCacheLayout) -> Self {
+        Self::with_dtype(layout, KvDtype::F32)
+    }
+
+    pub fn with_dtype(layout: KvCacheLayout, dtype: KvDtype) -> Self {
         let rows = layout.num_layers * layout.num_slots();
         PagedKvCache {
             layout,
-            k: vec![0.0; rows * layout.key_dim],
-            v: vec![0.0; rows * layout.value_dim],
+            dtype,
+            k: Rows::zeros(dtype, rows * layout.key_dim),
+            v: Rows::zeros(dtype, rows * layout.value_dim),
         }
     }
 
     pub fn layout(&self) -> &KvCacheLayout {
         &self.layout
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// The row index of `slot` in `layer`.
@@ -86,22 +173,25 @@ impl PagedKvCache {
     }
 
     /// Stores one token's key and value rows (`key_dim` and `value_dim` wide) at `slot` of
-    /// `layer`.
+    /// `layer`, rounded to the cache's element type.
     pub fn write(&mut self, layer: usize, slot: usize, key: &[f32], value: &[f32]) {
         let r = self.row(layer, slot);
         let (dk, dv) = (self.layout.key_dim, self.layout.value_dim);
-        self.k[r * dk..(r + 1) * dk].copy_from_slice(key);
-        self.v[r * dv..(r + 1) * dv].copy_from_slice(value);
+        assert!(key.len() == dk && value.len() == dv, "KV row widths");
+        self.k.write(r * dk, key);
+        self.v.write(r * dv, value);
     }
 
-    pub fn key(&self, layer: usize, slot: usize) -> &[f32] {
+    /// The key row at `slot` of `layer`, widened to f32.
+    pub fn key(&self, layer: usize, slot: usize) -> Vec<f32> {
         let (r, d) = (self.row(layer, slot), self.layout.key_dim);
-        &self.k[r * d..(r + 1) * d]
+        self.k.read(r * d..(r + 1) * d)
     }
 
-    pub fn value(&self, layer: usize, slot: usize) -> &[f32] {
+    /// The value row at `slot` of `layer`, widened to f32.
+    pub fn value(&self, layer: usize, slot: usize) -> Vec<f32> {
         let (r, d) = (self.row(layer, slot), self.layout.value_dim);
-        &self.v[r * d..(r + 1) * d]
+        self.v.read(r * d..(r + 1) * d)
     }
 
     /// Copies every layer's rows of block `src` into block `dst` (a forked sequence's own copy
@@ -121,10 +211,17 @@ impl PagedKvCache {
     }
 
     /// All key and value rows of `layer`: `[num_slots, key_dim]` and `[num_slots, value_dim]`.
-    pub fn layer_rows(&self, layer: usize) -> (&[f32], &[f32]) {
+    pub fn layer_rows(&self, layer: usize) -> LayerRows<'_> {
         let (r, n) = (self.row(layer, 0), self.layout.num_slots());
-        let (dk, dv) = (self.layout.key_dim, self.layout.value_dim);
-        (&self.k[r * dk..(r + n) * dk], &self.v[r * dv..(r + n) * dv])
+        let (k, v) = (
+            r * self.layout.key_dim..(r + n) * self.layout.key_dim,
+            r * self.layout.value_dim..(r + n) * self.layout.value_dim,
+        );
+        match (&self.k, &self.v) {
+            (Rows::F32(keys), Rows::F32(values)) => LayerRows::F32(&keys[k], &values[v]),
+            (Rows::Bf16(keys), Rows::Bf16(values)) => LayerRows::Bf16(&keys[k], &values[v]),
+            _ => unreachable!("keys and values share the cache's element type"),
+        }
     }
 }
 
@@ -148,9 +245,9 @@ mod tests {
         };
         let mut cache = PagedKvCache::new(layout);
         cache.write(1, 5, &[1.0, 2.0], &[3.0, 4.0]);
-        assert_eq!(cache.key(1, 5), &[1.0, 2.0]);
-        assert_eq!(cache.value(1, 5), &[3.0, 4.0]);
-        assert_eq!(cache.key(0, 5), &[0.0, 0.0]);
+        assert_eq!(cache.key(1, 5), [1.0, 2.0]);
+        assert_eq!(cache.value(1, 5), [3.0, 4.0]);
+        assert_eq!(cache.key(0, 5), [0.0, 0.0]);
         assert_eq!(layout.bytes_per_token(), 2 * 2 * 2 * 4);
     }
 
@@ -174,8 +271,8 @@ mod tests {
         for layer in 0..2 {
             let x = |slot: usize| (layer * 10 + slot) as f32;
             for (dst, src) in [(0, 4), (1, 5), (2, 2), (3, 3), (4, 4), (5, 5)] {
-                assert_eq!(cache.key(layer, dst), &[x(src), -x(src)]);
-                assert_eq!(cache.value(layer, dst), &[x(src) + 0.5]);
+                assert_eq!(cache.key(layer, dst), [x(src), -x(src)]);
+                assert_eq!(cache.value(layer, dst), [x(src) + 0.5]);
             }
         }
     }
@@ -197,9 +294,39 @@ mod tests {
         };
         let mut cache = PagedKvCache::new(layout);
         cache.write(1, 7, &[1.0, 2.0, 3.0, 4.0, 5.0], &[]);
-        assert_eq!(cache.key(1, 7), &[1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(cache.key(1, 7), [1.0, 2.0, 3.0, 4.0, 5.0]);
         assert!(cache.value(1, 7).is_empty());
-        assert_eq!(cache.layer_rows(1).0.len(), 12 * 5);
+        let LayerRows::F32(keys, _) = cache.layer_rows(1) else {
+            panic!("an f32 cache")
+        };
+        assert_eq!(keys.len(), 12 * 5);
         assert_eq!(layout.bytes_per_token(), 2 * 5 * 4);
+    }
+
+    #[test]
+    fn a_bf16_cache_rounds_rows_once_and_copies_them_whole() {
+        let layout = KvCacheLayout {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 2,
+            key_dim: 3,
+            value_dim: 3,
+        };
+        let mut cache = PagedKvCache::with_dtype(layout, KvDtype::Bf16);
+        let key = [1.0, 1.0 + 1.0 / 256.0, -2.7182817];
+        cache.write(1, 4, &key, &[0.5, 0.25, 1e-3]);
+        let rounded: Vec<f32> = key.iter().map(|x| bf16::from_f32(*x).to_f32()).collect();
+        assert_eq!(cache.key(1, 4), rounded);
+        assert_ne!(cache.key(1, 4), key, "rows are stored in bf16");
+        cache.copy_block(2, 0);
+        assert_eq!(cache.key(1, 0), rounded);
+        let LayerRows::Bf16(keys, values) = cache.layer_rows(1) else {
+            panic!("a bf16 cache")
+        };
+        assert_eq!((keys.len(), values.len()), (6 * 3, 6 * 3));
+        assert_eq!(
+            layout.bytes_per_token_in(KvDtype::Bf16.size_in_bytes()),
+            2 * 6 * 2
+        );
     }
 }

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use moeserve_model::batch::{ForwardBatch, SequenceSlice};
-use moeserve_model::kv_cache::PagedKvCache;
+use moeserve_model::kv_cache::{KvDtype, PagedKvCache};
 use moeserve_model::models::{ForwardOptions, ForwardTrace, LogitsFor, MoeModel};
 use serde::Deserialize;
 
@@ -133,7 +133,18 @@ pub struct SoloSequence<'m> {
 
 impl<'m> SoloSequence<'m> {
     pub fn new(model: &'m MoeModel, max_len: usize, block_size: usize) -> Self {
-        let cache = PagedKvCache::new(model.kv_layout(max_len.div_ceil(block_size), block_size));
+        Self::with_kv_dtype(model, max_len, block_size, KvDtype::F32)
+    }
+
+    /// A sequence over a cache of `dtype` rows.
+    pub fn with_kv_dtype(
+        model: &'m MoeModel,
+        max_len: usize,
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> Self {
+        let layout = model.kv_layout(max_len.div_ceil(block_size), block_size);
+        let cache = PagedKvCache::with_dtype(layout, dtype);
         SoloSequence {
             model,
             cache,

@@ -233,13 +233,14 @@ fn load_engine(config: &ServeConfig) -> anyhow::Result<Engine> {
     let stats = engine.stats();
     let tokens = (stats.num_kv_blocks * config.engine.cache.block_size).max(1) as u64;
     log(format_args!(
-        "KV cache: {} blocks of {} tokens ({:.2} GB; {} bytes per token: {}); max model len {}; \
+        "KV cache: {} blocks of {} tokens ({:.2} GB; {} bytes per token: {} in {}); max model len {}; \
          max concurrency at max model len: {:.1}",
         stats.num_kv_blocks,
         config.engine.cache.block_size,
         stats.kv_cache_bytes as f64 / 1e9,
         stats.kv_cache_bytes / tokens,
         engine.assets().model.config().kv_cache_row_summary(),
+        stats.kv_cache_dtype,
         stats.max_model_len,
         stats.max_concurrency_at_max_len,
     ));

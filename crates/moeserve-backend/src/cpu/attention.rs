@@ -4,31 +4,107 @@
 //! the same cached latent rows its keys are. A head may have a sink (GPT-OSS): a learned logit
 //! that joins the softmax's denominator and contributes no value.
 //!
+//! The cache holds f32 or bf16 rows ([`KvElement`]); a bf16 row is widened to f32 as it is
+//! loaded, so the arithmetic is the f32 path's on the widened values, bit for bit.
+//!
 //! The caller (the model's attention layer) runs one call per (token, KV head), in parallel, so
 //! a batch-1 decode keeps every core busy. Each key and value row is loaded once per call and
 //! used by all heads of the group. A call's arithmetic depends only on its own query and rows —
 //! never on which other tokens share the step — so results do not depend on the batch.
 
+use half::bf16;
+
 use super::{Isa, isa};
+
+/// An element type of cached key and value rows: f32, or bf16 (half the bytes per token,
+/// vLLM's `--kv-cache-dtype` of a bf16 model).
+pub trait KvElement: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+
+    /// 8 elements at `p`, widened.
+    ///
+    /// # Safety
+    /// `p` points at 8 readable elements; the CPU supports AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// 16 elements at `p`, widened.
+    ///
+    /// # Safety
+    /// `p` points at 16 readable elements; the CPU supports AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl KvElement for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+
+    /// A bf16 is the high half of its f32: zero-extended and shifted up.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's.
+        unsafe {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+        }
+    }
+}
 
 /// One KV head's rows inside a layer's cache: row of slot `s` is
 /// `data[s * stride + offset .. s * stride + offset + head_dim]`.
 #[derive(Clone, Copy)]
-pub struct HeadRows<'a> {
-    pub data: &'a [f32],
+pub struct HeadRows<'a, T = f32> {
+    pub data: &'a [T],
     pub stride: usize,
     pub offset: usize,
 }
 
-impl HeadRows<'_> {
-    fn row(&self, slot: usize, head_dim: usize) -> &[f32] {
+impl<T> HeadRows<'_, T> {
+    fn row(&self, slot: usize, head_dim: usize) -> &[T] {
         let start = slot * self.stride + self.offset;
         &self.data[start..start + head_dim]
     }
 }
 
 /// The operands of one (token, KV head) attention.
-pub struct KvHeadQuery<'a> {
+pub struct KvHeadQuery<'a, T = f32> {
     /// `[group, head_dim]`: the query heads that read this KV head.
     pub q: &'a [f32],
     /// The width of a query head and of a key row.
@@ -37,15 +113,15 @@ pub struct KvHeadQuery<'a> {
     pub value_dim: usize,
     /// Multiplies every score (`head_dim^-0.5`).
     pub scale: f32,
-    pub keys: HeadRows<'a>,
-    pub values: HeadRows<'a>,
+    pub keys: HeadRows<'a, T>,
+    pub values: HeadRows<'a, T>,
     /// The visible positions' slots, in position order.
     pub slots: &'a [usize],
     /// `[group]`: each query head's sink logit (GPT-OSS's `self_attn.sinks`), if it has one.
     pub sinks: Option<&'a [f32]>,
 }
 
-impl KvHeadQuery<'_> {
+impl<T> KvHeadQuery<'_, T> {
     /// Query head `h`'s sink logit, if the heads have sinks.
     fn sink(&self, h: usize) -> Option<f32> {
         self.sinks.map(|s| s[h])
@@ -72,7 +148,11 @@ fn softmax_with_sink(row: &mut [f32], sink: Option<f32>) {
 
 /// `out: [group, value_dim]` ← attention of each query head of `a`; `scores` is scratch,
 /// resized to `group × slots.len()`.
-pub fn attend_kv_head(a: &KvHeadQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend_kv_head<T: KvElement>(
+    a: &KvHeadQuery<'_, T>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let (d, dv) = (a.head_dim, a.value_dim);
     let group = a.q.len() / d;
     assert_eq!(a.q.len(), group * d, "attention: q is not whole heads");
@@ -102,12 +182,13 @@ pub fn attend_kv_head(a: &KvHeadQuery<'_>, scores: &mut Vec<f32>, out: &mut [f32
 }
 
 /// The portable path: the same steps, one head and one row at a time.
-fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
+fn attend_scalar<T: KvElement>(a: &KvHeadQuery<'_, T>, scores: &mut [f32], out: &mut [f32]) {
     let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
     for (s, slot) in a.slots.iter().enumerate() {
         let k = a.keys.row(*slot, d);
         for (h, qh) in a.q.chunks_exact(d).enumerate() {
-            scores[h * n + s] = qh.iter().zip(k).map(|(x, y)| x * y).sum::<f32>() * a.scale;
+            let dot = qh.iter().zip(k).map(|(x, y)| x * y.to_f32()).sum::<f32>();
+            scores[h * n + s] = dot * a.scale;
         }
     }
     for (h, row) in scores.chunks_exact_mut(n).enumerate() {
@@ -118,7 +199,7 @@ fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
         let v = a.values.row(*slot, dv);
         for (h, oh) in out.chunks_exact_mut(dv).enumerate() {
             let p = scores[h * n + s];
-            oh.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+            oh.iter_mut().zip(v).for_each(|(o, v)| *o += p * v.to_f32());
         }
     }
 }
@@ -127,7 +208,7 @@ fn attend_scalar(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
 pub(super) mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::KvHeadQuery;
+    use super::{KvElement, KvHeadQuery};
 
     /// Query heads whose outputs one pass over the values accumulates (× [`VALUE_VECTORS`]
     /// vectors = 16 accumulator registers).
@@ -149,7 +230,11 @@ pub(super) mod avx512 {
     /// # Safety
     /// AVX-512F is available and `head_dim` and `value_dim` are multiples of 16.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
+    pub(super) unsafe fn attend<T: KvElement>(
+        a: &KvHeadQuery<'_, T>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
         let group = a.q.len() / d;
         unsafe {
@@ -159,11 +244,11 @@ pub(super) mod avx512 {
                     let mut lanes = [_mm512_setzero_ps(); 16];
                     for (l, slot) in lanes.iter_mut().zip(keys) {
                         let k = a.keys.row(*slot, d).as_ptr();
-                        let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+                        let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), T::load16(k));
                         for c in (16..d).step_by(16) {
                             acc = _mm512_fmadd_ps(
                                 _mm512_loadu_ps(q.add(c)),
-                                _mm512_loadu_ps(k.add(c)),
+                                T::load16(k.add(c)),
                                 acc,
                             );
                         }
@@ -194,7 +279,7 @@ pub(super) mod avx512 {
                     macro_rules! dispatch {
                         ($($h:literal $w:literal),*) => {
                             match (heads, width) {
-                                $(($h, $w) => value_pass::<$h, $w>(&pass),)*
+                                $(($h, $w) => value_pass::<T, $h, $w>(&pass),)*
                                 _ => unreachable!("1..=4 heads and vectors"),
                             }
                         };
@@ -207,8 +292,8 @@ pub(super) mod avx512 {
     }
 
     /// One pass over the values for heads `h0..h0 + HEADS`, columns `c0..c0 + 16 · WIDTH`.
-    struct ValuePass<'p, 'q> {
-        a: &'p KvHeadQuery<'q>,
+    struct ValuePass<'p, 'q, T> {
+        a: &'p KvHeadQuery<'q, T>,
         /// `[group, n]` softmaxed scores.
         scores: &'p [f32],
         h0: usize,
@@ -222,13 +307,15 @@ pub(super) mod avx512 {
     /// # Safety
     /// AVX-512F is available; the heads and columns are inside the query's group and head.
     #[target_feature(enable = "avx512f")]
-    unsafe fn value_pass<const HEADS: usize, const WIDTH: usize>(p: &ValuePass<'_, '_>) {
+    unsafe fn value_pass<T: KvElement, const HEADS: usize, const WIDTH: usize>(
+        p: &ValuePass<'_, '_, T>,
+    ) {
         let (dv, n) = (p.a.value_dim, p.a.slots.len());
         let mut o = [[_mm512_setzero_ps(); WIDTH]; HEADS];
         unsafe {
             for (s, slot) in p.a.slots.iter().enumerate() {
                 let v = p.a.values.row(*slot, dv).as_ptr().add(p.c0);
-                let rows: [__m512; WIDTH] = std::array::from_fn(|i| _mm512_loadu_ps(v.add(16 * i)));
+                let rows: [__m512; WIDTH] = std::array::from_fn(|i| T::load16(v.add(16 * i)));
                 for (j, o) in o.iter_mut().enumerate() {
                     let w = _mm512_set1_ps(*p.scores.get_unchecked((p.h0 + j) * n + s));
                     for (o, r) in o.iter_mut().zip(&rows) {
@@ -323,7 +410,7 @@ pub(super) mod avx512 {
 pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::KvHeadQuery;
+    use super::{KvElement, KvHeadQuery};
 
     /// Keys (and values) per pass over the group's query heads: 64 rows of a 64-wide head are
     /// 16 KiB, so a chunk is read from memory once and from L1 by the other heads.
@@ -340,7 +427,11 @@ pub(super) mod avx2 {
     /// # Safety
     /// AVX2 and FMA are available and `head_dim` and `value_dim` are multiples of 8.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend(a: &KvHeadQuery<'_>, scores: &mut [f32], out: &mut [f32]) {
+    pub(super) unsafe fn attend<T: KvElement>(
+        a: &KvHeadQuery<'_, T>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
         let group = a.q.len() / d;
         let scale = _mm256_set1_ps(a.scale);
@@ -351,20 +442,19 @@ pub(super) mod avx2 {
                 for s0 in (c0..c1).step_by(8) {
                     let keys = (c1 - s0).min(8);
                     // Past the last key, the last key again; its sums are cleared below.
-                    let rows: [&[f32]; 8] =
+                    let rows: [&[T]; 8] =
                         std::array::from_fn(|j| a.keys.row(a.slots[s0 + j.min(keys - 1)], d));
                     let mut acc = [_mm256_setzero_ps(); 8];
                     // SAFETY: q and every row hold d = 8·i elements.
                     unsafe {
                         let qv = _mm256_loadu_ps(q.as_ptr());
                         for (acc, row) in acc.iter_mut().zip(&rows) {
-                            *acc = _mm256_mul_ps(qv, _mm256_loadu_ps(row.as_ptr()));
+                            *acc = _mm256_mul_ps(qv, T::load8(row.as_ptr()));
                         }
                         for c in (8..d).step_by(8) {
                             let qv = _mm256_loadu_ps(q.as_ptr().add(c));
                             for (acc, row) in acc.iter_mut().zip(&rows) {
-                                *acc =
-                                    _mm256_fmadd_ps(qv, _mm256_loadu_ps(row.as_ptr().add(c)), *acc);
+                                *acc = _mm256_fmadd_ps(qv, T::load8(row.as_ptr().add(c)), *acc);
                             }
                         }
                     }
@@ -394,10 +484,10 @@ pub(super) mod avx2 {
                     // SAFETY: every value row holds dv elements, `o` the columns' width.
                     unsafe {
                         if width == 64 {
-                            weigh_values::<8>(a, slots, p, col, o);
+                            weigh_values::<T, 8>(a, slots, p, col, o);
                         } else {
                             for (i, o) in o.chunks_exact_mut(8).enumerate() {
-                                weigh_values::<1>(a, slots, p, col + 8 * i, o);
+                                weigh_values::<T, 1>(a, slots, p, col + 8 * i, o);
                             }
                         }
                     }
@@ -412,8 +502,8 @@ pub(super) mod avx2 {
     /// # Safety
     /// AVX2 and FMA are available; `o` holds `8·V` elements and each value row `col + 8·V`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn weigh_values<const V: usize>(
-        a: &KvHeadQuery<'_>,
+    unsafe fn weigh_values<T: KvElement, const V: usize>(
+        a: &KvHeadQuery<'_, T>,
         slots: &[usize],
         p: &[f32],
         col: usize,
@@ -428,7 +518,7 @@ pub(super) mod avx2 {
                 let v = a.values.row(*slot, a.value_dim)[col..].as_ptr();
                 let p = _mm256_set1_ps(*p);
                 for (i, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * i)), *acc);
+                    *acc = _mm256_fmadd_ps(p, T::load8(v.add(8 * i)), *acc);
                 }
             }
             for (i, acc) in acc.iter().enumerate() {
@@ -595,6 +685,63 @@ mod tests {
                 order(&lanes[8 * j..8 * j + 8]).to_bits(),
                 "key {j}"
             );
+        }
+    }
+
+    #[test]
+    fn bf16_rows_give_the_bits_of_their_widened_f32_rows() {
+        use half::bf16;
+        // SIMD widths (64, 128 with one pass's tail), a sink, and an odd size for the
+        // portable path.
+        for (head_dim, group, sink) in [
+            (64, 4, false),
+            (128, 8, true),
+            (80, 5, false),
+            (12, 2, true),
+        ] {
+            let num_slots = 70;
+            let narrow = |seed| -> Vec<bf16> {
+                let v = pseudo_random(num_slots * head_dim, seed);
+                v.into_iter().map(bf16::from_f32).collect()
+            };
+            let (k16, v16) = (narrow(1), narrow(2));
+            let wide = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+            let (k32, v32) = (wide(&k16), wide(&v16));
+            let q = pseudo_random(group * head_dim, 3);
+            let sinks = pseudo_random(group, 4);
+            let slots: Vec<usize> = (0..67).map(|i| (i * 11) % num_slots).collect();
+            let sinks = sink.then_some(&sinks[..]);
+            // One query against rows of either element type.
+            fn attend<T: KvElement>(
+                (q, head_dim): (&[f32], usize),
+                (k, v): (&[T], &[T]),
+                slots: &[usize],
+                sinks: Option<&[f32]>,
+            ) -> Vec<f32> {
+                let rows = |data| HeadRows {
+                    data,
+                    stride: head_dim,
+                    offset: 0,
+                };
+                let a = KvHeadQuery {
+                    q,
+                    head_dim,
+                    value_dim: head_dim,
+                    scale: (head_dim as f32).powf(-0.5),
+                    keys: rows(k),
+                    values: rows(v),
+                    slots,
+                    sinks,
+                };
+                let mut out = vec![f32::NAN; q.len()];
+                attend_kv_head(&a, &mut Vec::new(), &mut out);
+                out
+            }
+            let a = attend((&q, head_dim), (&k16, &v16), &slots, sinks);
+            let b = attend((&q, head_dim), (&k32, &v32), &slots, sinks);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "head_dim {head_dim}");
+            assert!(a.iter().all(|x| x.is_finite()));
         }
     }
 

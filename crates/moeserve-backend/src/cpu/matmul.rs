@@ -615,7 +615,11 @@ fn max_rows_per_tile(isa: Isa) -> usize {
 pub(super) fn row_tiles(m: usize, max_mr: usize) -> impl Iterator<Item = (usize, usize)> {
     // One tile without dividing: this runs for every block of every product (batch 1's too).
     let count = if m <= max_mr { 1 } else { m.div_ceil(max_mr) };
-    let (base, extra) = if count == 1 { (m, 0) } else { (m / count, m % count) };
+    let (base, extra) = if count == 1 {
+        (m, 0)
+    } else {
+        (m / count, m % count)
+    };
     (0..count).map(move |t| (t * base + t.min(extra), base + usize::from(t < extra)))
 }
 
@@ -676,8 +680,11 @@ impl StreamShare {
 
     /// Where the prefetches of a tile whose first pass is the block's `pass`-th begin, and
     /// their step.
-    fn from_pass(&self, pass: usize) -> (*const u8, usize) {
-        (self.start.wrapping_add(pass * self.kc * self.step), self.step)
+    fn starting_at_pass(&self, pass: usize) -> (*const u8, usize) {
+        (
+            self.start.wrapping_add(pass * self.kc * self.step),
+            self.step,
+        )
     }
 }
 
@@ -716,7 +723,7 @@ impl Block<'_> {
                     isa,
                     tile,
                     block.as_ptr(),
-                    share.from_pass(pass),
+                    share.starting_at_pass(pass),
                     std::ptr::null_mut(),
                     acc,
                 )
@@ -747,13 +754,20 @@ impl Block<'_> {
             // elements, and the first tile writes `wide` before the others read it.
             unsafe {
                 if t == 0 {
-                    self.tile::<U, true>(isa, tile, block.as_ptr(), share.from_pass(0), wide, acc)
+                    self.tile::<U, true>(
+                        isa,
+                        tile,
+                        block.as_ptr(),
+                        share.starting_at_pass(0),
+                        wide,
+                        acc,
+                    )
                 } else {
                     self.tile::<f32, false>(
                         isa,
                         tile,
                         wide.cast_const(),
-                        share.from_pass(pass),
+                        share.starting_at_pass(pass),
                         std::ptr::null_mut(),
                         acc,
                     )

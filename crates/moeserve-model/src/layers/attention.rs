@@ -17,7 +17,7 @@ use crate::Result;
 use crate::batch::{ForwardBatch, TokenPlace};
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttentionConfig, ModelConfig, QkNorm};
-use crate::kv_cache::{PagedKvCache, slot_of};
+use crate::kv_cache::{LayerRows, PagedKvCache, slot_of};
 use crate::layers::rope::RopeFrequencies;
 use crate::models::ops::LayerWeight;
 
@@ -237,21 +237,64 @@ impl Attention {
         let block_size = kv.layout().block_size;
         slots.clear();
         slots.extend((first..=place.position).map(|p| slot_of(table, block_size, p)));
-        let (keys, values) = kv.layer_rows(layer);
-        let rows = |data| attention::HeadRows {
-            data,
+        let sinks = (self.sinks.as_deref()).map(|s| &s[kvh * group..(kvh + 1) * group]);
+        let head = CachedHead {
             stride: kv.layout().key_dim,
             offset: kvh * d,
-        };
-        let query = attention::KvHeadQuery {
-            q,
             head_dim: d,
             value_dim: d,
             scale: (d as f32).powf(-0.5),
+        };
+        match kv.layer_rows(layer) {
+            LayerRows::F32(keys, values) => {
+                head.attend((keys, values), q, slots, sinks, scores, out)
+            }
+            LayerRows::Bf16(keys, values) => {
+                head.attend((keys, values), q, slots, sinks, scores, out)
+            }
+        }
+    }
+}
+
+/// Where one KV head's rows sit in a layer's cache rows, and the widths and scale of its
+/// attention: what [`attention::KvHeadQuery`] needs beyond the rows' element type.
+#[derive(Clone, Copy)]
+pub(crate) struct CachedHead {
+    /// Elements per cached key (and value) row.
+    pub stride: usize,
+    /// The head's first element in a row.
+    pub offset: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub scale: f32,
+}
+
+impl CachedHead {
+    /// `out` ← attention of the query heads `q` over the rows at `slots` of `keys` and `values`
+    /// (f32 or bf16, as the cache stores them).
+    pub(crate) fn attend<T: attention::KvElement>(
+        self,
+        (keys, values): (&[T], &[T]),
+        q: &[f32],
+        slots: &[usize],
+        sinks: Option<&[f32]>,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let rows = |data| attention::HeadRows {
+            data,
+            stride: self.stride,
+            offset: self.offset,
+        };
+        let query = attention::KvHeadQuery {
+            q,
+            head_dim: self.head_dim,
+            value_dim: self.value_dim,
+            scale: self.scale,
             keys: rows(keys),
             values: rows(values),
             slots,
-            sinks: (self.sinks.as_deref()).map(|s| &s[kvh * group..(kvh + 1) * group]),
+            sinks,
         };
         attention::attend_kv_head(&query, scores, out);
     }

@@ -15,7 +15,7 @@
 //! `W_uk[h]ᵀ` (`[kv_lora_rank, qk_nope]`) and `W_uv[h]` (`[v_head, kv_lora_rank]`) are cut
 //! from `kv_b_proj` once, at load, in its stored dtype (the transpose is exact).
 
-use moeserve_backend::cpu::{self, attention};
+use moeserve_backend::cpu;
 use moeserve_backend::{Weight, WeightBytes};
 use moeserve_core::DType;
 use rayon::prelude::*;
@@ -24,8 +24,8 @@ use crate::Result;
 use crate::batch::TokenPlace;
 use crate::checkpoint::Checkpoint;
 use crate::config::{MlaConfig, ModelConfig};
-use crate::kv_cache::{PagedKvCache, slot_of};
-use crate::layers::attention::{AttentionStep, with_attend_scratch};
+use crate::kv_cache::{LayerRows, PagedKvCache, slot_of};
+use crate::layers::attention::{AttentionStep, CachedHead, with_attend_scratch};
 use crate::layers::rope::RopeFrequencies;
 use crate::models::ops::LayerWeight;
 
@@ -297,12 +297,15 @@ impl MlaAttention {
         let (latent, r) = (self.mla.latent_dim(), self.mla.kv_lora_rank);
         let per_task = heads_per_task(self.num_heads);
         let tasks_per_token = self.num_heads / per_task;
-        let (rows, _) = kv.layer_rows(step.layer);
-        let cached = attention::HeadRows {
-            data: rows,
+        // Every head's key is the whole latent row and its value the row's leading part.
+        let head = CachedHead {
             stride: latent,
             offset: 0,
+            head_dim: latent,
+            value_dim: r,
+            scale: self.mla.softmax_scale,
         };
+        let rows = kv.layer_rows(step.layer);
         let block_size = kv.layout().block_size;
         out.par_chunks_mut(per_task * r)
             .enumerate()
@@ -314,17 +317,14 @@ impl MlaAttention {
                 with_attend_scratch(|(slots, scores)| {
                     slots.clear();
                     slots.extend((0..=place.position).map(|p| slot_of(table, block_size, p)));
-                    let query = attention::KvHeadQuery {
-                        q,
-                        head_dim: latent,
-                        value_dim: r,
-                        scale: self.mla.softmax_scale,
-                        keys: cached,
-                        values: cached,
-                        slots,
-                        sinks: None,
-                    };
-                    attention::attend_kv_head(&query, scores, out);
+                    match rows {
+                        LayerRows::F32(rows, _) => {
+                            head.attend((rows, rows), q, slots, None, scores, out)
+                        }
+                        LayerRows::Bf16(rows, _) => {
+                            head.attend((rows, rows), q, slots, None, scores, out)
+                        }
+                    }
                 });
             });
     }

@@ -2,7 +2,7 @@
 
 use clap::Args;
 use moeserve_backend::device::{Device, DeviceRequest};
-use moeserve_core::{CacheConfig, SchedulerConfig};
+use moeserve_core::{CacheConfig, KvCacheDtype, SchedulerConfig};
 use moeserve_engine::engine_core::EngineConfig;
 
 use super::moe_args::MoeArgs;
@@ -21,6 +21,12 @@ pub struct EngineArgs {
     /// KV cache size, e.g. 4GiB, 512MiB, 2GB (default: a quarter of free memory, at most 4 GiB).
     #[arg(long, value_parser = parse_size)]
     pub kv_cache_memory: Option<u64>,
+    /// Element type of the KV cache: auto (on the CPU f32, the activations' type, so a cached
+    /// row is exactly what recomputing it gives; on CUDA the weights' dtype), float32, or
+    /// bfloat16 (half the bytes per token: twice the tokens per --kv-cache-memory and half
+    /// the bytes each decode step's attention reads; rows rounded to bf16 once, when written).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Share of the GPU's memory for weights and KV cache with `--device cuda` (sizes the KV
     /// cache when --kv-cache-memory is not given).
     #[arg(long, default_value_t = 0.9)]
@@ -80,6 +86,7 @@ impl EngineArgs {
             cache: CacheConfig {
                 block_size: self.block_size,
                 kv_cache_memory: self.kv_cache_memory,
+                kv_cache_dtype: self.kv_cache_dtype,
                 gpu_memory_utilization: self.gpu_memory_utilization,
                 enable_prefix_caching: !self.no_enable_prefix_caching,
             },

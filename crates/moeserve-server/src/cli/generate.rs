@@ -123,13 +123,14 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let stats = engine.core().stats();
     let tokens = (stats.num_kv_blocks * args.engine.block_size).max(1) as u64;
     tracing::info!(
-        "KV cache: {} blocks of {} tokens ({:.2} GB; {} bytes per token: {}), max concurrency \
+        "KV cache: {} blocks of {} tokens ({:.2} GB; {} bytes per token: {} in {}), max concurrency \
          at {} tokens: {:.1}",
         stats.num_kv_blocks,
         args.engine.block_size,
         stats.kv_cache_bytes as f64 / 1e9,
         stats.kv_cache_bytes / tokens,
         engine.core().assets().model.config().kv_cache_row_summary(),
+        stats.kv_cache_dtype,
         stats.max_model_len,
         stats.max_concurrency_at_max_len
     );

@@ -15,6 +15,7 @@ use clap::Args;
 use moeserve_bench::planner::{KvMemory, PlanRequest, plan};
 use moeserve_bench::report::BenchResult;
 use moeserve_bench::stats::Statistic;
+use moeserve_core::KvCacheDtype;
 use moeserve_model::config::ModelConfig;
 use moeserve_model::kv_cache::KvCacheLayout;
 
@@ -56,6 +57,10 @@ pub struct PlanArgs {
     /// KV cache size of the server, e.g. 4GiB (default 4GiB, the engine's cap).
     #[arg(long, value_parser = parse_size)]
     kv_cache_memory: Option<u64>,
+    /// The KV cache's element type as `serve --kv-cache-dtype` (auto and float32: 4 bytes per
+    /// value on the CPU; bfloat16: 2).
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: KvCacheDtype,
     /// Tokens per KV block of the server.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -72,7 +77,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         .map(|dir| ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display())))
         .transpose()?;
     let bytes_per_token = match (&config, args.kv_bytes_per_token) {
-        (Some(config), _) => Some(kv_bytes_per_token(config)),
+        (Some(config), _) => Some(kv_bytes_per_token(config, args.kv_cache_dtype)),
         (None, bytes) => bytes,
     };
     let row_summary = config.as_ref().map(ModelConfig::kv_cache_row_summary);
@@ -117,9 +122,14 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Keys and values of every layer, as the engine lays them out (MLA: the latent row).
-fn kv_bytes_per_token(config: &ModelConfig) -> u64 {
-    KvCacheLayout::for_model(config, 0, 1).bytes_per_token() as u64
+/// Keys and values of every layer, as the CPU engine lays them out (MLA: the latent row), in
+/// `dtype`.
+fn kv_bytes_per_token(config: &ModelConfig, dtype: KvCacheDtype) -> u64 {
+    let element = match dtype {
+        KvCacheDtype::Auto | KvCacheDtype::Float32 => 4,
+        KvCacheDtype::Bfloat16 => 2,
+    };
+    KvCacheLayout::for_model(config, 0, 1).bytes_per_token_in(element) as u64
 }
 
 /// `50ms`, `0.1s`, `2s` or a bare number of milliseconds → milliseconds.
