@@ -69,5 +69,55 @@ fn elementwise(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, matmul, elementwise);
+/// One decode token's attention for one KV head of mixtral-bench-1b (4 query heads of 64 over
+/// its cached rows), f32 and bf16 rows, contexts of 256 and 4,096 (the rows of 8 KV heads
+/// interleaved as in the cache, slots scattered over its blocks).
+fn attention(c: &mut Criterion) {
+    use moeserve_backend::cpu::attention::{HeadRows, KvElement, KvHeadQuery, attend_kv_head};
+    let (d, group, kv_heads) = (64, 4, 4);
+    let stride = kv_heads * d;
+    let num_slots = 8192;
+    let keys = activations(num_slots * stride);
+    let values: Vec<f32> = keys.iter().map(|x| 0.5 - x).collect();
+    let narrow = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>();
+    let (keys16, values16) = (narrow(&keys), narrow(&values));
+    let q = activations(group * d);
+    fn run<T: KvElement>(q: &[f32], rows: (&[T], &[T]), slots: &[usize], stride: usize) {
+        let head = |data| HeadRows {
+            data,
+            stride,
+            offset: 64,
+        };
+        let a = KvHeadQuery {
+            q,
+            head_dim: 64,
+            value_dim: 64,
+            scale: 0.125,
+            keys: head(rows.0),
+            values: head(rows.1),
+            slots,
+            sinks: None,
+        };
+        let mut out = vec![0.0f32; q.len()];
+        attend_kv_head(&a, &mut Vec::new(), &mut out);
+        std::hint::black_box(out);
+    }
+    let mut g = c.benchmark_group("attention_decode");
+    for context in [256usize, 4096] {
+        // Blocks of 16 slots in a scattered order.
+        let slots: Vec<usize> = (0..context)
+            .map(|p| ((p / 16) * 37 % (num_slots / 16)) * 16 + p % 16)
+            .collect();
+        g.throughput(Throughput::Elements(context as u64));
+        g.bench_function(BenchmarkId::new("f32", context), |b| {
+            b.iter(|| run(&q, (&keys, &values), &slots, stride))
+        });
+        g.bench_function(BenchmarkId::new("bf16", context), |b| {
+            b.iter(|| run(&q, (&keys16, &values16), &slots, stride))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, matmul, elementwise, attention);
 criterion_main!(benches);

@@ -339,6 +339,7 @@ pub(super) mod avx512 {
 
     /// `[Σ lanes of v[0], …, Σ lanes of v[15]]`: pairs of vectors interleaved and added within
     /// 128-bit lanes, then the four 128-bit lanes folded — 15 adds for 16 sums.
+    #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) fn sum_lanes_16(v: &[__m512; 16]) -> __m512 {
         // Per 128-bit lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of that lane's 4 elements.
@@ -537,6 +538,7 @@ pub(super) mod avx2 {
 
     /// `[Σ lanes of v[0], …, Σ lanes of v[7]]`, each as `((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))`
     /// (`hadd` pairs lanes within each 128-bit half, the last add joins the halves).
+    #[inline]
     #[target_feature(enable = "avx2")]
     pub(super) fn sum_lanes_8(v: &[__m256; 8]) -> __m256 {
         let t = [
