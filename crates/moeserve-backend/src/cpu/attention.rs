@@ -436,26 +436,31 @@ pub(super) mod avx2 {
         let (d, dv, n) = (a.head_dim, a.value_dim, a.slots.len());
         let group = a.q.len() / d;
         let scale = _mm256_set1_ps(a.scale);
+        // The chunk's rows, looked up (and bounds-checked) once for all heads of the group.
+        let mut chunk_rows = [std::ptr::null::<T>(); CHUNK];
         for c0 in (0..n).step_by(CHUNK) {
             let c1 = (c0 + CHUNK).min(n);
+            for (r, slot) in chunk_rows.iter_mut().zip(&a.slots[c0..c1]) {
+                *r = a.keys.row(*slot, d).as_ptr();
+            }
             for h in 0..group {
                 let q = &a.q[h * d..(h + 1) * d];
                 for s0 in (c0..c1).step_by(8) {
                     let keys = (c1 - s0).min(8);
                     // Past the last key, the last key again; its sums are cleared below.
-                    let rows: [&[T]; 8] =
-                        std::array::from_fn(|j| a.keys.row(a.slots[s0 + j.min(keys - 1)], d));
+                    let rows: [*const T; 8] =
+                        std::array::from_fn(|j| chunk_rows[s0 - c0 + j.min(keys - 1)]);
                     let mut acc = [_mm256_setzero_ps(); 8];
                     // SAFETY: q and every row hold d = 8·i elements.
                     unsafe {
                         let qv = _mm256_loadu_ps(q.as_ptr());
                         for (acc, row) in acc.iter_mut().zip(&rows) {
-                            *acc = _mm256_mul_ps(qv, T::load8(row.as_ptr()));
+                            *acc = _mm256_mul_ps(qv, T::load8(*row));
                         }
                         for c in (8..d).step_by(8) {
                             let qv = _mm256_loadu_ps(q.as_ptr().add(c));
                             for (acc, row) in acc.iter_mut().zip(&rows) {
-                                *acc = _mm256_fmadd_ps(qv, T::load8(row.as_ptr().add(c)), *acc);
+                                *acc = _mm256_fmadd_ps(qv, T::load8(row.add(c)), *acc);
                             }
                         }
                     }
@@ -475,20 +480,23 @@ pub(super) mod avx2 {
         out.fill(0.0);
         for c0 in (0..n).step_by(CHUNK) {
             let c1 = (c0 + CHUNK).min(n);
+            for (r, slot) in chunk_rows.iter_mut().zip(&a.slots[c0..c1]) {
+                *r = a.values.row(*slot, dv).as_ptr();
+            }
+            let rows = &chunk_rows[..c1 - c0];
             for h in 0..group {
                 let p = &scores[h * n + c0..h * n + c1];
                 // 64 columns at a time, then any last columns 8 at a time.
                 for col in (0..dv).step_by(64) {
                     let width = (dv - col).min(64);
-                    let slots = &a.slots[c0..c1];
                     let o = &mut out[h * dv + col..h * dv + col + width];
                     // SAFETY: every value row holds dv elements, `o` the columns' width.
                     unsafe {
                         if width == 64 {
-                            weigh_values::<T, 8>(a, slots, p, col, o);
+                            weigh_values::<T, 8>(rows, p, col, o);
                         } else {
                             for (i, o) in o.chunks_exact_mut(8).enumerate() {
-                                weigh_values::<T, 1>(a, slots, p, col + 8 * i, o);
+                                weigh_values::<T, 1>(rows, p, col + 8 * i, o);
                             }
                         }
                     }
@@ -497,15 +505,14 @@ pub(super) mod avx2 {
         }
     }
 
-    /// `o += Σ_s p[s] · values[slots[s]][col .. col + 8·V]` in `V` registers, an FMA chain
-    /// over the rows in order.
+    /// `o += Σ_s p[s] · rows[s][col .. col + 8·V]` in `V` registers, an FMA chain over the
+    /// rows in order.
     ///
     /// # Safety
-    /// AVX2 and FMA are available; `o` holds `8·V` elements and each value row `col + 8·V`.
+    /// AVX2 and FMA are available; `o` holds `8·V` elements and each row `col + 8·V`.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn weigh_values<T: KvElement, const V: usize>(
-        a: &KvHeadQuery<'_, T>,
-        slots: &[usize],
+        rows: &[*const T],
         p: &[f32],
         col: usize,
         o: &mut [f32],
@@ -515,8 +522,8 @@ pub(super) mod avx2 {
         unsafe {
             let mut acc: [__m256; V] =
                 std::array::from_fn(|i| _mm256_loadu_ps(o.as_ptr().add(8 * i)));
-            for (slot, p) in slots.iter().zip(p) {
-                let v = a.values.row(*slot, a.value_dim)[col..].as_ptr();
+            for (row, p) in rows.iter().zip(p) {
+                let v = row.add(col);
                 let p = _mm256_set1_ps(*p);
                 for (i, acc) in acc.iter_mut().enumerate() {
                     *acc = _mm256_fmadd_ps(p, T::load8(v.add(8 * i)), *acc);
