@@ -413,9 +413,13 @@ pub(super) mod avx2 {
 
     use super::{KvElement, KvHeadQuery};
 
-    /// Keys (and values) per pass over the group's query heads: 64 rows of a 64-wide head are
-    /// 16 KiB, so a chunk is read from memory once and from L1 by the other heads.
-    const CHUNK: usize = 64;
+    /// Keys (and values) per pass over the group's query heads, read from memory once and from
+    /// L1 by the other heads. A head's part of every cached row sits at the same offset in
+    /// rows a whole number of KiB apart, so a chunk's rows fall in a quarter of L1's sets or
+    /// fewer: 64 rows of a 64-wide f32 head (16 KiB) overflowed them (16 lines per set of 8
+    /// ways). 16 rows fit: 1.13× over 64 at 4,096 keys, 1.3× at 256 (benches/kernels
+    /// `attention`); 32 was as fast at 4,096.
+    const CHUNK: usize = 16;
 
     /// As the AVX-512 variant, 8 lanes at a time:
     /// - scores, 8 keys at a time: 8 independent FMA chains over the head's width sharing each
