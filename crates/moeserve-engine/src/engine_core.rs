@@ -829,6 +829,8 @@ fn kv_dtype(config: &EngineConfig, weights: moeserve_core::DType) -> Result<KvDt
     match (&config.device, asked) {
         (Device::Cpu, KvCacheDtype::Auto | KvCacheDtype::Float32) => Ok(KvDtype::F32),
         (Device::Cpu, KvCacheDtype::Bfloat16) => Ok(KvDtype::Bf16),
+        // On CUDA the value returned is not used: the device cache is built in the weights'
+        // dtype, which these arms only check the request against.
         (Device::Cuda(_), KvCacheDtype::Auto) => Ok(KvDtype::F32),
         (Device::Cuda(_), KvCacheDtype::Float32) if weights == DType::F32 => Ok(KvDtype::F32),
         (Device::Cuda(_), KvCacheDtype::Bfloat16) if weights == DType::BF16 => Ok(KvDtype::Bf16),
