@@ -415,6 +415,7 @@ mod tests {
             "max_num_batched_tokens" => "512",
             "block_size" => "32",
             "kv_cache_memory" => "256MiB",
+            "kv_cache_dtype" => "bfloat16",
             "gpu_memory_utilization" => "0.5",
             "max_model_len" => "1024",
             "device" => "cpu",
