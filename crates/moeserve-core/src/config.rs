@@ -45,14 +45,22 @@ impl KvCacheDtype {
 impl std::str::FromStr for KvCacheDtype {
     type Err = String;
 
+    /// `auto`, or a dtype name as [`crate::DType::parse`] reads it (`fp32` too) that is f32
+    /// or bf16.
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
+        use crate::DType;
+        let lower = s.to_ascii_lowercase();
+        match lower.as_str() {
             "auto" => Ok(KvCacheDtype::Auto),
-            "float32" | "fp32" | "f32" => Ok(KvCacheDtype::Float32),
-            "bfloat16" | "bf16" => Ok(KvCacheDtype::Bfloat16),
-            _ => Err(format!(
-                "{s:?} is not a KV cache dtype: auto, float32 or bfloat16 (fp8 is not supported)"
-            )),
+            "fp32" => Ok(KvCacheDtype::Float32),
+            _ => match DType::parse(&lower) {
+                Some(DType::F32) => Ok(KvCacheDtype::Float32),
+                Some(DType::BF16) => Ok(KvCacheDtype::Bfloat16),
+                _ => Err(format!(
+                    "{s:?} is not a KV cache dtype: auto, float32 or bfloat16 (fp8 is not \
+                     supported)"
+                )),
+            },
         }
     }
 }
@@ -164,6 +172,27 @@ impl SchedulerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_cache_dtypes_parse_by_their_usual_names() {
+        for (name, want) in [
+            ("auto", KvCacheDtype::Auto),
+            ("float32", KvCacheDtype::Float32),
+            ("FP32", KvCacheDtype::Float32),
+            ("f32", KvCacheDtype::Float32),
+            ("bfloat16", KvCacheDtype::Bfloat16),
+            ("bf16", KvCacheDtype::Bfloat16),
+        ] {
+            assert_eq!(name.parse::<KvCacheDtype>(), Ok(want), "{name}");
+        }
+        for refused in ["fp8", "float16", "f8_e4m3", ""] {
+            let err = refused.parse::<KvCacheDtype>().unwrap_err();
+            assert!(
+                err.contains("auto, float32 or bfloat16"),
+                "{refused}: {err}"
+            );
+        }
+    }
 
     #[test]
     fn defaults_are_valid() {

@@ -827,8 +827,7 @@ fn kv_dtype(config: &EngineConfig, weights: moeserve_core::DType) -> Result<KvDt
     use moeserve_core::{DType, KvCacheDtype};
     let asked = config.cache.kv_cache_dtype;
     match (&config.device, asked) {
-        (Device::Cpu, KvCacheDtype::Auto | KvCacheDtype::Float32) => Ok(KvDtype::F32),
-        (Device::Cpu, KvCacheDtype::Bfloat16) => Ok(KvDtype::Bf16),
+        (Device::Cpu, _) => Ok(KvDtype::on_cpu(asked)),
         // On CUDA the value returned is not used: the device cache is built in the weights'
         // dtype, which these arms only check the request against.
         (Device::Cuda(_), KvCacheDtype::Auto) => Ok(KvDtype::F32),

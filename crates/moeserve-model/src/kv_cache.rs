@@ -30,6 +30,16 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
+    /// What a CPU cache holds for `--kv-cache-dtype`: `auto` is f32, the activations' type, so
+    /// a cached row is exactly what recomputing it gives.
+    pub fn on_cpu(asked: moeserve_core::KvCacheDtype) -> Self {
+        use moeserve_core::KvCacheDtype;
+        match asked {
+            KvCacheDtype::Auto | KvCacheDtype::Float32 => KvDtype::F32,
+            KvCacheDtype::Bfloat16 => KvDtype::Bf16,
+        }
+    }
+
     pub fn size_in_bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,

@@ -17,7 +17,7 @@ use moeserve_bench::report::BenchResult;
 use moeserve_bench::stats::Statistic;
 use moeserve_core::KvCacheDtype;
 use moeserve_model::config::ModelConfig;
-use moeserve_model::kv_cache::KvCacheLayout;
+use moeserve_model::kv_cache::{KvCacheLayout, KvDtype};
 
 use super::engine_args::parse_size;
 
@@ -125,10 +125,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 /// Keys and values of every layer, as the CPU engine lays them out (MLA: the latent row), in
 /// `dtype`.
 fn kv_bytes_per_token(config: &ModelConfig, dtype: KvCacheDtype) -> u64 {
-    let element = match dtype {
-        KvCacheDtype::Auto | KvCacheDtype::Float32 => 4,
-        KvCacheDtype::Bfloat16 => 2,
-    };
+    let element = KvDtype::on_cpu(dtype).size_in_bytes();
     KvCacheLayout::for_model(config, 0, 1).bytes_per_token_in(element) as u64
 }
 
