@@ -62,6 +62,17 @@ pub enum LayerRows<'a> {
     Bf16(&'a [bf16], &'a [bf16]),
 }
 
+impl<'a> LayerRows<'a> {
+    /// The key rows read as the values too (multi-head latent attention: a head's value is
+    /// the leading part of the latent row that is its key).
+    pub fn keys_as_values(self) -> Self {
+        match self {
+            LayerRows::F32(keys, _) => LayerRows::F32(keys, keys),
+            LayerRows::Bf16(keys, _) => LayerRows::Bf16(keys, keys),
+        }
+    }
+}
+
 /// Keys or values of every layer, in the cache's element type.
 enum Rows {
     F32(Vec<f32>),

@@ -245,14 +245,7 @@ impl Attention {
             value_dim: d,
             scale: (d as f32).powf(-0.5),
         };
-        match kv.layer_rows(layer) {
-            LayerRows::F32(keys, values) => {
-                head.attend((keys, values), q, slots, sinks, scores, out)
-            }
-            LayerRows::Bf16(keys, values) => {
-                head.attend((keys, values), q, slots, sinks, scores, out)
-            }
-        }
+        head.attend(kv.layer_rows(layer), q, slots, sinks, scores, out);
     }
 }
 
@@ -270,9 +263,24 @@ pub(crate) struct CachedHead {
 }
 
 impl CachedHead {
-    /// `out` ← attention of the query heads `q` over the rows at `slots` of `keys` and `values`
-    /// (f32 or bf16, as the cache stores them).
-    pub(crate) fn attend<T: attention::KvElement>(
+    /// `out` ← attention of the query heads `q` over the rows at `slots` of a layer's keys and
+    /// values, in the element type the cache stores them in.
+    pub(crate) fn attend(
+        self,
+        rows: LayerRows<'_>,
+        q: &[f32],
+        slots: &[usize],
+        sinks: Option<&[f32]>,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        match rows {
+            LayerRows::F32(k, v) => self.attend_rows((k, v), q, slots, sinks, scores, out),
+            LayerRows::Bf16(k, v) => self.attend_rows((k, v), q, slots, sinks, scores, out),
+        }
+    }
+
+    fn attend_rows<T: attention::KvElement>(
         self,
         (keys, values): (&[T], &[T]),
         q: &[f32],

@@ -24,7 +24,7 @@ use crate::Result;
 use crate::batch::TokenPlace;
 use crate::checkpoint::Checkpoint;
 use crate::config::{MlaConfig, ModelConfig};
-use crate::kv_cache::{LayerRows, PagedKvCache, slot_of};
+use crate::kv_cache::{PagedKvCache, slot_of};
 use crate::layers::attention::{AttentionStep, CachedHead, with_attend_scratch};
 use crate::layers::rope::RopeFrequencies;
 use crate::models::ops::LayerWeight;
@@ -305,7 +305,7 @@ impl MlaAttention {
             value_dim: r,
             scale: self.mla.softmax_scale,
         };
-        let rows = kv.layer_rows(step.layer);
+        let rows = kv.layer_rows(step.layer).keys_as_values();
         let block_size = kv.layout().block_size;
         out.par_chunks_mut(per_task * r)
             .enumerate()
@@ -317,14 +317,7 @@ impl MlaAttention {
                 with_attend_scratch(|(slots, scores)| {
                     slots.clear();
                     slots.extend((0..=place.position).map(|p| slot_of(table, block_size, p)));
-                    match rows {
-                        LayerRows::F32(rows, _) => {
-                            head.attend((rows, rows), q, slots, None, scores, out)
-                        }
-                        LayerRows::Bf16(rows, _) => {
-                            head.attend((rows, rows), q, slots, None, scores, out)
-                        }
-                    }
+                    head.attend(rows, q, slots, None, scores, out);
                 });
             });
     }
