@@ -441,6 +441,7 @@ fn panel_product<T: Element>(
         && std::mem::size_of::<T>() < 4
         && (isa != Isa::Avx2 || <T as super::avx2::Lanes8>::WIDEN_ONCE);
     let panel = w.panel(q);
+    let passes = passes_over_block(isa, x, d.m);
     // FP8: per weight block, in KC parts when it is wider.
     let step = match blocks {
         Some((_, cols)) if cols > KC && cols.is_multiple_of(KC) => KC,
@@ -458,6 +459,7 @@ fn panel_product<T: Element>(
                 k0,
                 kc,
                 first: k0 == 0 || blocks.is_some(),
+                passes,
             };
             let sums = if blocks.is_some() {
                 part.resize(d.m * PANEL, 0.0);
@@ -537,6 +539,7 @@ fn widened_panel_product(
     // MXFP4's blocks of 32 never straddle a KC block.
     const _: () = assert!(KC.is_multiple_of(super::mxfp4::BLOCK));
     debug_assert!(q < d.n.div_ceil(PANEL));
+    let passes = passes_over_block(isa, x, d.m);
     BLOCK_SCRATCH.with_borrow_mut(|s| {
         for k0 in (0..d.k).step_by(KC) {
             let kc = KC.min(d.k - k0);
@@ -548,6 +551,7 @@ fn widened_panel_product(
                 k0,
                 kc,
                 first: k0 == 0,
+                passes,
             };
             b.run_tiles(isa, &s.wide, false, acc);
         }
@@ -658,17 +662,14 @@ struct StreamShare {
 
 #[cfg(target_arch = "x86_64")]
 impl StreamShare {
-    fn of_block<U>(isa: Isa, b: Block<'_>, block: &[U], prefetch: bool) -> Self {
+    fn of_block<U>(b: Block<'_>, block: &[U], prefetch: bool) -> Self {
         debug_assert_eq!(block.len(), b.kc * PANEL);
-        let passes: usize = row_tiles(b.d.m, b.x.max_mr)
-            .map(|(_, mr)| passes_per_tile(isa, mr))
-            .sum();
         // The block's bytes over its passes' positions: a position's bytes over the passes.
         let position = PANEL * std::mem::size_of::<U>();
-        let step = match passes {
+        let step = match b.passes {
             _ if !prefetch => 0,
             1 => position,
-            _ => position.div_ceil(passes),
+            passes => position.div_ceil(passes),
         };
         let start = block.as_ptr().cast::<u8>();
         Self {
@@ -688,14 +689,22 @@ impl StreamShare {
     }
 }
 
+/// Passes all row tiles of `m` rows of `x` make over a block.
+#[cfg(target_arch = "x86_64")]
+fn passes_over_block(isa: Isa, x: TiledRows<'_>, m: usize) -> usize {
+    row_tiles(m, x.max_mr)
+        .map(|(_, mr)| passes_per_tile(isa, mr))
+        .sum()
+}
+
 /// Passes a tile of `mr` rows makes over a block: two for AVX2's half-panel tiles.
+#[cfg(target_arch = "x86_64")]
 fn passes_per_tile(isa: Isa, mr: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && mr > super::avx2::MAX_FULL_WIDTH_MR {
-        return 2;
+        2
+    } else {
+        1
     }
-    let _ = (isa, mr);
-    1
 }
 
 /// One block of positions `k0 .. k0 + kc` of a panel.
@@ -706,6 +715,8 @@ struct Block<'a> {
     k0: usize,
     kc: usize,
     first: bool,
+    /// The passes its row tiles make over it ([`passes_over_block`], once per product).
+    passes: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -714,7 +725,7 @@ impl Block<'_> {
     /// `prefetch`: `block` is the weight stream itself (not a widened copy), whose lines ahead
     /// the tiles prefetch ([`StreamShare`]).
     fn run_tiles<U: Element>(self, isa: Isa, block: &[U], prefetch: bool, acc: &mut [f32]) {
-        let share = StreamShare::of_block(isa, self, block, prefetch);
+        let share = StreamShare::of_block(self, block, prefetch);
         let mut pass = 0;
         for tile in row_tiles(self.d.m, self.x.max_mr) {
             // SAFETY: the caller's `isa` is supported; the block is kc × 32 elements.
@@ -747,7 +758,7 @@ impl Block<'_> {
     ) {
         debug_assert_eq!(block.len(), wide.len());
         let wide = wide.as_mut_ptr();
-        let share = StreamShare::of_block(isa, self, block, true);
+        let share = StreamShare::of_block(self, block, true);
         let mut pass = 0;
         for (t, tile) in row_tiles(self.d.m, self.x.max_mr).enumerate() {
             // SAFETY: the caller's `isa` is supported; the block and `wide` are kc × 32
