@@ -22,9 +22,8 @@ use half::bf16;
 use crate::config::ModelConfig;
 
 /// The element type of a CPU cache's rows.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvDtype {
-    #[default]
     F32,
     Bf16,
 }
@@ -158,7 +157,6 @@ impl KvCacheLayout {
 /// Key and value rows for every slot of every layer.
 pub struct PagedKvCache {
     layout: KvCacheLayout,
-    dtype: KvDtype,
     k: Rows,
     v: Rows,
 }
@@ -173,7 +171,6 @@ impl PagedKvCache {
         let rows = layout.num_layers * layout.num_slots();
         PagedKvCache {
             layout,
-            dtype,
             k: Rows::zeros(dtype, rows * layout.key_dim),
             v: Rows::zeros(dtype, rows * layout.value_dim),
         }
@@ -181,10 +178,6 @@ impl PagedKvCache {
 
     pub fn layout(&self) -> &KvCacheLayout {
         &self.layout
-    }
-
-    pub fn dtype(&self) -> KvDtype {
-        self.dtype
     }
 
     /// The row index of `slot` in `layer`.
