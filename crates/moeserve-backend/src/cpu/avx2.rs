@@ -325,6 +325,49 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
     }
 }
 
+/// One activation row through two whole panels at once (of one weight, or of two with the same
+/// `k`): `acc[s][c] = Σ_p x[p] · w[s][p][c]` over `p < k`, from zero.
+///
+/// One row through one panel is four FMA chains of one FMA per position, so a position costs
+/// at least the FMA latency (4 cycles on Zen 3) and a core reading from memory has no speed to
+/// spare for catching up after a late line: streaming from DRAM, one core's 1-row loop read
+/// 0.84 of what a plain sum of the same bytes did. Two panels interleaved are eight chains
+/// and two streams: 1.05 of the sum (both `examples/stream_matmul`-style loops, one core; two
+/// cores 0.90 against 1.05; bench/RESULTS.md). Each output lane is still the one FMA chain
+/// over `p = 0..k` in order, so the bits are [`panel_tile`]'s. Each stream prefetches
+/// `PREFETCH_BYTES` ahead of its position, as a 1-row tile does.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `x` holds `k` activations, each `w[s]` `k × PANEL`
+/// elements and each `acc[s]` `PANEL` sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn panel_pair_row<T: Lanes8>(
+    x: *const f32,
+    k: usize,
+    w: [*const T; 2],
+    acc: [*mut f32; 2],
+) {
+    let mut sums = [[_mm256_setzero_ps(); 4]; 2];
+    let ahead = super::avx512::PREFETCH_BYTES;
+    unsafe {
+        for p in 0..k {
+            let xb = _mm256_set1_ps(*x.add(p));
+            for (s, sum) in sums.iter_mut().enumerate() {
+                let wp = w[s].add(p * PANEL);
+                _mm_prefetch::<_MM_HINT_T2>(wp.cast::<u8>().wrapping_add(ahead) as *const i8);
+                for (j, a) in sum.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(load_columns(wp, j), xb, *a);
+                }
+            }
+        }
+        for (sum, out) in sums.iter().zip(acc) {
+            for (j, a) in sum.iter().enumerate() {
+                _mm256_storeu_ps(out.add(8 * j), *a);
+            }
+        }
+    }
+}
+
 /// [`panel_tile`] for 4 to [`MAX_MR`] rows, in two passes over the block: columns 0–7 and
 /// 16–23, then 8–15 and 24–31 (for bf16 each pass's columns are one 32-byte load: its lanes
 /// shifted up, and masked). A position of a pass is two weight vectors, `MR` broadcasts and

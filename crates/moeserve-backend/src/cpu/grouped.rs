@@ -12,6 +12,8 @@
 use rayon::prelude::*;
 
 use super::intdot::{IntActivations, Quantizer, SERIAL_QUANTIZE, quantized_len};
+#[cfg(target_arch = "x86_64")]
+use super::matmul::pairs_panels;
 use super::matmul::{OutPtr, TiledRows};
 use super::packed::PANEL;
 use super::{GatedActivation, matmul_wt};
@@ -386,7 +388,7 @@ fn two_phases<G: ExpertGroup + ?Sized>(
     out: &mut [f32],
     (quantized, lens): (&mut [IntActivations; 3], [(usize, usize); 3]),
 ) {
-    use super::matmul::weight_panel;
+    use super::matmul::{weight_panel, weight_panel_pair};
 
     let isa = super::isa();
     // The input rows quantized once for the integer gate and up projections.
@@ -409,8 +411,8 @@ fn two_phases<G: ExpertGroup + ?Sized>(
             GATE_UP.with_borrow_mut(|(gate, up)| {
                 gate.resize(e.rows * PANEL, 0.0);
                 up.resize(e.rows * PANEL, 0.0);
-                weight_panel(isa, xe, gate_x, e.w1, q, gate);
-                weight_panel(isa, xe, up_x, e.w3, q, up);
+                let pair = [(e.w1, q, gate_x), (e.w3, q, up_x)];
+                weight_panel_pair(isa, xe, pair, gate, up);
                 let cols = PANEL.min(inter - q * PANEL);
                 if let Some(b) = e.bias {
                     ExpertBias::add_columns(&b.gate, q * PANEL, cols, PANEL, gate);
@@ -434,34 +436,59 @@ fn two_phases<G: ExpertGroup + ?Sized>(
     let rows = |p: &Placed, e: &ExpertRows<'_>| (p.act_offset, e.w1.shape()[0]);
     groups.quantize(Projection::Down, act, rows, down_q, lens[2]);
     let bufs = [&*gate_q, &*up_q, &*down_q];
-    // Phase 2: out = act · w2ᵀ.
+    // Phase 2: out = act · w2ᵀ, a task's panels streamed together where they pair.
     groups
-        .tasks(|e| e.w2.shape()[0].div_ceil(PANEL))
-        .for_each(|(e, p, q)| {
+        .tasks(|e| {
+            e.w2.shape()[0]
+                .div_ceil(PANEL)
+                .div_ceil(down_panels_per_task(e))
+        })
+        .for_each(|(e, p, t)| {
             let inter = e.w1.shape()[0];
             let ae = &act[p.act_offset..p.act_offset + e.rows * inter];
             let ae = TiledRows::already_tiled(isa, ae, e.rows, inter);
             let aq = groups.quantized(bufs, Projection::Down, &p, &e, inter);
-            GATE_UP.with_borrow_mut(|(down, _)| {
+            let first = t * down_panels_per_task(&e);
+            let panels = (first..hidden.div_ceil(PANEL)).take(down_panels_per_task(&e));
+            GATE_UP.with_borrow_mut(|(down, next)| {
                 down.resize(e.rows * PANEL, 0.0);
-                weight_panel(isa, ae, aq, e.w2, q, down);
-                let cols = PANEL.min(hidden - q * PANEL);
-                if let Some(b) = e.bias {
-                    ExpertBias::add_columns(&b.down, q * PANEL, cols, PANEL, down);
+                next.resize(e.rows * PANEL, 0.0);
+                if panels.len() == 2 {
+                    let pair = [(e.w2, first, aq), (e.w2, first + 1, aq)];
+                    weight_panel_pair(isa, ae, pair, down, next);
+                } else {
+                    weight_panel(isa, ae, aq, e.w2, first, down);
                 }
-                for (i, d) in down.chunks_exact(PANEL).enumerate() {
-                    // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out` and
-                    // written by this task only.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            d.as_ptr(),
-                            out_ptr.get().add((p.first_row + i) * hidden + q * PANEL),
-                            cols,
-                        )
-                    };
+                for (q, sums) in panels.zip([&mut *down, &mut *next]) {
+                    let cols = PANEL.min(hidden - q * PANEL);
+                    if let Some(b) = e.bias {
+                        ExpertBias::add_columns(&b.down, q * PANEL, cols, PANEL, sums);
+                    }
+                    for (i, d) in sums.chunks_exact(PANEL).enumerate() {
+                        // SAFETY: row first_row + i, columns 32q .. 32q + cols are inside `out`
+                        // and written by this task only.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                d.as_ptr(),
+                                out_ptr.get().add((p.first_row + i) * hidden + q * PANEL),
+                                cols,
+                            )
+                        };
+                    }
                 }
             })
         });
+}
+
+/// Down-projection panels per phase-2 task of expert `e`: two where they stream in pairs
+/// ([`pairs_panels`]), else one.
+#[cfg(target_arch = "x86_64")]
+fn down_panels_per_task(e: &ExpertRows<'_>) -> usize {
+    if pairs_panels(super::isa(), e.rows) {
+        2
+    } else {
+        1
+    }
 }
 
 /// Makes this thread's task buffers hold experts of up to `max_rows` rows without growing
@@ -477,7 +504,7 @@ thread_local! {
     /// [`grouped_swiglu`]'s buffers when the caller keeps none.
     static SCRATCH: std::cell::RefCell<GroupedScratch> =
         std::cell::RefCell::new(GroupedScratch::default());
-    /// A task's gate and up panels (`rows × PANEL` each); the down panel reuses the first.
+    /// A task's gate and up panels (`rows × PANEL` each); the down panels reuse them.
     static GATE_UP: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }

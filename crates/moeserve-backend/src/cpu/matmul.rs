@@ -365,6 +365,72 @@ pub(super) fn weight_panel(
     }
 }
 
+/// Whether products of `m` activation rows on `isa` run their panels two at a time
+/// ([`weight_panel_pair`]): one row on AVX2, whose 1-row tile alone is too few FMA chains to
+/// keep up with memory (see [`super::avx2::panel_pair_row`]).
+pub(super) fn pairs_panels(isa: Isa, m: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        return m == 1;
+    }
+    let _ = (isa, m);
+    false
+}
+
+/// Panels `qa` of `wa` and `qb` of `wb` (the same `k`) of one product's rows `x` into
+/// `acc_a` and `acc_b` (`[m, PANEL]` each), as [`weight_panel`] twice gives them: streamed
+/// together where [`pairs_panels`] says so and both are floats of one type, else one after
+/// the other (integer weights multiplying their `xq` as in [`weight_panel`]).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn weight_panel_pair(
+    isa: Isa,
+    x: TiledRows<'_>,
+    [(wa, qa, xqa), (wb, qb, xqb)]: [(&Weight, usize, Option<QuantizedRows<'_>>); 2],
+    acc_a: &mut [f32],
+    acc_b: &mut [f32],
+) {
+    if pairs_panels(isa, x.m) && wa.shape()[1] == wb.shape()[1] {
+        let acc = [&mut *acc_a, &mut *acc_b];
+        match (wa.packed(), wb.packed()) {
+            (PackedWeight::BF16(a), PackedWeight::BF16(b)) => {
+                return panel_pair_row(isa, x, [a.panel(qa), b.panel(qb)], acc);
+            }
+            (PackedWeight::F16(a), PackedWeight::F16(b)) => {
+                return panel_pair_row(isa, x, [a.panel(qa), b.panel(qb)], acc);
+            }
+            (PackedWeight::F32(a), PackedWeight::F32(b)) => {
+                return panel_pair_row(isa, x, [a.panel(qa), b.panel(qb)], acc);
+            }
+            _ => {}
+        }
+    }
+    weight_panel(isa, x, xqa, wa, qa, acc_a);
+    weight_panel(isa, x, xqb, wb, qb, acc_b);
+}
+
+/// One row of `x` through two whole panels at once on AVX2 ([`super::avx2::panel_pair_row`]).
+#[cfg(target_arch = "x86_64")]
+fn panel_pair_row<T: Element>(isa: Isa, x: TiledRows<'_>, panels: [&[T]; 2], acc: [&mut [f32]; 2]) {
+    // `isa` is one the CPU supports (the callers').
+    assert!(
+        isa == Isa::Avx2
+            && x.m == 1
+            && panels.iter().all(|p| p.len() == x.k * PANEL)
+            && acc.iter().all(|a| a.len() == PANEL)
+    );
+    let [a, b] = acc;
+    // SAFETY: AVX2 is supported; one row of k activations, two panels of k positions, two
+    // panels' sums (asserted).
+    unsafe {
+        super::avx2::panel_pair_row(
+            x.data.as_ptr(),
+            x.k,
+            [panels[0].as_ptr(), panels[1].as_ptr()],
+            [a.as_mut_ptr(), b.as_mut_ptr()],
+        )
+    }
+}
+
 /// One task per 32-row panel (see [`panel_product`]), written to its 32 output columns.
 #[cfg(target_arch = "x86_64")]
 fn run_packed<T: Element + Sync>(
@@ -375,9 +441,14 @@ fn run_packed<T: Element + Sync>(
     out: OutPtr,
     scales: PanelScales<'_>,
 ) {
-    run_panels(w.num_panels(), d, out, |q, acc| {
-        panel_product(isa, x, d, w, q, scales, acc)
-    });
+    let panel = |q, acc: &mut [f32]| panel_product(isa, x, d, w, q, scales, acc);
+    if pairs_panels(isa, d.m) && matches!(scales, PanelScales::None) {
+        run_panel_pairs(w.num_panels(), d, out, panel, |q, acc| {
+            panel_pair_row(isa, x, [w.panel(q), w.panel(q + 1)], acc)
+        });
+    } else {
+        run_panels(w.num_panels(), d, out, panel);
+    }
 }
 
 /// One task per panel: `panel(q, acc)` fills panel `q`'s `[m, PANEL]` sums, which go to its
@@ -393,20 +464,52 @@ fn run_panels(
         PANEL_OUT.with_borrow_mut(|acc| {
             acc.resize(d.m * PANEL, 0.0);
             panel(q, acc);
-            let cols = PANEL.min(d.n - q * PANEL);
-            for (i, row) in acc.chunks_exact(PANEL).enumerate() {
-                // SAFETY: row i, columns q*32 .. q*32 + cols are inside out and only this task
-                // writes them.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        row.as_ptr(),
-                        out.get().add(i * d.n + q * PANEL),
-                        cols,
-                    )
-                };
-            }
+            // SAFETY: only this task computes panel q.
+            unsafe { write_panel(acc, d, q, out) };
         })
     });
+}
+
+/// [`run_panels`] two panels to a task (the last alone when their number is odd), for
+/// products whose panels stream in pairs ([`pairs_panels`]): `pair(q, [acc_q, acc_q+1])`.
+#[cfg(target_arch = "x86_64")]
+fn run_panel_pairs(
+    num_panels: usize,
+    d: Dims,
+    out: OutPtr,
+    panel: impl Fn(usize, &mut [f32]) + Sync + Send,
+    pair: impl Fn(usize, [&mut [f32]; 2]) + Sync + Send,
+) {
+    for_each_task(num_panels.div_ceil(2), d, |t| {
+        PANEL_OUT.with_borrow_mut(|acc| {
+            acc.resize(2 * d.m * PANEL, 0.0);
+            let (a, b) = acc.split_at_mut(d.m * PANEL);
+            let q = 2 * t;
+            if q + 1 < num_panels {
+                pair(q, [&mut *a, &mut *b]);
+                // SAFETY: only this task computes panels q and q + 1.
+                unsafe { write_panel(b, d, q + 1, out) };
+            } else {
+                panel(q, a);
+            }
+            // SAFETY: as above.
+            unsafe { write_panel(a, d, q, out) };
+        })
+    });
+}
+
+/// Panel `q`'s sums `acc: [m, PANEL]` to its output columns.
+///
+/// # Safety
+/// `out` is the product's `[m, n]` output, whose panel-`q` columns no other thread writes.
+unsafe fn write_panel(acc: &[f32], d: Dims, q: usize, out: OutPtr) {
+    let cols = PANEL.min(d.n - q * PANEL);
+    for (i, row) in acc.chunks_exact(PANEL).enumerate() {
+        // SAFETY: row i, columns q*32 .. q*32 + cols are inside out (caller).
+        unsafe {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), out.get().add(i * d.n + q * PANEL), cols)
+        };
+    }
 }
 
 /// Panel `q` of `x · Wᵀ` (output columns `32q .. 32q + 32`) for all `m` rows into
@@ -579,7 +682,8 @@ pub(super) fn reserve_task_scratch(max_rows: usize) {
         reserve(&mut s.wide, KC * PANEL);
         reserve(&mut s.part, max_rows * PANEL);
     });
-    PANEL_OUT.with_borrow_mut(|acc| reserve(acc, max_rows * PANEL));
+    // Two panels of one row where they stream in pairs.
+    PANEL_OUT.with_borrow_mut(|acc| reserve(acc, max_rows.max(2) * PANEL));
 }
 
 /// `buf` with room for `len` elements.
