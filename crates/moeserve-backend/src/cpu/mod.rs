@@ -26,7 +26,7 @@ pub mod reference;
 pub use grouped::{
     ExpertBias, ExpertGroup, ExpertRows, GroupedScratch, grouped_swiglu, grouped_swiglu_in,
 };
-pub use matmul::{matmul_wt, matmul_wt_in};
+pub use matmul::{matmul_wt, matmul_wt_in, matmul_wt_many};
 pub use ops::{
     GatedActivation, RopeAngles, add_assign, add_bias, add_rms_norm, apply_rope,
     apply_rope_interleaved, log_sum_exp, rms_norm, rms_norm_in_place, rope_inv_freq, silu_mul,

@@ -113,6 +113,49 @@ impl DecoderOps for CpuStep<'_, '_> {
         Ok(())
     }
 
+    fn linears<const N: usize>(
+        &mut self,
+        layer: usize,
+        x: Act,
+        products: [(LayerWeight, Option<LayerWeight>, Act); N],
+    ) -> Result<(), Self::Error> {
+        let t = self.num_tokens();
+        let model = self.model;
+        let ws = &mut *self.ws;
+        assert!(
+            products.iter().all(|(_, _, y)| *y != x),
+            "an operation reads and writes the same activation ({x:?})"
+        );
+        // The input out of the array while the outputs are borrowed from it (a move, no copy).
+        let input = std::mem::take(&mut ws.acts[x.index()]);
+        {
+            let outs = match ws
+                .acts
+                .get_disjoint_mut(products.map(|(_, _, y)| y.index()))
+            {
+                Ok(outs) => outs,
+                Err(_) => panic!("linears: an activation written twice"),
+            };
+            let mut weights = products
+                .map(|(w, _, _)| weight(model, layer, w))
+                .into_iter();
+            let products = outs.map(|y| {
+                let w = weights.next().expect("one weight per output");
+                // Sized, not cleared: the product overwrites every element.
+                y.resize(t * w.shape()[0], 0.0);
+                (w, y.as_mut_slice())
+            });
+            cpu::matmul_wt_many(&input, t, products, &mut ws.tiled);
+        }
+        ws.acts[x.index()] = input;
+        for (_, bias, y) in products {
+            if let Some(b) = bias {
+                cpu::add_bias(&mut ws.acts[y.index()], weight(model, layer, b));
+            }
+        }
+        Ok(())
+    }
+
     fn rms_norm_rows(&mut self, layer: usize, x: Act, w: LayerWeight) -> Result<(), Self::Error> {
         let (eps, w) = (self.eps(), weight(self.model, layer, w));
         cpu::rms_norm_in_place(&mut self.ws.acts[x.index()], w, eps);

@@ -114,6 +114,19 @@ pub(crate) trait DecoderOps {
         bias: Option<LayerWeight>,
         y: Act,
     ) -> Result<(), Self::Error>;
+    /// Several [`Self::linear`]s of the same input `x` (a layer's q, k and v projections),
+    /// each `(w, bias, y)`; a backend may run them as one job.
+    fn linears<const N: usize>(
+        &mut self,
+        layer: usize,
+        x: Act,
+        products: [(LayerWeight, Option<LayerWeight>, Act); N],
+    ) -> Result<(), Self::Error> {
+        for (w, bias, y) in products {
+            self.linear(layer, x, w, bias, y)?;
+        }
+        Ok(())
+    }
     /// RMSNorm of `x` in place, over rows as wide as `w`.
     fn rms_norm_rows(&mut self, layer: usize, x: Act, w: LayerWeight) -> Result<(), Self::Error>;
     /// MLA: `q_a_layernorm` of `QLowRank` in place (RMSNorm's default epsilon).
@@ -194,9 +207,15 @@ fn attention<O: DecoderOps>(c: &ModelConfig, ops: &mut O, layer: usize) -> Resul
     use LayerWeight as W;
     let a = &c.attention;
     let bias = |b| a.qkv_bias.then_some(b);
-    ops.linear(layer, Act::Normed, W::QProj, bias(W::QBias), Act::Q)?;
-    ops.linear(layer, Act::Normed, W::KProj, bias(W::KBias), Act::K)?;
-    ops.linear(layer, Act::Normed, W::VProj, bias(W::VBias), Act::V)?;
+    ops.linears(
+        layer,
+        Act::Normed,
+        [
+            (W::QProj, bias(W::QBias), Act::Q),
+            (W::KProj, bias(W::KBias), Act::K),
+            (W::VProj, bias(W::VBias), Act::V),
+        ],
+    )?;
     if a.qk_norm != QkNorm::None {
         // The norm weights' widths (head_dim, or the projections') set the rows.
         ops.rms_norm_rows(layer, Act::Q, W::QNorm)?;

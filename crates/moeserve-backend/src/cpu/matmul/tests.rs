@@ -74,6 +74,60 @@ fn each_row_is_bit_identical_whatever_the_batch() {
 }
 
 #[test]
+fn several_products_of_one_input_equal_each_alone_bit_for_bit() {
+    // Three weights as a layer's q, k and v (odd panel counts: a lone last panel where one
+    // row pairs panels), every stored type, one row (panels in pairs on AVX2) and several.
+    let k = 320; // whole MXFP4 blocks
+    let ns = [70, 33, 33];
+    let weights = |seed: u32| -> Vec<Vec<crate::Weight>> {
+        let values = |n: usize, i: u32| pseudo_random(n * k, seed + i);
+        vec![
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| weight_of(DType::BF16, vec![n, k], &values(n, i)))
+                .collect(),
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| weight_of(DType::F16, vec![n, k], &values(n, i)))
+                .collect(),
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| weight_of(DType::F32, vec![n, k], &values(n, i)))
+                .collect(),
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| reference::fp8_weight_of(vec![n, k], [32, 128], &values(n, i)))
+                .collect(),
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| reference::mxfp4_weight_of(vec![n, k], &values(n, i)))
+                .collect(),
+            // Mixed: an integer weight among them runs the products one by one.
+            vec![
+                weight_of(DType::BF16, vec![ns[0], k], &values(ns[0], 0)),
+                reference::int8_weight_of(vec![ns[1], k], &values(ns[1], 1)),
+                weight_of(DType::BF16, vec![ns[2], k], &values(ns[2], 2)),
+            ],
+        ]
+    };
+    for (set, ws) in weights(20).iter().enumerate() {
+        for m in [1, 2, 7] {
+            let x = pseudo_random(m * k, 9);
+            let mut outs: Vec<Vec<f32>> = ns.iter().map(|n| vec![f32::NAN; m * n]).collect();
+            let [a, b, c] = &mut outs[..] else {
+                unreachable!()
+            };
+            let products = [
+                (&ws[0], &mut a[..]),
+                (&ws[1], &mut b[..]),
+                (&ws[2], &mut c[..]),
+            ];
+            matmul_wt_many(&x, m, products, &mut Vec::new());
+            for ((w, got), n) in ws.iter().zip(&outs).zip(ns) {
+                let mut alone = vec![0.0; m * n];
+                matmul_wt(&x, m, w, &mut alone);
+                assert_eq!(got, &alone, "weight set {set}, {m} rows, n = {n}");
+            }
+        }
+    }
+}
+
+#[test]
 #[cfg(target_arch = "x86_64")]
 fn avx2_equals_avx512_bit_for_bit() {
     use std::arch::is_x86_feature_detected as has;
