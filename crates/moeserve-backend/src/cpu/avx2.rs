@@ -330,10 +330,10 @@ pub(super) unsafe fn panel_tile<T: Lanes8, const MR: usize>(t: super::avx512::Pa
 ///
 /// One row through one panel is four FMA chains of one FMA per position, so a position costs
 /// at least the FMA latency (4 cycles on Zen 3) and a core reading from memory has no speed to
-/// spare for catching up after a late line: streaming from DRAM, one core's 1-row loop read
-/// 0.84 of what a plain sum of the same bytes did. Two panels interleaved are eight chains
-/// and two streams: 1.05 of the sum (both `examples/stream_matmul`-style loops, one core; two
-/// cores 0.90 against 1.05; bench/RESULTS.md). Each output lane is still the one FMA chain
+/// spare for catching up after a late line: streaming from DRAM on Zen 3, a 1-row loop read
+/// 0.84 of what a plain sum of the same bytes did on one core, two panels interleaved (eight
+/// chains, two streams) 1.05 (two cores: 0.90 against 1.05; bench/RESULTS.md, "Batch-1 decode
+/// at the read bandwidth on AVX2"). Each output lane is still the one FMA chain
 /// over `p = 0..k` in order, so the bits are [`panel_tile`]'s. Each stream prefetches
 /// `PREFETCH_BYTES` ahead of its position, as a 1-row tile does.
 ///
