@@ -106,6 +106,47 @@ pub(super) struct PanelTile<T> {
     pub widen_to: *mut f32,
 }
 
+/// One activation row through two whole panels at once (of one weight, or of two with the same
+/// `k`): `acc[s][c] = Σ_p x[p] · w[s][p][c]` over `p < k`, from zero.
+///
+/// A 1-row [`panel_tile`] is two FMA chains of one FMA per position, so a position costs at
+/// least the FMA latency and a core reading from memory has no speed to spare for catching up
+/// after a late line; two panels interleaved are four chains and two streams (the AVX2 form,
+/// [`super::avx2::panel_pair_row`], has eight). Each output lane is still the one FMA chain over
+/// `p = 0..k` in order, so the bits are [`panel_tile`]'s. Each stream prefetches
+/// [`PREFETCH_BYTES`] ahead of its position, as a 1-row tile does.
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW; `x` holds `k` activations, each `w[s]` `k × PANEL` elements
+/// and each `acc[s]` `PANEL` sums.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn panel_pair_row<T: Lanes>(
+    x: *const f32,
+    k: usize,
+    w: [*const T; 2],
+    acc: [*mut f32; 2],
+) {
+    let mut sums = [[_mm512_setzero_ps(); 2]; 2];
+    unsafe {
+        for p in 0..k {
+            let xv = _mm512_set1_ps(*x.add(p));
+            for (s, sum) in sums.iter_mut().enumerate() {
+                let wp = w[s].add(p * PANEL);
+                _mm_prefetch::<_MM_HINT_T2>(
+                    wp.cast::<u8>().wrapping_add(PREFETCH_BYTES) as *const i8
+                );
+                let [w0, w1] = T::load_position(wp);
+                sum[0] = _mm512_fmadd_ps(w0, xv, sum[0]);
+                sum[1] = _mm512_fmadd_ps(w1, xv, sum[1]);
+            }
+        }
+        for (sum, out) in sums.iter().zip(acc) {
+            _mm512_storeu_ps(out, sum[0]);
+            _mm512_storeu_ps(out.add(16), sum[1]);
+        }
+    }
+}
+
 /// `acc[i][c] += Σ_p x[i][p] · panel[p][c]` for `i < MR`, `c < PANEL`, `p` in the block;
 /// with `WIDEN`, also each position widened to f32 into `t.widen_to` (a separate
 /// instantiation, so the plain kernels' register use does not change).

@@ -437,11 +437,12 @@ pub(super) fn weight_panel(
 }
 
 /// Whether products of `m` activation rows on `isa` run their panels two at a time
-/// ([`weight_panel_pair`]): one row on AVX2, whose 1-row tile alone is too few FMA chains to
-/// keep up with memory (see [`super::avx2::panel_pair_row`]).
+/// ([`weight_panel_pair`]): one row on AVX2 or AVX-512, whose 1-row tile alone is too few FMA
+/// chains to keep up with memory on Zen 3 (see [`super::avx2::panel_pair_row`]; on Zen 4, with
+/// AVX-512 or AVX2, pairs and single panels stream alike, bench/RESULTS.md).
 pub(super) fn pairs_panels(isa: Isa, m: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
         return m == 1;
     }
     let _ = (isa, m);
@@ -479,26 +480,26 @@ pub(super) fn weight_panel_pair(
     weight_panel(isa, x, xqb, wb, qb, acc_b);
 }
 
-/// One row of `x` through two whole panels at once on AVX2 ([`super::avx2::panel_pair_row`]).
+/// One row of `x` through two whole panels at once ([`super::avx512::panel_pair_row`],
+/// [`super::avx2::panel_pair_row`]).
 #[cfg(target_arch = "x86_64")]
 fn panel_pair_row<T: Element>(isa: Isa, x: TiledRows<'_>, panels: [&[T]; 2], acc: [&mut [f32]; 2]) {
     // `isa` is one the CPU supports (the callers').
     assert!(
-        isa == Isa::Avx2
-            && x.m == 1
+        pairs_panels(isa, x.m)
             && panels.iter().all(|p| p.len() == x.k * PANEL)
             && acc.iter().all(|a| a.len() == PANEL)
     );
-    let [a, b] = acc;
-    // SAFETY: AVX2 is supported; one row of k activations, two panels of k positions, two
+    let w = panels.map(<[T]>::as_ptr);
+    let acc = acc.map(|a| a.as_mut_ptr());
+    // SAFETY: `isa` is supported; one row of k activations, two panels of k positions, two
     // panels' sums (asserted).
     unsafe {
-        super::avx2::panel_pair_row(
-            x.data.as_ptr(),
-            x.k,
-            [panels[0].as_ptr(), panels[1].as_ptr()],
-            [a.as_mut_ptr(), b.as_mut_ptr()],
-        )
+        if isa == Isa::Avx512 {
+            super::avx512::panel_pair_row(x.data.as_ptr(), x.k, w, acc)
+        } else {
+            super::avx2::panel_pair_row(x.data.as_ptr(), x.k, w, acc)
+        }
     }
 }
 
