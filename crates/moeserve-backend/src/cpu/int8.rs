@@ -19,9 +19,11 @@
 //! `vpdpbusd`). Each quad of positions is two i32 words, its four `h` and its four `l`, in the
 //! tile order of the kernel ([`DotKernel::tile_rows`]); beside them the group's exact `Σx`
 //! (f32) and `128 · Σx̂`. The VNNI kernels take `Σ u·x̂ = 128 · Σ u·h + Σ u·l` as two byte
-//! products, two passes over the group, `h` then `l`, the sums shifted left by 7 between (the
-//! second pass reads the codes from L1; one sweep with separate sums for `h` and `l` measured
-//! no faster at batch 1); AVX2 rebuilds `x̂` in 16-bit lanes and runs once. A group then adds
+//! products: AVX-512 tiles of up to 4 rows in one sweep over the group with separate sums for
+//! `h` and `l` (`vnni512_sweep`: batch-1 decode 1.08× two passes on Zen 4, bench/RESULTS.md;
+//! it had measured no faster on Sapphire Rapids), larger tiles and AVX-VNNI in two passes, `h`
+//! then `l`, the sums shifted left by 7 between (the second pass reads the codes from L1);
+//! AVX2 rebuilds `x̂` in 16-bit lanes and runs once. A group then adds
 //!
 //! ```text
 //! Σ_p x_p · w_p ≈ (Σ u·x̂ − 128·Σx̂) · (s · sx) + Σx · o
@@ -51,6 +53,7 @@ const QUADS_PER_GROUP: usize = GROUP / QUAD;
 const _: () = assert!(GROUP == Format::Int8.block());
 /// i32 words per quad of activations: its high bytes `h`, then its low bytes `l`.
 const WORDS: usize = Format::Int8.words();
+const _: () = assert!(WORDS == 2, "the kernels take x̂ as two bytes");
 
 /// Groups per block when several row tiles share a panel: 4 KiB of codes stay in L1 while
 /// every tile runs through them.
@@ -208,7 +211,8 @@ impl DotTile {
         // SAFETY: as the caller guarantees.
         unsafe {
             match kernel {
-                DotKernel::Vnni512 => rows!(vnni512, 1 2 3 4 5 6 7 8 9 10 11 12),
+                DotKernel::Vnni512 if mr <= SWEEP_ROWS => rows!(vnni512_sweep, 1 2 3 4),
+                DotKernel::Vnni512 => rows!(vnni512, 5 6 7 8 9 10 11 12),
                 DotKernel::AvxVnni => rows!(avx_vnni, 1 2 3),
                 DotKernel::Avx2Madd => rows!(avx2_madd, 1 2),
             }
@@ -219,6 +223,45 @@ impl DotTile {
     fn quads(&self, g: usize) -> (usize, usize) {
         let j0 = g * QUADS_PER_GROUP;
         (j0, (j0 + QUADS_PER_GROUP).min(self.k.div_ceil(QUAD)))
+    }
+}
+
+/// The most rows [`vnni512_sweep`] takes: four sums a row.
+const SWEEP_ROWS: usize = 4;
+
+/// [`vnni512`] in one sweep over a group's codes, a sum per byte of `x̂` (four chains a row, the
+/// codes loaded once): `128 · Σ u·h + Σ u·l` is the same integer however it is summed.
+///
+/// # Safety
+/// As [`vnni512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn vnni512_sweep<const MR: usize>(t: DotTile) {
+    use std::arch::x86_64::*;
+    unsafe {
+        for g in t.groups.0..t.groups.1 {
+            // [byte][row]: outputs 0–15 and 16–31 of the panel.
+            let mut lo = [[_mm512_setzero_si512(); MR]; WORDS];
+            let mut hi = [[_mm512_setzero_si512(); MR]; WORDS];
+            let (j0, j1) = t.quads(g);
+            for j in j0..j1 {
+                let wp = t.w.add(j * PANEL * QUAD);
+                prefetch_two_lines(wp);
+                let w0 = _mm512_loadu_si512(wp as *const __m512i);
+                let w1 = _mm512_loadu_si512(wp.add(64) as *const __m512i);
+                for i in 0..MR {
+                    for word in 0..WORDS {
+                        let xv = _mm512_set1_epi32(*t.x.add(WORDS * (j * MR + i) + word));
+                        lo[word][i] = _mm512_dpbusd_epi32(lo[word][i], w0, xv);
+                        hi[word][i] = _mm512_dpbusd_epi32(hi[word][i], w1, xv);
+                    }
+                }
+            }
+            let join = |s: [[__m512i; MR]; WORDS]| {
+                std::array::from_fn(|i| _mm512_add_epi32(_mm512_slli_epi32::<7>(s[0][i]), s[1][i]))
+            };
+            t.grids.epilogue_avx512::<MR>(g, &join(lo), &join(hi));
+        }
     }
 }
 
