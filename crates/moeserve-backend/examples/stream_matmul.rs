@@ -45,7 +45,8 @@ fn main() {
             let w = if int4 {
                 let src = Int4Source {
                     code: |r: usize, p: usize| ((r + p + j) % 16) as u8,
-                    scale: |g: usize, r: usize| ((g + r) % 7) as f32 * 1e-3,
+                    // f16, as checkpoints store them (the kernels' 3-byte grids).
+                    scale: |g: usize, r: usize| f16::from_f32(((g + r) % 7) as f32 * 1e-3).to_f32(),
                     zero: |_: usize, _: usize| 8,
                 };
                 let groups = k / 128;

@@ -28,15 +28,19 @@
 //!
 //! ```text
 //! panel q, quad j:  codes [q][j][4c + t] = q(32q + c, 4j + t) | q(32q + 16 + c, 4j + t) << 4
-//! panel q, group g: scales [q][g][c], offsets [q][g][c] = −zero · scale
+//! panel q, group g: grids [q][g] = f16 scales [c], u8 zero points [c]
 //!                   (c < 16 in codes, < 32 in grids; t < 4; positions are slots)
 //! ```
+//!
+//! The grids are the checkpoints' own (f16 scales, 4-bit zero points) at 3 bytes a group and
+//! output, the offset `−zero · scale` made in the epilogue; a matrix whose scales are not all
+//! f16 (bf16 or f32 in its checkpoint) keeps f32 scales and offsets, 8 bytes.
 //!
 //! The VNNI kernels take `Σ q·x̂ = 2^16 · Σ q·h + 2^8 · Σ m·q + Σ l·q` as three passes over
 //! the block (from L1 after the first): the codes unsigned against the signed high bytes, then
 //! the unsigned lower bytes against the codes as signed bytes (`0..16` is both). AVX2 takes
 //! `2^8 · h + m` as one 16-bit operand of `vpmaddwd` and `l` as another: two passes. Decode
-//! reads 4 bits per weight plus 8 bytes per group of each row: 0.27× of bf16 with groups of
+//! reads 4 bits per weight plus 3 bytes per group of each row: 0.26× of bf16 with groups of
 //! 128.
 
 use std::sync::Arc;
@@ -46,7 +50,9 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod kernels;
 
-use super::intdot::{DotKernel, Format, PADDING, QUAD, QuantizedRows, Quantizer};
+#[cfg(target_arch = "x86_64")]
+use super::intdot::Grid;
+use super::intdot::{DotKernel, Format, HALF_GRID_BYTES, PADDING, QUAD, QuantizedRows, Quantizer};
 use super::packed::PANEL;
 #[cfg(target_arch = "x86_64")]
 use kernels::{Int4Tile, UNPACKED_QUAD_BYTES, unpack_avx2};
@@ -99,14 +105,88 @@ pub struct Int4Panels {
     block_group: Vec<u32>,
     /// `[num_panels, quads, QUAD_BYTES]`.
     codes: Vec<u8>,
-    /// `[num_panels, groups, PANEL]`.
-    scales: Vec<f32>,
-    /// `[num_panels, groups, PANEL]`: `−zero · scale`.
-    offsets: Vec<f32>,
+    grids: Int4Grids,
+}
+
+/// A matrix's scales and zero points per panel, group and output.
+#[derive(Clone)]
+enum Int4Grids {
+    /// `[num_panels, groups, HALF_GRID_BYTES]` as [`Grid::Half`] reads them: where every scale
+    /// is an f16, as GPTQ and AWQ checkpoints store them.
+    Half(Vec<u8>),
+    /// `[num_panels, groups, PANEL]` each: f32 scales and offsets `−zero · scale`.
+    Float { scales: Vec<f32>, offsets: Vec<f32> },
+}
+
+impl Int4Grids {
+    /// `[groups × PANEL]` scales (finite) and zero points (≤ 16) at `((q · groups + g) · PANEL
+    /// + c)`, for `panels` panels, in the smaller form that holds them exactly.
+    fn new(panels: usize, groups: usize, scales: Vec<f32>, zeros: Vec<u8>) -> Self {
+        let is_f16 = |s: &f32| half::f16::from_f32(*s).to_f32().to_bits() == s.to_bits();
+        if !scales.iter().all(is_f16) {
+            let offsets = scales
+                .iter()
+                .zip(&zeros)
+                .map(|(s, &z)| -f32::from(z) * s)
+                .collect();
+            return Int4Grids::Float { scales, offsets };
+        }
+        let mut grids = vec![0u8; panels * groups * HALF_GRID_BYTES];
+        for (at, group) in grids.chunks_exact_mut(HALF_GRID_BYTES).enumerate() {
+            let (scales, zeros) = (
+                &scales[at * PANEL..][..PANEL],
+                &zeros[at * PANEL..][..PANEL],
+            );
+            let (half_scales, half_zeros) = group.split_at_mut(2 * PANEL);
+            for (c, s) in scales.iter().enumerate() {
+                half_scales[2 * c..2 * c + 2]
+                    .copy_from_slice(&half::f16::from_f32(*s).to_le_bytes());
+            }
+            half_zeros.copy_from_slice(zeros);
+        }
+        Int4Grids::Half(grids)
+    }
+
+    /// The scale and the offset `−zero · scale` of output `c` of panel `q`'s group `g`.
+    fn scale_offset(&self, groups: usize, (q, g, c): (usize, usize, usize)) -> (f32, f32) {
+        match self {
+            Int4Grids::Half(grids) => {
+                let group = &grids[(q * groups + g) * HALF_GRID_BYTES..][..HALF_GRID_BYTES];
+                let s = half::f16::from_le_bytes([group[2 * c], group[2 * c + 1]]).to_f32();
+                (s, -f32::from(group[2 * PANEL + c]) * s)
+            }
+            Int4Grids::Float { scales, offsets } => {
+                let at = (q * groups + g) * PANEL + c;
+                (scales[at], offsets[at])
+            }
+        }
+    }
+
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            Int4Grids::Half(grids) => grids.len(),
+            Int4Grids::Float { scales, offsets } => (scales.len() + offsets.len()) * 4,
+        }
+    }
+
+    /// Panel `q`'s grids for the kernels.
+    #[cfg(target_arch = "x86_64")]
+    fn panel(&self, groups: usize, q: usize) -> Grid {
+        match self {
+            Int4Grids::Half(grids) => Grid::Half {
+                grids: grids[q * groups * HALF_GRID_BYTES..].as_ptr(),
+            },
+            Int4Grids::Float { scales, offsets } => Grid::Float {
+                scales: scales[q * groups * PANEL..].as_ptr(),
+                offsets: offsets[q * groups * PANEL..].as_ptr(),
+            },
+        }
+    }
 }
 
 /// How [`Int4Panels::new`] reads a checkpoint's matrix: each callback by (row, position) or
 /// (group, row), rows being output features.
+#[derive(Clone, Copy)]
 pub struct Int4Source<C, S, Z> {
     /// The code of element `(r, p)`, in `0..16`.
     pub code: C,
@@ -211,7 +291,7 @@ impl Int4Panels {
         }
         let panels = n.div_ceil(PANEL);
         let mut scales = vec![0.0f32; panels * groups * PANEL];
-        let mut offsets = vec![0.0f32; panels * groups * PANEL];
+        let mut zeros = vec![0u8; panels * groups * PANEL];
         for g in 0..groups {
             for r in 0..n {
                 let (s, z) = ((src.scale)(g, r), (src.zero)(g, r));
@@ -223,7 +303,7 @@ impl Int4Panels {
                 }
                 let at = ((r / PANEL) * groups + g) * PANEL + r % PANEL;
                 scales[at] = s;
-                offsets[at] = -(z as f32) * s;
+                zeros[at] = z as u8;
             }
         }
         let (order, block_group) = slot_order(k, groups, &group_of);
@@ -267,8 +347,7 @@ impl Int4Panels {
             slots,
             block_group,
             codes,
-            scales,
-            offsets,
+            grids: Int4Grids::new(panels, groups, scales, zeros),
         })
     }
 
@@ -280,14 +359,16 @@ impl Int4Panels {
         self.n.div_ceil(PANEL)
     }
 
-    /// Bytes one pass of the kernels reads: codes, scales and offsets (and act-order's
-    /// order and blocks' groups).
+    /// Bytes one pass of the kernels reads: codes and grids (and act-order's order and
+    /// blocks' groups).
     pub fn size_in_bytes(&self) -> usize {
         let order = self.order.as_ref().map_or(0, |o| o.len() * 4);
-        self.codes.len()
-            + (self.scales.len() + self.offsets.len()) * 4
-            + order
-            + self.block_group.len() * 4
+        self.codes.len() + self.grids.size_in_bytes() + order + self.block_group.len() * 4
+    }
+
+    /// Whether the grids are the checkpoint's f16 scales and zero points (else f32).
+    pub fn has_half_grids(&self) -> bool {
+        matches!(self.grids, Int4Grids::Half(_))
     }
 
     /// How a product quantizes its activations for this matrix on `kernel`.
@@ -313,8 +394,10 @@ impl Int4Panels {
         assert!(r < self.n && p < self.k);
         let s = self.slot_of.as_ref().map_or(p, |slots| slots[p] as usize);
         let (code, g) = self.code_at(r, s);
-        let at = ((r / PANEL) * self.groups + g) * PANEL + r % PANEL;
-        f32::from(code) * self.scales[at] + self.offsets[at]
+        let (scale, offset) = self
+            .grids
+            .scale_offset(self.groups, (r / PANEL, g, r % PANEL));
+        f32::from(code) * scale + offset
     }
 
     /// Row `r`'s values into `out` (length `k`).
@@ -402,8 +485,7 @@ impl Int4Panels {
                     // The codes are unsigned: no correction.
                     correction: std::ptr::null(),
                     block_group: self.block_group.as_ptr(),
-                    scales: self.scales[q * self.groups * PANEL..].as_ptr(),
-                    offsets: self.offsets[q * self.groups * PANEL..].as_ptr(),
+                    grid: self.grids.panel(self.groups, q),
                     acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
                 },
             };
@@ -452,8 +534,8 @@ pub(super) fn reference_product(x: &[f32], m: usize, w: &Int4Panels) -> Vec<f32>
                     .map(|t| codes[t] * i32::from(w.code_at(r, b * BLOCK + t).0))
                     .sum();
                 let g = w.block_group[b] as usize;
-                let at = ((r / PANEL) * w.groups + g) * PANEL + r % PANEL;
-                let add = dot as f32 * (w.scales[at] * sx) + sum_x * w.offsets[at];
+                let (scale, offset) = w.grids.scale_offset(w.groups, (r / PANEL, g, r % PANEL));
+                let add = dot as f32 * (scale * sx) + sum_x * offset;
                 let a = &mut out[i * n + r];
                 *a = if b == 0 { add } else { *a + add };
             }
@@ -478,8 +560,20 @@ mod tests {
         }
     }
 
-    fn definition(group_of: &GroupOf, r: usize, p: usize) -> f32 {
-        let src = source();
+    /// [`source`] with scales that are not f16 (as a checkpoint with f32 scales has them).
+    fn float_source() -> Source {
+        Int4Source {
+            scale: |g, r| (source().scale)(g, r) * (1.0 + 1.0 / (1 << 20) as f32),
+            ..source()
+        }
+    }
+
+    /// Both sources, and whether each keeps f16 grids.
+    fn sources() -> [(Source, bool); 2] {
+        [(source(), true), (float_source(), false)]
+    }
+
+    fn definition(src: &Source, group_of: &GroupOf, r: usize, p: usize) -> f32 {
         let g = group_of.of(p);
         (f32::from((src.code)(r, p)) - (src.zero)(g, r) as f32) * (src.scale)(g, r)
     }
@@ -502,19 +596,25 @@ mod tests {
     #[test]
     fn values_are_the_definition_for_every_grouping() {
         let (n, k) = (45, 100); // a padded second panel, a partial last group
-        for (group_of, groups) in groupings(k) {
-            let w = Int4Panels::new((n, k), groups, group_of.clone(), source()).unwrap();
+        let cases = groupings(k)
+            .into_iter()
+            .flat_map(|g| sources().map(|s| (g.clone(), s)));
+        for ((group_of, groups), (src, half)) in cases {
+            let w = Int4Panels::new((n, k), groups, group_of.clone(), src).unwrap();
+            assert_eq!(w.has_half_grids(), half);
             let ordered = w.order.is_some();
             let expect_order = !matches!(group_of, GroupOf::Runs(s) if s % 32 == 0 || s >= k);
             assert_eq!(ordered, expect_order, "{group_of:?}");
             for r in 0..n {
                 for p in 0..k {
-                    let want = definition(&group_of, r, p);
-                    assert_eq!(
-                        w.value(r, p).to_bits(),
-                        want.to_bits(),
-                        "{group_of:?} ({r}, {p})"
-                    );
+                    let (want, got) = (definition(&src, &group_of, r, p), w.value(r, p));
+                    if half {
+                        // `q · s − z · s` in f32 is `(q − z) · s` exactly for an f16 `s`.
+                        assert_eq!(got.to_bits(), want.to_bits(), "{group_of:?} ({r}, {p})");
+                    } else {
+                        let tolerance = 32.0 * (src.scale)(group_of.of(p), r).abs() * f32::EPSILON;
+                        assert!((got - want).abs() <= tolerance, "{group_of:?} ({r}, {p})");
+                    }
                 }
             }
         }
@@ -535,8 +635,12 @@ mod tests {
             seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
             (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
         };
-        for (group_of, groups) in groupings(k) {
-            let w = Int4Panels::new((n, k), groups, group_of.clone(), source()).unwrap();
+        let cases = groupings(k)
+            .into_iter()
+            .flat_map(|g| sources().map(|s| (g.clone(), s)));
+        for ((group_of, groups), (src, half)) in cases {
+            let w = Int4Panels::new((n, k), groups, group_of.clone(), src).unwrap();
+            assert_eq!(w.has_half_grids(), half);
             for m in [1, 2, 3, 5, 12, 13, 30] {
                 // Rows of very different sizes; one all zero.
                 let x: Vec<f32> = (0..m * k)

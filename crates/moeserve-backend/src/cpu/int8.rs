@@ -44,7 +44,7 @@
 //! throughput, which batch-1 decode (bandwidth-bound) does not feel.
 
 pub use super::intdot::DotKernel;
-use super::intdot::{Format, QUAD, QuantizedRows, TileGrids, prefetch_two_lines};
+use super::intdot::{Format, Grid, QUAD, QuantizedRows, TileGrids, prefetch_two_lines};
 use super::packed::PANEL;
 use super::quant::{GROUP, Int8Rows};
 
@@ -162,8 +162,10 @@ impl Int8Panels {
                         sum_x: x.sums[i0 * groups..].as_ptr(),
                         correction: x.corrections[i0 * groups..].as_ptr(),
                         block_group: std::ptr::null(),
-                        scales: self.scales[q * groups * PANEL..].as_ptr(),
-                        offsets: self.offsets[q * groups * PANEL..].as_ptr(),
+                        grid: Grid::Float {
+                            scales: self.scales[q * groups * PANEL..].as_ptr(),
+                            offsets: self.offsets[q * groups * PANEL..].as_ptr(),
+                        },
                         acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
                     },
                 };

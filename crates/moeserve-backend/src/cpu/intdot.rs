@@ -133,8 +133,8 @@ impl DotKernel {
             use std::arch::is_x86_feature_detected as has;
             match self {
                 DotKernel::Vnni512 => has!("avx512f") && has!("avx512bw") && has!("avx512vnni"),
-                DotKernel::AvxVnni => has!("avx2") && has!("avxvnni"),
-                DotKernel::Avx2Madd => has!("avx2"),
+                DotKernel::AvxVnni => has!("avx2") && has!("avxvnni") && has!("f16c"),
+                DotKernel::Avx2Madd => has!("avx2") && has!("f16c"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -489,27 +489,48 @@ pub(super) struct TileGrids {
     pub correction: *const i32,
     /// The group of each block, or null where blocks are the groups (int8).
     pub block_group: *const u32,
-    /// The panel's grids, `[groups, PANEL]`.
-    pub scales: *const f32,
-    pub offsets: *const f32,
+    /// The panel's grids.
+    pub grid: Grid,
     /// `rows × PANEL` sums, written at block 0 and added to after.
     pub acc: *mut f32,
 }
 
+/// A panel's grids as the epilogues read them, per group and output.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) enum Grid {
+    /// `[groups, PANEL]` f32 scales and offsets.
+    Float {
+        scales: *const f32,
+        offsets: *const f32,
+    },
+    /// `[groups, HALF_GRID_BYTES]`: a group's `PANEL` f16 scales, then its `PANEL` zero points
+    /// as bytes; the offset is `−zero · scale`, made in f32 (exactly: an 11-bit significand
+    /// times at most 16). int4's checkpoints store their grids so; 3 bytes a group and output
+    /// instead of 8 is 0.31 bits less per weight with groups of 128.
+    Half { grids: *const u8 },
+}
+
+/// Bytes of one group of a [`Grid::Half`] panel.
+pub(super) const HALF_GRID_BYTES: usize = PANEL * 3;
+
+/// One group's grids for outputs `c0..`: f32 scales and offsets, or f16 scales and zero
+/// points.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum GridAt {
+    Float(*const f32, *const f32),
+    Half(*const u16, *const u8),
+}
+
 #[cfg(target_arch = "x86_64")]
 impl TileGrids {
-    /// Block `b` of row `i` for outputs `c0..`: `((correction, sx, Σx), (scales, offsets),
-    /// sums)`.
+    /// Block `b` of row `i` for outputs `c0..`: `((correction, sx, Σx), grids, sums)`.
     ///
     /// # Safety
     /// `i` and `b` inside the tile; `c0` inside the panel.
     #[inline(always)]
-    unsafe fn at(
-        &self,
-        i: usize,
-        b: usize,
-        c0: usize,
-    ) -> ((i32, f32, f32), (*const f32, *const f32), *mut f32) {
+    unsafe fn at(&self, i: usize, b: usize, c0: usize) -> ((i32, f32, f32), GridAt, *mut f32) {
         // SAFETY: as the caller guarantees.
         unsafe {
             let meta = i * self.num_blocks + b;
@@ -523,12 +544,18 @@ impl TileGrids {
             } else {
                 *self.block_group.add(b) as usize
             };
+            let grid = match self.grid {
+                Grid::Float { scales, offsets } => {
+                    GridAt::Float(scales.add(g * PANEL + c0), offsets.add(g * PANEL + c0))
+                }
+                Grid::Half { grids } => {
+                    let group = grids.add(g * HALF_GRID_BYTES);
+                    GridAt::Half((group as *const u16).add(c0), group.add(2 * PANEL + c0))
+                }
+            };
             (
                 (correction, *self.sx.add(meta), *self.sum_x.add(meta)),
-                (
-                    self.scales.add(g * PANEL + c0),
-                    self.offsets.add(g * PANEL + c0),
-                ),
+                grid,
                 self.acc.add(i * PANEL + c0),
             )
         }
@@ -538,8 +565,8 @@ impl TileGrids {
     /// `8v .. 8v + 8`).
     ///
     /// # Safety
-    /// The CPU supports AVX2; the tile holds `MR` rows and block `b`.
-    #[target_feature(enable = "avx2")]
+    /// The CPU supports AVX2 and F16C; the tile holds `MR` rows and block `b`.
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn epilogue_avx2<const MR: usize>(
         &self,
         b: usize,
@@ -584,22 +611,33 @@ impl TileGrids {
 /// `acc (+)= (dot − correction) · (s · sx) + Σx · o`.
 ///
 /// # Safety
-/// The CPU supports AVX2; `s`, `o` and `a` point at 8 elements.
+/// The CPU supports AVX2 and F16C; `grid` and `a` point at 8 elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 #[inline]
 unsafe fn epilogue8(
     dot: std::arch::x86_64::__m256i,
     (correction, sx, sum_x): (i32, f32, f32),
-    (s, o): (*const f32, *const f32),
+    grid: GridAt,
     a: *mut f32,
     first: bool,
 ) {
     use std::arch::x86_64::*;
     unsafe {
+        let (s, o) = match grid {
+            GridAt::Float(s, o) => (_mm256_loadu_ps(s), _mm256_loadu_ps(o)),
+            GridAt::Half(s, z) => {
+                let s = _mm256_cvtph_ps(_mm_loadu_si128(s as *const __m128i));
+                let z =
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(z as *const __m128i)));
+                // −(z · s), which is (−z) · s to the bit, zeros' signs included.
+                let o = _mm256_xor_ps(_mm256_mul_ps(z, s), _mm256_set1_ps(-0.0));
+                (s, o)
+            }
+        };
         let part = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(correction)));
-        let scale = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(sx));
-        let offset = _mm256_mul_ps(_mm256_set1_ps(sum_x), _mm256_loadu_ps(o));
+        let scale = _mm256_mul_ps(s, _mm256_set1_ps(sx));
+        let offset = _mm256_mul_ps(_mm256_set1_ps(sum_x), o);
         let add = _mm256_add_ps(_mm256_mul_ps(part, scale), offset);
         let sum = if first {
             add
@@ -613,22 +651,36 @@ unsafe fn epilogue8(
 /// [`epilogue8`] for 16 outputs on AVX-512.
 ///
 /// # Safety
-/// The CPU supports AVX-512F; `s`, `o` and `a` point at 16 elements.
+/// The CPU supports AVX-512F; `grid` and `a` point at 16 elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn epilogue16(
     dot: std::arch::x86_64::__m512i,
     (correction, sx, sum_x): (i32, f32, f32),
-    (s, o): (*const f32, *const f32),
+    grid: GridAt,
     a: *mut f32,
     first: bool,
 ) {
     use std::arch::x86_64::*;
     unsafe {
+        let (s, o) = match grid {
+            GridAt::Float(s, o) => (_mm512_loadu_ps(s), _mm512_loadu_ps(o)),
+            GridAt::Half(s, z) => {
+                let s = _mm512_cvtph_ps(_mm256_loadu_si256(s as *const __m256i));
+                let z =
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(z as *const __m128i)));
+                // As `epilogue8`.
+                let o = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(_mm512_mul_ps(z, s)),
+                    _mm512_set1_epi32(i32::MIN),
+                ));
+                (s, o)
+            }
+        };
         let part = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(correction)));
-        let scale = _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_set1_ps(sx));
-        let offset = _mm512_mul_ps(_mm512_set1_ps(sum_x), _mm512_loadu_ps(o));
+        let scale = _mm512_mul_ps(s, _mm512_set1_ps(sx));
+        let offset = _mm512_mul_ps(_mm512_set1_ps(sum_x), o);
         let add = _mm512_add_ps(_mm512_mul_ps(part, scale), offset);
         let sum = if first {
             add

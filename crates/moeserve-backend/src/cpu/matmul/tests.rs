@@ -396,14 +396,15 @@ fn int4_is_the_integer_reference_on_every_dot_kernel_whatever_the_batch() {
                 }
             }
         }
-        // Half a byte per weight, plus 8 bytes per group and row, 4 per block of 32 (its
-        // group) and act-order's order (whose groups here are whole blocks).
+        // Half a byte per weight, plus 3 bytes per group and row (an f16 scale and a zero
+        // point), 4 per block of 32 (its group) and act-order's order (whose groups here are
+        // whole blocks).
         let groups = k.div_ceil(group);
         let index = if act_order { 4 * k } else { 0 };
         let padded = n.div_ceil(PANEL) * PANEL;
         assert_eq!(
             w.kernel_bytes(),
-            padded * k / 2 + padded * groups * 8 + 4 * k.div_ceil(32) + index,
+            padded * k / 2 + padded * groups * 3 + 4 * k.div_ceil(32) + index,
             "{what}"
         );
     }
