@@ -101,6 +101,28 @@ impl<T> HeadRows<'_, T> {
         let start = slot * self.stride + self.offset;
         &self.data[start..start + head_dim]
     }
+
+    /// Asks for the lines of `width` elements from `col` of each slot's row, into L1. A head's
+    /// rows are a few hundred bytes each, a cache row apart, so the hardware's prefetchers
+    /// leave each to a miss of its own: at batch 1 the cache comes from DRAM (a step's
+    /// weights evict it), and without this the keys and values of a 128–384 token context
+    /// were 8 % of a decode step's CPU time.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn prefetch(&self, slots: &[usize], col: usize, width: usize) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let bytes = width * std::mem::size_of::<T>();
+        for &slot in slots {
+            let start = self
+                .data
+                .as_ptr()
+                .wrapping_add(slot * self.stride + self.offset + col);
+            for line in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch of any address is harmless (it never faults).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(start.cast::<i8>().wrapping_add(line)) };
+            }
+        }
+    }
 }
 
 /// The operands of one (token, KV head) attention.
@@ -239,6 +261,8 @@ pub(super) mod avx512 {
         let group = a.q.len() / d;
         unsafe {
             for (b, keys) in a.slots.chunks(16).enumerate() {
+                let next = &a.slots[(16 * b + 16).min(n)..(16 * b + 32).min(n)];
+                a.keys.prefetch(next, 0, d);
                 for h in 0..group {
                     let q = a.q.as_ptr().add(h * d);
                     let mut lanes = [_mm512_setzero_ps(); 16];
@@ -314,6 +338,10 @@ pub(super) mod avx512 {
         let mut o = [[_mm512_setzero_ps(); WIDTH]; HEADS];
         unsafe {
             for (s, slot) in p.a.slots.iter().enumerate() {
+                if s % 16 == 0 {
+                    let next = &p.a.slots[(s + 16).min(n)..(s + 32).min(n)];
+                    p.a.values.prefetch(next, p.c0, 16 * WIDTH);
+                }
                 let v = p.a.values.row(*slot, dv).as_ptr().add(p.c0);
                 let rows: [__m512; WIDTH] = std::array::from_fn(|i| T::load16(v.add(16 * i)));
                 for (j, o) in o.iter_mut().enumerate() {
@@ -444,6 +472,7 @@ pub(super) mod avx2 {
         let mut chunk_rows = [std::ptr::null::<T>(); CHUNK];
         for c0 in (0..n).step_by(CHUNK) {
             let c1 = (c0 + CHUNK).min(n);
+            a.keys.prefetch(&a.slots[c1..(c1 + CHUNK).min(n)], 0, d);
             for (r, slot) in chunk_rows.iter_mut().zip(&a.slots[c0..c1]) {
                 *r = a.keys.row(*slot, d).as_ptr();
             }
@@ -484,6 +513,7 @@ pub(super) mod avx2 {
         out.fill(0.0);
         for c0 in (0..n).step_by(CHUNK) {
             let c1 = (c0 + CHUNK).min(n);
+            a.values.prefetch(&a.slots[c1..(c1 + CHUNK).min(n)], 0, dv);
             for (r, slot) in chunk_rows.iter_mut().zip(&a.slots[c0..c1]) {
                 *r = a.values.row(*slot, dv).as_ptr();
             }
