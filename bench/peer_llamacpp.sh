@@ -112,6 +112,9 @@ print(f"{preset} {weights}, batch 1, prompt {plen}, output {olen}, {threads} thr
 print(f"{'':10} {'prefill tok/s':>14} {'decode tok/s':>13}")
 for name, runs in [("llama.cpp", llama), ("moeserve", ours)]:
     print(f"{name:10} {med(runs, 'prefill_tokens_per_s'):14.1f} {med(runs, 'decode_tokens_per_s'):13.1f}")
+for name, runs in [("llama.cpp", llama), ("moeserve", ours)]:
+    rounds_decode = ", ".join("%.1f" % run["decode_tokens_per_s"] for run in runs)
+    print(f"{name} decode per round: {rounds_decode}")
 print(f"moeserve / llama.cpp: prefill {med(ours, 'prefill_tokens_per_s') / med(llama, 'prefill_tokens_per_s'):.2f}x, "
       f"decode {med(ours, 'decode_tokens_per_s') / med(llama, 'decode_tokens_per_s'):.2f}x")
 print(f"greedy continuation: the first {same} of 16 tokens agree")
