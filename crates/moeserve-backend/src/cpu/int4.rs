@@ -50,9 +50,8 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod kernels;
 
-#[cfg(target_arch = "x86_64")]
-use super::intdot::Grid;
-use super::intdot::{DotKernel, Format, HALF_GRID_BYTES, PADDING, QUAD, QuantizedRows, Quantizer};
+use super::grids::PanelGrids;
+use super::intdot::{DotKernel, Format, PADDING, QUAD, QuantizedRows, Quantizer};
 use super::packed::PANEL;
 #[cfg(target_arch = "x86_64")]
 use kernels::{Int4Tile, UNPACKED_QUAD_BYTES, unpack_avx2};
@@ -105,83 +104,7 @@ pub struct Int4Panels {
     block_group: Vec<u32>,
     /// `[num_panels, quads, QUAD_BYTES]`.
     codes: Vec<u8>,
-    grids: Int4Grids,
-}
-
-/// A matrix's scales and zero points per panel, group and output.
-#[derive(Clone)]
-enum Int4Grids {
-    /// `[num_panels, groups, HALF_GRID_BYTES]` as [`Grid::Half`] reads them: where every scale
-    /// is an f16, as GPTQ and AWQ checkpoints store them.
-    Half(Vec<u8>),
-    /// `[num_panels, groups, PANEL]` each: f32 scales and offsets `−zero · scale`.
-    Float { scales: Vec<f32>, offsets: Vec<f32> },
-}
-
-impl Int4Grids {
-    /// `[groups × PANEL]` scales (finite) and zero points (≤ 16) at `((q · groups + g) · PANEL
-    /// + c)`, for `panels` panels, in the smaller form that holds them exactly.
-    fn new(panels: usize, groups: usize, scales: Vec<f32>, zeros: Vec<u8>) -> Self {
-        let is_f16 = |s: &f32| half::f16::from_f32(*s).to_f32().to_bits() == s.to_bits();
-        if !scales.iter().all(is_f16) {
-            let offsets = scales
-                .iter()
-                .zip(&zeros)
-                .map(|(s, &z)| -f32::from(z) * s)
-                .collect();
-            return Int4Grids::Float { scales, offsets };
-        }
-        let mut grids = vec![0u8; panels * groups * HALF_GRID_BYTES];
-        for (at, group) in grids.chunks_exact_mut(HALF_GRID_BYTES).enumerate() {
-            let (scales, zeros) = (
-                &scales[at * PANEL..][..PANEL],
-                &zeros[at * PANEL..][..PANEL],
-            );
-            let (half_scales, half_zeros) = group.split_at_mut(2 * PANEL);
-            for (c, s) in scales.iter().enumerate() {
-                half_scales[2 * c..2 * c + 2]
-                    .copy_from_slice(&half::f16::from_f32(*s).to_le_bytes());
-            }
-            half_zeros.copy_from_slice(zeros);
-        }
-        Int4Grids::Half(grids)
-    }
-
-    /// The scale and the offset `−zero · scale` of output `c` of panel `q`'s group `g`.
-    fn scale_offset(&self, groups: usize, (q, g, c): (usize, usize, usize)) -> (f32, f32) {
-        match self {
-            Int4Grids::Half(grids) => {
-                let group = &grids[(q * groups + g) * HALF_GRID_BYTES..][..HALF_GRID_BYTES];
-                let s = half::f16::from_le_bytes([group[2 * c], group[2 * c + 1]]).to_f32();
-                (s, -f32::from(group[2 * PANEL + c]) * s)
-            }
-            Int4Grids::Float { scales, offsets } => {
-                let at = (q * groups + g) * PANEL + c;
-                (scales[at], offsets[at])
-            }
-        }
-    }
-
-    fn size_in_bytes(&self) -> usize {
-        match self {
-            Int4Grids::Half(grids) => grids.len(),
-            Int4Grids::Float { scales, offsets } => (scales.len() + offsets.len()) * 4,
-        }
-    }
-
-    /// Panel `q`'s grids for the kernels.
-    #[cfg(target_arch = "x86_64")]
-    fn panel(&self, groups: usize, q: usize) -> Grid {
-        match self {
-            Int4Grids::Half(grids) => Grid::Half {
-                grids: grids[q * groups * HALF_GRID_BYTES..].as_ptr(),
-            },
-            Int4Grids::Float { scales, offsets } => Grid::Float {
-                scales: scales[q * groups * PANEL..].as_ptr(),
-                offsets: offsets[q * groups * PANEL..].as_ptr(),
-            },
-        }
-    }
+    grids: PanelGrids,
 }
 
 /// How [`Int4Panels::new`] reads a checkpoint's matrix: each callback by (row, position) or
@@ -347,7 +270,7 @@ impl Int4Panels {
             slots,
             block_group,
             codes,
-            grids: Int4Grids::new(panels, groups, scales, zeros),
+            grids: PanelGrids::with_zeros(scales, zeros),
         })
     }
 
@@ -368,7 +291,7 @@ impl Int4Panels {
 
     /// Whether the grids are the checkpoint's f16 scales and zero points (else f32).
     pub fn has_half_grids(&self) -> bool {
-        matches!(self.grids, Int4Grids::Half(_))
+        self.grids.is_f16()
     }
 
     /// How a product quantizes its activations for this matrix on `kernel`.

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! panel q, quad j:  codes [q][j][c][t] = q(32q + c, 4j + t) + 128    (c < 32, t < 4)
-//! panel q, group g: scales [q][g][c], offsets [q][g][c]
+//! panel q, group g: scales [q][g][c], offsets [q][g][c]   (f32, `grids.rs`)
 //! ```
 //!
 //! Activations (quantized by `intdot.rs`, shared with int4): each row's group of 64 positions
@@ -43,8 +43,9 @@
 //! 0.0167 / 0.0179 with f32 activations). The second byte product halves the integer
 //! throughput, which batch-1 decode (bandwidth-bound) does not feel.
 
+use super::grids::PanelGrids;
 pub use super::intdot::DotKernel;
-use super::intdot::{Format, Grid, QUAD, QuantizedRows, TileGrids, prefetch_two_lines};
+use super::intdot::{Format, QUAD, QuantizedRows, TileGrids, prefetch_two_lines};
 use super::packed::PANEL;
 use super::quant::{GROUP, Int8Rows};
 
@@ -67,10 +68,7 @@ pub struct Int8Panels {
     k: usize,
     /// `[num_panels, quads, PANEL, QUAD]`: `q + 128`.
     codes: Vec<u8>,
-    /// `[num_panels, groups, PANEL]`.
-    scales: Vec<f32>,
-    /// `[num_panels, groups, PANEL]`.
-    offsets: Vec<f32>,
+    grids: PanelGrids,
 }
 
 impl Int8Panels {
@@ -104,8 +102,7 @@ impl Int8Panels {
             n,
             k,
             codes,
-            scales,
-            offsets,
+            grids: PanelGrids::float(scales, offsets),
         }
     }
 
@@ -119,7 +116,7 @@ impl Int8Panels {
 
     /// Bytes one pass of the kernels reads: a byte per weight, 8 per group and row.
     pub fn size_in_bytes(&self) -> usize {
-        self.codes.len() + (self.scales.len() + self.offsets.len()) * 4
+        self.codes.len() + self.grids.size_in_bytes()
     }
 
     /// The dequantised weight `(r, p)`: `q · scale + offset`.
@@ -128,8 +125,8 @@ impl Int8Panels {
         let (quads, groups) = (self.k.div_ceil(QUAD), self.k.div_ceil(GROUP));
         let (q, c) = (r / PANEL, r % PANEL);
         let code = self.codes[((q * quads + p / QUAD) * PANEL + c) * QUAD + p % QUAD];
-        let g = (q * groups + p / GROUP) * PANEL + c;
-        f32::from((code ^ 0x80) as i8) * self.scales[g] + self.offsets[g]
+        let (scale, offset) = self.grids.scale_offset(groups, (q, p / GROUP, c));
+        f32::from((code ^ 0x80) as i8) * scale + offset
     }
 
     /// Panel `q` of `x · Wᵀ` into `acc: [m, PANEL]`: one tile of rows runs the whole panel in
@@ -162,10 +159,7 @@ impl Int8Panels {
                         sum_x: x.sums[i0 * groups..].as_ptr(),
                         correction: x.corrections[i0 * groups..].as_ptr(),
                         block_group: std::ptr::null(),
-                        grid: Grid::Float {
-                            scales: self.scales[q * groups * PANEL..].as_ptr(),
-                            offsets: self.offsets[q * groups * PANEL..].as_ptr(),
-                        },
+                        grid: self.grids.panel(groups, q),
                         acc: acc[i0 * PANEL..(i0 + mr) * PANEL].as_mut_ptr(),
                     },
                 };

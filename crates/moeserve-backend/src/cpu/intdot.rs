@@ -22,6 +22,8 @@
 //! consecutive, groups padded to whole blocks): the quantizer then gathers each row through
 //! the weight's order, a padding slot reading 0.
 
+#[cfg(target_arch = "x86_64")]
+use super::grids::{Grid, ZERO_GRID_BYTES};
 use super::matmul::TiledRows;
 #[cfg(target_arch = "x86_64")]
 use super::packed::PANEL;
@@ -495,32 +497,13 @@ pub(super) struct TileGrids {
     pub acc: *mut f32,
 }
 
-/// A panel's grids as the epilogues read them, per group and output.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-pub(super) enum Grid {
-    /// `[groups, PANEL]` f32 scales and offsets.
-    Float {
-        scales: *const f32,
-        offsets: *const f32,
-    },
-    /// `[groups, HALF_GRID_BYTES]`: a group's `PANEL` f16 scales, then its `PANEL` zero points
-    /// as bytes; the offset is `−zero · scale`, made in f32 (exactly: an 11-bit significand
-    /// times at most 16). int4's checkpoints store their grids so; 3 bytes a group and output
-    /// instead of 8 is 0.31 bits less per weight with groups of 128.
-    Half { grids: *const u8 },
-}
-
-/// Bytes of one group of a [`Grid::Half`] panel.
-pub(super) const HALF_GRID_BYTES: usize = PANEL * 3;
-
 /// One group's grids for outputs `c0..`: f32 scales and offsets, or f16 scales and zero
 /// points.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 enum GridAt {
     Float(*const f32, *const f32),
-    Half(*const u16, *const u8),
+    F16Zeros(*const u16, *const u8),
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -548,9 +531,9 @@ impl TileGrids {
                 Grid::Float { scales, offsets } => {
                     GridAt::Float(scales.add(g * PANEL + c0), offsets.add(g * PANEL + c0))
                 }
-                Grid::Half { grids } => {
-                    let group = grids.add(g * HALF_GRID_BYTES);
-                    GridAt::Half((group as *const u16).add(c0), group.add(2 * PANEL + c0))
+                Grid::F16Zeros { grids } => {
+                    let group = grids.add(g * ZERO_GRID_BYTES);
+                    GridAt::F16Zeros((group as *const u16).add(c0), group.add(2 * PANEL + c0))
                 }
             };
             (
@@ -631,7 +614,7 @@ unsafe fn epilogue8(
     unsafe {
         let (s, o) = match grid {
             GridAt::Float(s, o) => (_mm256_loadu_ps(s), _mm256_loadu_ps(o)),
-            GridAt::Half(s, z) => {
+            GridAt::F16Zeros(s, z) => {
                 let s = _mm256_cvtph_ps(_mm_loadu_si128(s as *const __m128i));
                 let z =
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(z as *const __m128i)));
@@ -671,7 +654,7 @@ unsafe fn epilogue16(
     unsafe {
         let (s, o) = match grid {
             GridAt::Float(s, o) => (_mm512_loadu_ps(s), _mm512_loadu_ps(o)),
-            GridAt::Half(s, z) => {
+            GridAt::F16Zeros(s, z) => {
                 let s = _mm512_cvtph_ps(_mm256_loadu_si256(s as *const __m256i));
                 let z =
                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(z as *const __m128i)));

@@ -11,6 +11,7 @@ mod avx512;
 pub mod convert;
 mod exp;
 pub mod fp8;
+mod grids;
 mod grouped;
 pub mod int4;
 pub mod int8;
