@@ -302,9 +302,9 @@ unsafe fn vnni512<const MR: usize>(t: DotTile) {
 }
 
 /// # Safety
-/// The CPU supports AVX2 and AVX-VNNI; `t` as [`DotTile::run`] requires, `MR` rows.
+/// The CPU supports AVX2, AVX-VNNI and F16C; `t` as [`DotTile::run`] requires, `MR` rows.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,avxvnni")]
+#[target_feature(enable = "avx2,avxvnni,f16c")]
 unsafe fn avx_vnni<const MR: usize>(t: DotTile) {
     use std::arch::x86_64::*;
     unsafe {
@@ -340,9 +340,9 @@ unsafe fn avx_vnni<const MR: usize>(t: DotTile) {
 }
 
 /// # Safety
-/// The CPU supports AVX2; `t` as [`DotTile::run`] requires, `MR` rows.
+/// The CPU supports AVX2 and F16C; `t` as [`DotTile::run`] requires, `MR` rows.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 unsafe fn avx2_madd<const MR: usize>(t: DotTile) {
     use std::arch::x86_64::*;
     unsafe {

@@ -549,7 +549,10 @@ impl TileGrids {
     ///
     /// # Safety
     /// The CPU supports AVX2 and F16C; the tile holds `MR` rows and block `b`.
+    ///
+    /// Inlined, as [`Self::epilogue_avx512`]: the AVX2 kernels enable F16C for it.
     #[target_feature(enable = "avx2,f16c")]
+    #[inline]
     pub(super) unsafe fn epilogue_avx2<const MR: usize>(
         &self,
         b: usize,

@@ -175,8 +175,8 @@ unsafe fn vnni512<const MR: usize>(t: Int4Tile) {
 /// A quad's codes as four registers of 8 outputs × 4 slots (outputs 0–7, 8–15, 16–23, 24–31).
 ///
 /// # Safety
-/// The CPU supports AVX2; `wp` points at a quad's [`QUAD_BYTES`].
-#[target_feature(enable = "avx2")]
+/// The CPU supports AVX2 and F16C; `wp` points at a quad's [`QUAD_BYTES`].
+#[target_feature(enable = "avx2,f16c")]
 #[inline]
 unsafe fn quad_codes_avx2(wp: *const u8) -> [std::arch::x86_64::__m256i; 4] {
     use std::arch::x86_64::*;
@@ -196,8 +196,8 @@ unsafe fn quad_codes_avx2(wp: *const u8) -> [std::arch::x86_64::__m256i; 4] {
 /// Quad `j`'s codes as [`quad_codes_avx2`] gives them, from the packed or the unpacked codes.
 ///
 /// # Safety
-/// The CPU supports AVX2; quad `j` is inside `t`'s codes.
-#[target_feature(enable = "avx2")]
+/// The CPU supports AVX2 and F16C; quad `j` is inside `t`'s codes.
+#[target_feature(enable = "avx2,f16c")]
 #[inline]
 unsafe fn tile_codes_avx2(t: &Int4Tile, j: usize) -> [std::arch::x86_64::__m256i; 4] {
     use std::arch::x86_64::*;
@@ -217,8 +217,8 @@ unsafe fn tile_codes_avx2(t: &Int4Tile, j: usize) -> [std::arch::x86_64::__m256i
 /// them.
 ///
 /// # Safety
-/// The CPU supports AVX2; `out` holds `UNPACKED_QUAD_BYTES` per quad of `codes`.
-#[target_feature(enable = "avx2")]
+/// The CPU supports AVX2 and F16C; `out` holds `UNPACKED_QUAD_BYTES` per quad of `codes`.
+#[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn unpack_avx2(codes: &[u8], out: &mut [u8]) {
     use std::arch::x86_64::*;
     assert!(out.len() * QUAD_BYTES == codes.len() * UNPACKED_QUAD_BYTES);
@@ -237,8 +237,8 @@ pub(super) unsafe fn unpack_avx2(codes: &[u8], out: &mut [u8]) {
 }
 
 /// # Safety
-/// The CPU supports AVX2 and AVX-VNNI; `t` as [`Int4Tile::run`] requires, `MR` rows.
-#[target_feature(enable = "avx2,avxvnni")]
+/// The CPU supports AVX2, AVX-VNNI and F16C; `t` as [`Int4Tile::run`] requires, `MR` rows.
+#[target_feature(enable = "avx2,avxvnni,f16c")]
 unsafe fn avx_vnni<const MR: usize>(t: Int4Tile) {
     use std::arch::x86_64::*;
     unsafe {
@@ -274,8 +274,8 @@ unsafe fn avx_vnni<const MR: usize>(t: Int4Tile) {
 }
 
 /// # Safety
-/// The CPU supports AVX2; `t` as [`Int4Tile::run`] requires, `MR` rows.
-#[target_feature(enable = "avx2")]
+/// The CPU supports AVX2 and F16C; `t` as [`Int4Tile::run`] requires, `MR` rows.
+#[target_feature(enable = "avx2,f16c")]
 unsafe fn avx2_madd<const MR: usize>(t: Int4Tile) {
     use std::arch::x86_64::*;
     unsafe {
@@ -333,8 +333,8 @@ unsafe fn avx2_madd<const MR: usize>(t: Int4Tile) {
 /// nibbles for `v < 2`), for the one-row kernels; prefetches at `v = 0`.
 ///
 /// # Safety
-/// The CPU supports AVX2; quad `j` is inside `t`'s packed codes.
-#[target_feature(enable = "avx2")]
+/// The CPU supports AVX2 and F16C; quad `j` is inside `t`'s packed codes.
+#[target_feature(enable = "avx2,f16c")]
 #[inline]
 unsafe fn row_codes_avx2(t: &Int4Tile, j: usize, v: usize) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
@@ -357,8 +357,8 @@ unsafe fn row_codes_avx2(t: &Int4Tile, j: usize, v: usize) -> std::arch::x86_64:
 /// codes unpacked once for the three bytes. The same integer sums.
 ///
 /// # Safety
-/// The CPU supports AVX2 and AVX-VNNI; `t` as [`Int4Tile::run`] requires, 1 row.
-#[target_feature(enable = "avx2,avxvnni")]
+/// The CPU supports AVX2, AVX-VNNI and F16C; `t` as [`Int4Tile::run`] requires, 1 row.
+#[target_feature(enable = "avx2,avxvnni,f16c")]
 unsafe fn avx_vnni_row(t: Int4Tile) {
     use std::arch::x86_64::*;
     unsafe {
@@ -390,8 +390,8 @@ unsafe fn avx_vnni_row(t: Int4Tile) {
 /// half the instructions of the 16-bit kernel per weight; the same integer sums.
 ///
 /// # Safety
-/// The CPU supports AVX2; `t` as [`Int4Tile::run`] requires, 1 row.
-#[target_feature(enable = "avx2")]
+/// The CPU supports AVX2 and F16C; `t` as [`Int4Tile::run`] requires, 1 row.
+#[target_feature(enable = "avx2,f16c")]
 unsafe fn avx2_maddubs_row(t: Int4Tile) {
     use std::arch::x86_64::*;
     unsafe {
