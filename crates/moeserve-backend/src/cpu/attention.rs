@@ -104,9 +104,9 @@ impl<T> HeadRows<'_, T> {
 
     /// Asks for the lines of `width` elements from `col` of each slot's row, into L1. A head's
     /// rows are a few hundred bytes each, a cache row apart, so the hardware's prefetchers
-    /// leave each to a miss of its own: at batch 1 the cache comes from DRAM (a step's
-    /// weights evict it), and without this the keys and values of a 128–384 token context
-    /// were 8 % of a decode step's CPU time.
+    /// leave each to a miss of its own, and at batch 1 the cache comes from DRAM (a step's
+    /// weights evict it). Asking a chunk ahead: batch-1 decode at 2,000 tokens of context
+    /// 1.12× on Zen 4, no change at 128–384 (bench/RESULTS.md).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn prefetch(&self, slots: &[usize], col: usize, width: usize) {
