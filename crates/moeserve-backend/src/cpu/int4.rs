@@ -516,22 +516,31 @@ mod tests {
         ]
     }
 
+    /// A `[n, k]` matrix of each grouping from each source, with its grouping and source; each
+    /// keeps the grids its source's scales allow.
+    fn matrices(n: usize, k: usize) -> Vec<(GroupOf, Source, Int4Panels)> {
+        let mut out = Vec::new();
+        for (group_of, groups) in groupings(k) {
+            for (src, half) in sources() {
+                let w = Int4Panels::new((n, k), groups, group_of.clone(), src).unwrap();
+                assert_eq!(w.has_half_grids(), half, "{group_of:?}");
+                out.push((group_of.clone(), src, w));
+            }
+        }
+        out
+    }
+
     #[test]
     fn values_are_the_definition_for_every_grouping() {
         let (n, k) = (45, 100); // a padded second panel, a partial last group
-        let cases = groupings(k)
-            .into_iter()
-            .flat_map(|g| sources().map(|s| (g.clone(), s)));
-        for ((group_of, groups), (src, half)) in cases {
-            let w = Int4Panels::new((n, k), groups, group_of.clone(), src).unwrap();
-            assert_eq!(w.has_half_grids(), half);
+        for (group_of, src, w) in matrices(n, k) {
             let ordered = w.order.is_some();
             let expect_order = !matches!(group_of, GroupOf::Runs(s) if s % 32 == 0 || s >= k);
             assert_eq!(ordered, expect_order, "{group_of:?}");
             for r in 0..n {
                 for p in 0..k {
                     let (want, got) = (definition(&src, &group_of, r, p), w.value(r, p));
-                    if half {
+                    if w.has_half_grids() {
                         // `q · s − z · s` in f32 is `(q − z) · s` exactly for an f16 `s`.
                         assert_eq!(got.to_bits(), want.to_bits(), "{group_of:?} ({r}, {p})");
                     } else {
@@ -558,12 +567,7 @@ mod tests {
             seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
             (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
         };
-        let cases = groupings(k)
-            .into_iter()
-            .flat_map(|g| sources().map(|s| (g.clone(), s)));
-        for ((group_of, groups), (src, half)) in cases {
-            let w = Int4Panels::new((n, k), groups, group_of.clone(), src).unwrap();
-            assert_eq!(w.has_half_grids(), half);
+        for (group_of, _, w) in matrices(n, k) {
             for m in [1, 2, 3, 5, 12, 13, 30] {
                 // Rows of very different sizes; one all zero.
                 let x: Vec<f32> = (0..m * k)
