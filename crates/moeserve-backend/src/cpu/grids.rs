@@ -85,6 +85,7 @@ impl PanelGrids {
     }
 
     /// Whether the grids are stored as f16.
+    #[cfg(test)]
     pub(super) fn is_f16(&self) -> bool {
         !matches!(self, PanelGrids::Float { .. })
     }

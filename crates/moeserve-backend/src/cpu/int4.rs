@@ -289,11 +289,6 @@ impl Int4Panels {
         self.codes.len() + self.grids.size_in_bytes() + order + self.block_group.len() * 4
     }
 
-    /// Whether the grids are the checkpoint's f16 scales and zero points (else f32).
-    pub fn has_half_grids(&self) -> bool {
-        self.grids.is_f16()
-    }
-
     /// How a product quantizes its activations for this matrix on `kernel`.
     pub(super) fn quantizer(&self, kernel: DotKernel) -> Quantizer<'_> {
         Quantizer {
@@ -523,7 +518,7 @@ mod tests {
         for (group_of, groups) in groupings(k) {
             for (src, half) in sources() {
                 let w = Int4Panels::new((n, k), groups, group_of.clone(), src).unwrap();
-                assert_eq!(w.has_half_grids(), half, "{group_of:?}");
+                assert_eq!(w.grids.is_f16(), half, "{group_of:?}");
                 out.push((group_of.clone(), src, w));
             }
         }
@@ -540,7 +535,7 @@ mod tests {
             for r in 0..n {
                 for p in 0..k {
                     let (want, got) = (definition(&src, &group_of, r, p), w.value(r, p));
-                    if w.has_half_grids() {
+                    if w.grids.is_f16() {
                         // `q · s − z · s` in f32 is `(q − z) · s` exactly for an f16 `s`.
                         assert_eq!(got.to_bits(), want.to_bits(), "{group_of:?} ({r}, {p})");
                     } else {
