@@ -343,17 +343,18 @@ impl Int4Panels {
         debug_assert!(acc.len() == x.m * PANEL && q < self.num_panels());
         let kernel = x.kernel;
         let (quads, blocks) = (self.slots.div_ceil(QUAD), self.slots.div_ceil(BLOCK));
-        let step = if x.m <= kernel.tile_rows() {
+        let step = if x.m <= kernel.tile_rows(Format::Int4) {
             blocks
         } else {
             STEP_BLOCKS
         };
         let codes = &self.codes[q * quads * QUAD_BYTES..][..quads * QUAD_BYTES];
-        // AVX-VNNI's 3-row tiles would each unpack the nibbles again in every pass: with
-        // several tiles, a step's codes are unpacked to bytes once, in L1, for all (batch 32,
-        // alternating runs: decode 91 against 87 tokens/s, prefill 109 against 97; no gain
+        // AVX-VNNI's row tiles would each unpack the nibbles again in every pass: with
+        // several tiles, a step's codes are unpacked to bytes once, in L1, for all (3-row
+        // tiles at batch 32, alternating runs: decode 91 against 87 tokens/s, prefill 109
+        // against 97; no gain
         // measured for `Avx2Madd`, whose 16-bit widening stays per tile).
-        let unpack = x.m > kernel.tile_rows() && kernel == DotKernel::AvxVnni;
+        let unpack = x.m > kernel.tile_rows(Format::Int4) && kernel == DotKernel::AvxVnni;
         UNPACKED.with_borrow_mut(|unpacked| {
             for b0 in (0..blocks).step_by(step) {
                 let b1 = (b0 + step).min(blocks);
@@ -388,7 +389,7 @@ impl Int4Panels {
         use super::intdot::TileGrids;
         let kernel = x.kernel;
         let (quads, blocks) = (self.slots.div_ceil(QUAD), self.slots.div_ceil(BLOCK));
-        for (i0, mr) in super::matmul::row_tiles(x.m, kernel.tile_rows()) {
+        for (i0, mr) in super::matmul::row_tiles(x.m, kernel.tile_rows(Format::Int4)) {
             let t = Int4Tile {
                 x: x.words[i0 * quads * WORDS..].as_ptr(),
                 w: self.codes[q * quads * QUAD_BYTES..].as_ptr(),

@@ -140,13 +140,13 @@ impl Int8Panels {
         debug_assert!(acc.len() == x.m * PANEL && q < self.num_panels());
         let kernel = x.kernel;
         let (quads, groups) = (self.k.div_ceil(QUAD), self.k.div_ceil(GROUP));
-        let step = if x.m <= kernel.tile_rows() {
+        let step = if x.m <= kernel.tile_rows(Format::Int8) {
             groups
         } else {
             BLOCK_GROUPS
         };
         for g0 in (0..groups).step_by(step) {
-            for (i0, mr) in super::matmul::row_tiles(x.m, kernel.tile_rows()) {
+            for (i0, mr) in super::matmul::row_tiles(x.m, kernel.tile_rows(Format::Int8)) {
                 let t = DotTile {
                     x: x.words[i0 * quads * WORDS..].as_ptr(),
                     stride: mr,
@@ -193,9 +193,9 @@ struct DotTile {
 impl DotTile {
     /// # Safety
     /// `kernel` runs on this CPU; the pointers cover what [`DotTile`] says; `mr == stride ≤
-    /// kernel.tile_rows()`.
+    /// kernel.tile_rows(Format::Int8)`.
     unsafe fn run(self, kernel: DotKernel, mr: usize) {
-        debug_assert!(mr == self.stride && mr <= kernel.tile_rows());
+        debug_assert!(mr == self.stride && mr <= kernel.tile_rows(Format::Int8));
         macro_rules! rows {
             ($f:ident, $($n:literal)*) => {
                 match mr {

@@ -2,7 +2,7 @@
 //! against one panel's blocks, summing codes × activation bytes in i32 and scaling each block
 //! once (`intdot::TileGrids`).
 
-use super::super::intdot::{DotKernel, TileGrids};
+use super::super::intdot::{DotKernel, Format, TileGrids};
 use super::super::packed::PANEL;
 use super::{QUAD, QUAD_BYTES, QUADS_PER_BLOCK, WORDS};
 
@@ -34,9 +34,9 @@ pub(super) struct Int4Tile {
 impl Int4Tile {
     /// # Safety
     /// `kernel` runs on this CPU; the pointers cover what [`Int4Tile`] says for `mr ≤
-    /// kernel.tile_rows()` rows.
+    /// kernel.tile_rows(Format::Int4)` rows.
     pub(super) unsafe fn run(self, kernel: DotKernel, mr: usize) {
-        debug_assert!(mr <= kernel.tile_rows());
+        debug_assert!(mr <= kernel.tile_rows(Format::Int4));
         macro_rules! rows {
             ($f:ident, $($n:literal)*) => {
                 match mr {
@@ -53,7 +53,7 @@ impl Int4Tile {
                 DotKernel::Vnni512 => rows!(vnni512, 5 6 7 8 9 10 11 12),
                 // One row in one sweep (decode, or a batch's last tile).
                 DotKernel::AvxVnni if mr == 1 => avx_vnni_row(self),
-                DotKernel::AvxVnni => rows!(avx_vnni, 2 3),
+                DotKernel::AvxVnni => rows!(avx_vnni, 2),
                 DotKernel::Avx2Madd if mr == 1 => avx2_maddubs_row(self),
                 DotKernel::Avx2Madd => rows!(avx2_madd, 2),
             }
