@@ -14,8 +14,11 @@
 # batching, and each slot a context of PROMPT_LEN + OUTPUT_LEN (+ 16).
 # The GGUF is bench/peers/export_gguf.py's, as in bench/peer_llamacpp.sh (target/peers, shared).
 # Environment: PRESET (default mixtral-bench-1b), THREADS (default: all cores), QUANT=int8
-# (moeserve `--quantization int8` against llama.cpp's Q8_0; default bf16 against bf16), PORT
-# (default 18131).
+# (moeserve `--quantization int8` against llama.cpp's Q8_0; default bf16 against bf16), QUANT=q4
+# (the GPTQ int4 checkpoint `moeserve quantize --bits 4 --group-size 128` makes of the preset,
+# models/PRESET-gptq-int4, against llama.cpp's Q4_K_M of the bf16 export, made by the
+# llama-quantize of the same build; both shared with bench/peer_llamacpp.sh; REST=int8 runs the
+# layers the checkpoint keeps in float as int8, as there), PORT (default 18131).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prompt_len=${1:-128}; output_len=${2:-64}; rounds=${3:-3}; levels=${4:-8,32}; num=${5:-2x}
@@ -25,7 +28,8 @@ source bench/common.sh
 case ${QUANT:-bf16} in
     bf16) gguf_type=bf16; ours=(--quantization none) ;;
     int8) gguf_type=q8_0; ours=(--quantization int8) ;;
-    *) echo "QUANT must be bf16 or int8" >&2; exit 2 ;;
+    q4) gguf_type=q4_k_m; ours=(--quantization "${REST:-none}") ;;
+    *) echo "QUANT must be bf16, int8 or q4" >&2; exit 2 ;;
 esac
 
 # Tools: cmake (to build llama-server) and gguf + numpy (to export the GGUF), in a venv.
@@ -48,15 +52,31 @@ if [[ ! -x $llama_server ]]; then
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON "${flags[@]}" \
         > "$work/cmake.log"
     "$venv/bin/cmake" --build target/peers/llama-server-build --target llama-server \
-        -j "$(nproc)" > "$work/build.log"
+        llama-quantize -j "$(nproc)" > "$work/build.log"
     llama_server=target/peers/llama-server-build/bin/llama-server
 fi
-gguf=target/peers/$preset-$gguf_type.gguf
-if [[ ! -f $gguf ]]; then
+export_gguf() { # $1: the GGUF to write, $2: q8_0 or nothing (bf16)
     mkdir -p target/peers
-    "$venv/bin/python" bench/peers/export_gguf.py "$model" "$gguf.tmp" \
-        $([[ $gguf_type = q8_0 ]] && echo q8_0)
-    mv "$gguf.tmp" "$gguf"
+    "$venv/bin/python" bench/peers/export_gguf.py "$model" "$1.tmp" $2
+    mv "$1.tmp" "$1"
+}
+gguf=target/peers/$preset-$gguf_type.gguf
+if [[ $gguf_type = q4_k_m ]]; then
+    if [[ ! -f $gguf ]]; then
+        bf16=target/peers/$preset-bf16.gguf
+        [[ -f $bf16 ]] || export_gguf "$bf16"
+        quantize=$(dirname "$llama_server")/llama-quantize
+        [[ -x $quantize ]] || "$venv/bin/cmake" --build target/peers/llama-server-build \
+            --target llama-quantize -j "$(nproc)" > "$work/build.log"
+        "$quantize" "$bf16" "$gguf.tmp" Q4_K_M "$threads" > "$work/quantize.log" 2>&1
+        mv "$gguf.tmp" "$gguf"
+    fi
+    quantized=models/$preset-gptq-int4
+    [[ -f $quantized/config.json ]] || "$bin" quantize --model "$model" --out "$quantized" \
+        --bits 4 --group-size 128 --threads "$threads"
+    model=$quantized
+elif [[ ! -f $gguf ]]; then
+    export_gguf "$gguf" "$([[ $gguf_type = q8_0 ]] && echo q8_0)"
 fi
 vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$model/config.json")
 largest=$(tr ',' '\n' <<< "$levels" | sort -n | tail -1)
@@ -74,7 +94,8 @@ trap 'stop_server; rm -rf "$work"' EXIT
 start_server() {
     case $1 in
         moeserve)
-            "$bin" serve --model "$model" --host 127.0.0.1 --port "$port" --threads "$threads" \
+            "$bin" serve --model "$model" --served-model-name "$preset" --host 127.0.0.1 \
+                --port "$port" --threads "$threads" \
                 --max-num-seqs "$largest" --kv-cache-memory 4GiB "${ours[@]}" \
                 > "$work/server.log" 2>&1 &
             ;;
