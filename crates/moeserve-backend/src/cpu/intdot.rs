@@ -145,10 +145,10 @@ impl DotKernel {
 
     /// Activation rows per kernel call for weights of `format` (its register budget: 2
     /// accumulators a row on AVX-512, 4 on AVX2, which `vpmaddwd`'s operands crowd further).
-    /// AVX-VNNI's int4 tiles hold 2 rows: with 3, the 12 sums, 3 broadcast words and a
-    /// vector of codes are more than AVX2's 16 registers, and the spills held int4 prefill
-    /// 22–28 % below the 2-row tiles (Sapphire Rapids, `MOESERVE_ISA=avx2`); int8's 3-row
-    /// tiles measured 2–5 % faster than 2-row ones there.
+    /// AVX-VNNI's int4 tiles hold 2 rows: 3 rows' 12 sums, 3 broadcast words and a vector
+    /// of codes take all of AVX2's 16 registers, and int4 prefill ran 15 % slower with them
+    /// (Sapphire Rapids, `MOESERVE_ISA=avx2`); int8's 3-row tiles measured 2–5 % faster than
+    /// 2-row ones there.
     pub fn tile_rows(self, format: Format) -> usize {
         match (self, format) {
             (DotKernel::Vnni512, _) => 12,

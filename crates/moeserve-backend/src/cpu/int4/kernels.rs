@@ -249,9 +249,8 @@ unsafe fn avx_vnni<const MR: usize>(t: Int4Tile) {
             // codes.
             for word in 0..WORDS {
                 if word > 0 {
-                    for dot in dots.iter_mut().flatten() {
-                        *dot = _mm256_slli_epi32::<8>(*dot);
-                    }
+                    // By value: a loop over `&mut` kept the sums on the stack.
+                    dots = dots.map(|row| row.map(|d| _mm256_slli_epi32::<8>(d)));
                 }
                 for j in j0..j1 {
                     let xs: [__m256i; MR] = std::array::from_fn(|i| {
@@ -287,9 +286,8 @@ unsafe fn avx2_madd<const MR: usize>(t: Int4Tile) {
             // x̂ = 2^8 · (2^8 · h + m) + l: the 16-bit high part, the sums × 256, then l.
             for pass in 0..2 {
                 if pass == 1 {
-                    for dot in dots.iter_mut().flatten() {
-                        *dot = _mm256_slli_epi32::<8>(*dot);
-                    }
+                    // By value: a loop over `&mut` kept the sums on the stack.
+                    dots = dots.map(|row| row.map(|d| _mm256_slli_epi32::<8>(d)));
                 }
                 for j in j0..j1 {
                     // A lane's four operands as 16-bit pairs: slots (0, 2) and (1, 3).
