@@ -57,7 +57,7 @@ if [[ ! -x $llama_server ]]; then
 fi
 export_gguf() { # $1: the GGUF to write, $2: q8_0 or nothing (bf16)
     mkdir -p target/peers
-    "$venv/bin/python" bench/peers/export_gguf.py "$model" "$1.tmp" $2
+    "$venv/bin/python" bench/peers/export_gguf.py "$model" "$1.tmp" ${2:-}
     mv "$1.tmp" "$1"
 }
 gguf=target/peers/$preset-$gguf_type.gguf
