@@ -352,8 +352,7 @@ impl Int4Panels {
         // AVX-VNNI's row tiles would each unpack the nibbles again in every pass: with
         // several tiles, a step's codes are unpacked to bytes once, in L1, for all (3-row
         // tiles at batch 32, alternating runs: decode 91 against 87 tokens/s, prefill 109
-        // against 97; no gain
-        // measured for `Avx2Madd`, whose 16-bit widening stays per tile).
+        // against 97; no gain measured for `Avx2Madd`, whose 16-bit widening stays per tile).
         let unpack = x.m > kernel.tile_rows(Format::Int4) && kernel == DotKernel::AvxVnni;
         UNPACKED.with_borrow_mut(|unpacked| {
             for b0 in (0..blocks).step_by(step) {
