@@ -175,8 +175,8 @@ unsafe fn vnni512<const MR: usize>(t: Int4Tile) {
 /// A quad's codes as four registers of 8 outputs × 4 slots (outputs 0–7, 8–15, 16–23, 24–31).
 ///
 /// # Safety
-/// The CPU supports AVX2 and F16C; `wp` points at a quad's [`QUAD_BYTES`].
-#[target_feature(enable = "avx2,f16c")]
+/// The CPU supports AVX2; `wp` points at a quad's [`QUAD_BYTES`].
+#[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn quad_codes_avx2(wp: *const u8) -> [std::arch::x86_64::__m256i; 4] {
     use std::arch::x86_64::*;
@@ -196,8 +196,8 @@ unsafe fn quad_codes_avx2(wp: *const u8) -> [std::arch::x86_64::__m256i; 4] {
 /// Quad `j`'s codes as [`quad_codes_avx2`] gives them, from the packed or the unpacked codes.
 ///
 /// # Safety
-/// The CPU supports AVX2 and F16C; quad `j` is inside `t`'s codes.
-#[target_feature(enable = "avx2,f16c")]
+/// The CPU supports AVX2; quad `j` is inside `t`'s codes.
+#[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn tile_codes_avx2(t: &Int4Tile, j: usize) -> [std::arch::x86_64::__m256i; 4] {
     use std::arch::x86_64::*;
@@ -217,8 +217,8 @@ unsafe fn tile_codes_avx2(t: &Int4Tile, j: usize) -> [std::arch::x86_64::__m256i
 /// them.
 ///
 /// # Safety
-/// The CPU supports AVX2 and F16C; `out` holds `UNPACKED_QUAD_BYTES` per quad of `codes`.
-#[target_feature(enable = "avx2,f16c")]
+/// The CPU supports AVX2; `out` holds `UNPACKED_QUAD_BYTES` per quad of `codes`.
+#[target_feature(enable = "avx2")]
 pub(super) unsafe fn unpack_avx2(codes: &[u8], out: &mut [u8]) {
     use std::arch::x86_64::*;
     assert!(out.len() * QUAD_BYTES == codes.len() * UNPACKED_QUAD_BYTES);
