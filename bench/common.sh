@@ -21,3 +21,11 @@ llama_cpp_source() {
     fi
     echo "$src"
 }
+# Points `model` at the GPTQ int4 checkpoint of the preset (models/PRESET-gptq-int4, groups of
+# 128), made by `moeserve quantize` the first time (about 10 minutes on 2 cores).
+use_gptq_int4() {
+    local quantized=models/$preset-gptq-int4
+    [[ -f $quantized/config.json ]] || "$bin" quantize --model "$model" --out "$quantized" \
+        --bits 4 --group-size 128 --threads "${threads:-$(nproc)}"
+    model=$quantized
+}

@@ -70,10 +70,7 @@ elif [[ $gguf_type = q4_k_m ]]; then
         "$py" bench/peers/quantize_gguf.py "$bf16" "$gguf.tmp" q4_k_m "$threads"
         mv "$gguf.tmp" "$gguf"
     fi
-    quantized=models/$preset-gptq-int4
-    [[ -f $quantized/config.json ]] || "$bin" quantize --model "$model" --out "$quantized" \
-        --bits 4 --group-size 128 --threads "$threads"
-    model=$quantized
+    use_gptq_int4
 else
     weights=$([[ $gguf_type = bf16 ]] && echo bf16 || echo "moeserve int8 / llama.cpp Q8_0")
     gguf=target/peers/$preset-$gguf_type.gguf

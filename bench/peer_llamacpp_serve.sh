@@ -71,10 +71,7 @@ if [[ $gguf_type = q4_k_m ]]; then
         "$quantize" "$bf16" "$gguf.tmp" Q4_K_M "$threads" > "$work/quantize.log" 2>&1
         mv "$gguf.tmp" "$gguf"
     fi
-    quantized=models/$preset-gptq-int4
-    [[ -f $quantized/config.json ]] || "$bin" quantize --model "$model" --out "$quantized" \
-        --bits 4 --group-size 128 --threads "$threads"
-    model=$quantized
+    use_gptq_int4
 elif [[ ! -f $gguf ]]; then
     export_gguf "$gguf" "$([[ $gguf_type = q8_0 ]] && echo q8_0)"
 fi
