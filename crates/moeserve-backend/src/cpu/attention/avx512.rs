@@ -11,10 +11,8 @@ const VALUE_HEADS: usize = 4;
 const VALUE_VECTORS: usize = 4;
 
 /// As `attend_scalar`, 16 lanes at a time:
-/// - scores, 16 keys at a time: each key's lane products are summed together with the other
-///   15 keys' by one transposing tree ([`sum_lanes_16`]), not one horizontal sum per key;
-///   every head of the group runs through a chunk of keys while it is in L1, so each key
-///   row comes from memory once;
+/// - scores, 16 keys at a time ([`chunk_scores`]): every head of the group runs through a
+///   chunk of keys while it is in L1, so each key row comes from memory once;
 /// - softmax of each head's row with a vectorised `exp` (`exp.rs`);
 /// - the output, an FMA chain over the rows in order held in registers, up to
 ///   [`VALUE_HEADS`] heads at a time, so each value row is loaded once for all of them.
@@ -35,21 +33,13 @@ pub(super) unsafe fn attend<T: KvElement>(
         for (b, keys) in a.slots.chunks(16).enumerate() {
             let next = &a.slots[(16 * b + 16).min(n)..(16 * b + 32).min(n)];
             a.keys.prefetch(next, 0, d);
-            for h in 0..group {
-                let q = a.q.as_ptr().add(h * d);
-                let mut lanes = [_mm512_setzero_ps(); 16];
-                for (l, slot) in lanes.iter_mut().zip(keys) {
-                    let k = a.keys.row(*slot, d).as_ptr();
-                    let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), T::load16(k));
-                    for c in (16..d).step_by(16) {
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(c)), T::load16(k.add(c)), acc);
-                    }
-                    *l = acc;
-                }
-                let sums = _mm512_mul_ps(sum_lanes_16(&lanes), _mm512_set1_ps(a.scale));
-                let row = scores.as_mut_ptr().add(h * n + 16 * b);
-                _mm512_mask_storeu_ps(row, mask(keys.len()), sums);
-            }
+            let chunk = ScoreChunk {
+                a,
+                keys,
+                first: 16 * b,
+                scores: scores.as_mut_ptr(),
+            };
+            chunk_scores(&chunk);
         }
         for (h, row) in scores.chunks_exact_mut(n).enumerate() {
             softmax(row, a.sink(h));
@@ -79,6 +69,117 @@ pub(super) unsafe fn attend<T: KvElement>(
                 dispatch!(1 1, 1 2, 1 3, 1 4, 2 1, 2 2, 2 3, 2 4,
                           3 1, 3 2, 3 3, 3 4, 4 1, 4 2, 4 3, 4 4);
             }
+        }
+    }
+}
+
+/// One chunk of up to 16 keys against every query head of the group.
+struct ScoreChunk<'p, 'q, T> {
+    a: &'p KvHeadQuery<'q, T>,
+    keys: &'p [usize],
+    /// The chunk's first key among the query's.
+    first: usize,
+    /// `[group, n]` scores.
+    scores: *mut f32,
+}
+
+/// The scaled scores of a chunk's keys for every head, into `scores`: each key's lane
+/// products summed with the other 15 keys' by one transposing tree ([`sum_lanes_16`]).
+/// Where the heads' query vectors fit in registers (a head of 16, 32, 64 or 128 columns), a
+/// few heads at a time hold them there and load each key row once for
+/// all of them ([`heads_in_registers`]); else each head loads its query and the rows again.
+/// The same products in the same order either way, so the same bits.
+///
+/// # Safety
+/// AVX-512F is available; `head_dim` is a multiple of 16.
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_scores<T: KvElement>(c: &ScoreChunk<'_, '_, T>) {
+    let (a, d) = (c.a, c.a.head_dim);
+    let group = a.q.len() / d;
+    let vectors = d / 16;
+    let per_pass = match vectors {
+        1 | 2 | 4 => 4,
+        8 => 2,
+        _ => 0,
+    };
+    unsafe {
+        if per_pass == 0 {
+            for h in 0..group {
+                one_head(c, h);
+            }
+            return;
+        }
+        for h0 in (0..group).step_by(per_pass) {
+            // Compile-time counts, so the query vectors stay in registers.
+            macro_rules! dispatch {
+                ($($h:literal $v:literal),*) => {
+                    match ((group - h0).min(per_pass), vectors) {
+                        $(($h, $v) => heads_in_registers::<T, $h, $v>(c, h0),)*
+                        _ => unreachable!("1..=4 heads of 1, 2 or 4 vectors, 1..=2 of 8"),
+                    }
+                };
+            }
+            dispatch!(1 1, 2 1, 3 1, 4 1, 1 2, 2 2, 3 2, 4 2,
+                      1 4, 2 4, 3 4, 4 4, 1 8, 2 8);
+        }
+    }
+}
+
+/// Head `h`'s scores of the chunk, its query and the key rows loaded per key.
+///
+/// # Safety
+/// As [`chunk_scores`]; `h` is inside the group.
+#[target_feature(enable = "avx512f")]
+unsafe fn one_head<T: KvElement>(c: &ScoreChunk<'_, '_, T>, h: usize) {
+    let (a, d, n) = (c.a, c.a.head_dim, c.a.slots.len());
+    unsafe {
+        let q = a.q.as_ptr().add(h * d);
+        let mut lanes = [_mm512_setzero_ps(); 16];
+        for (l, slot) in lanes.iter_mut().zip(c.keys) {
+            let k = a.keys.row(*slot, d).as_ptr();
+            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(q), T::load16(k));
+            for col in (16..d).step_by(16) {
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(col)), T::load16(k.add(col)), acc);
+            }
+            *l = acc;
+        }
+        let sums = _mm512_mul_ps(sum_lanes_16(&lanes), _mm512_set1_ps(a.scale));
+        let row = c.scores.add(h * n + c.first);
+        _mm512_mask_storeu_ps(row, mask(c.keys.len()), sums);
+    }
+}
+
+/// Heads `h0..h0 + HEADS`' scores of the chunk, their query vectors in registers and each key
+/// row loaded once for all of them: the products of [`one_head`], in its order.
+///
+/// # Safety
+/// As [`chunk_scores`]; `head_dim` is `16 · VECS`; the heads are inside the group.
+#[target_feature(enable = "avx512f")]
+unsafe fn heads_in_registers<T: KvElement, const HEADS: usize, const VECS: usize>(
+    c: &ScoreChunk<'_, '_, T>,
+    h0: usize,
+) {
+    let (a, d, n) = (c.a, c.a.head_dim, c.a.slots.len());
+    unsafe {
+        let q: [[__m512; VECS]; HEADS] = std::array::from_fn(|h| {
+            std::array::from_fn(|v| _mm512_loadu_ps(a.q.as_ptr().add((h0 + h) * d + 16 * v)))
+        });
+        let mut lanes = [[_mm512_setzero_ps(); 16]; HEADS];
+        for (j, slot) in c.keys.iter().enumerate() {
+            let k = a.keys.row(*slot, d).as_ptr();
+            let key: [__m512; VECS] = std::array::from_fn(|v| T::load16(k.add(16 * v)));
+            for (lanes, q) in lanes.iter_mut().zip(&q) {
+                let mut acc = _mm512_mul_ps(q[0], key[0]);
+                for v in 1..VECS {
+                    acc = _mm512_fmadd_ps(q[v], key[v], acc);
+                }
+                lanes[j] = acc;
+            }
+        }
+        for (h, lanes) in lanes.iter().enumerate() {
+            let sums = _mm512_mul_ps(sum_lanes_16(lanes), _mm512_set1_ps(a.scale));
+            let row = c.scores.add((h0 + h) * n + c.first);
+            _mm512_mask_storeu_ps(row, mask(c.keys.len()), sums);
         }
     }
 }
@@ -198,6 +299,71 @@ unsafe fn softmax(row: &mut [f32], sink: Option<f32>) {
             let m = mask_of(c);
             let e = _mm512_maskz_loadu_ps(m, p.add(16 * c));
             _mm512_mask_storeu_ps(p.add(16 * c), m, _mm512_mul_ps(e, inv));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::attention::HeadRows;
+
+    #[test]
+    fn query_heads_in_registers_give_the_bits_of_one_head_at_a_time() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let value =
+            |i: usize, seed: usize| ((i * 2654435761 + seed * 97) % 1009) as f32 / 500.0 - 1.0;
+        // Every head width the registers take (1, 2, 4, 8 vectors) with every group size up to
+        // 8 (so every pass of 1..=4 or 1..=2 heads), a tail chunk (29 keys), and a width they
+        // do not take (3 vectors).
+        for (head_dim, group) in [16, 32, 64, 128, 48]
+            .into_iter()
+            .flat_map(|d| (1..=8).map(move |g| (d, g)))
+        {
+            let stride = 2 * head_dim;
+            let slots: Vec<usize> = (0..29).map(|i| (i * 7) % 40).collect();
+            let rows: Vec<f32> = (0..40 * stride).map(|i| value(i, 1)).collect();
+            let q: Vec<f32> = (0..group * head_dim).map(|i| value(i, 2)).collect();
+            let heads = HeadRows {
+                data: &rows,
+                stride,
+                offset: head_dim,
+            };
+            let a = KvHeadQuery {
+                q: &q,
+                head_dim,
+                value_dim: head_dim,
+                scale: 0.125,
+                keys: heads,
+                values: heads,
+                slots: &slots,
+                sinks: None,
+            };
+            // The path `attend` takes, against each head alone.
+            let scores = |in_registers: bool| {
+                let mut scores = vec![f32::NAN; group * slots.len()];
+                for (b, keys) in slots.chunks(16).enumerate() {
+                    let chunk = ScoreChunk {
+                        a: &a,
+                        keys,
+                        first: 16 * b,
+                        scores: scores.as_mut_ptr(),
+                    };
+                    // SAFETY: AVX-512F was detected; head_dim is a multiple of 16.
+                    unsafe {
+                        match in_registers {
+                            true => chunk_scores(&chunk),
+                            false => (0..group).for_each(|h| one_head(&chunk, h)),
+                        }
+                    }
+                }
+                scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let (fast, general) = (scores(true), scores(false));
+            assert!(general.iter().all(|b| f32::from_bits(*b).is_finite()));
+            assert_eq!(fast, general, "head_dim {head_dim}, group {group}");
         }
     }
 }
