@@ -1,7 +1,8 @@
 // The kernels of cuda/ run on the CPU emulator (emulator.h) against scalar references: the
 // experts' GEMM that reads the segment offsets on the device, the combine's ascending-expert
 // order, greedy argmax with refused rows, paged attention (GQA and MLA, prefill and decode
-// tiles, windows, sinks, split and not), the router (softmax top-k, bias, ties, capacity),
+// tiles, windows, sinks, split and not), the router (softmax top-k, bias, ties, capacity; every
+// family's scoring: sigmoid, correction bias, groups, scale),
 // segment offsets and permute, RMSNorm (residual and strided rows), RoPE and MLA's RoPE (both
 // pairings), the KV and latent writes, the activations, the families' elementwise options, the
 // embedding and the logits rows' gather. Built and run by
@@ -310,8 +311,9 @@ static void router_and_permute() {
         std::vector<int> ids(tokens * top_k), slots(tokens * top_k), counts(experts, 0);
         std::vector<float> weights(tokens * top_k);
         emu::launch({(unsigned)(tokens + 3) / 4, 1, 1}, {128, 1, 1}, [&] {
-            route_top_k<float>(logits.data(), bias.data(), ids.data(), weights.data(),
-                               slots.data(), counts.data(), tokens, experts, top_k, capacity, 1);
+            route_top_k<float>(logits.data(), bias.data(), nullptr, ids.data(), weights.data(),
+                               slots.data(), counts.data(), tokens, experts, top_k, capacity, 1,
+                               0, 1, 1, 0, 1.0f);
         });
         bool same = true;
         std::vector<std::vector<int>> seen(experts);
@@ -376,6 +378,92 @@ static void router_and_permute() {
                                  permuted.begin() + (size_t)row * hidden);
         }
         expect(placed, "offsets and permute after the " + what);
+    }
+}
+
+// Every family's router against the CPU's (`moe/router.rs`: `Ranking::rank_scored`, then
+// `capacity::assign` dropless): DeepSeek-V3's `noaux_tc` (sigmoid, ranked with the correction
+// bias, 8 groups of 32 scored by their two best, 4 kept, weights from the unbiased scores,
+// renormalised, scaled), GLM-4.5's (the same in one group), DeepSeek-V2's `group_limited_greedy`
+// (softmax, groups by their best) and Qwen's softmax without renormalisation. Ties between
+// groups and between experts go to the lower index. The bias moves the choice away from the
+// plain scores, so a kernel that ranked without it, or weighted with it, would fail.
+static void scored_routers() {
+    struct Case {
+        const char* name;
+        int experts, top_k, sigmoid, groups, keep, renormalize;
+        float scale;
+    };
+    for (const Case& c : {Case{"DeepSeek-V3 noaux_tc", 256, 8, 1, 8, 4, 1, 2.5f},
+                          Case{"GLM-4.5 sigmoid, one group", 160, 8, 1, 1, 1, 1, 1.0f},
+                          Case{"DeepSeek-V2 group_limited_greedy", 160, 6, 0, 8, 3, 1, 16.0f},
+                          Case{"softmax, no renormalisation", 64, 8, 0, 1, 1, 0, 1.0f}}) {
+        const int tokens = 23, E = c.experts, K = c.top_k;
+        auto logits = random((size_t)tokens * E, 70 + E, 3.0f);
+        // Token 0: every logit equal, so expert and group ties decide it.
+        std::fill(logits.begin(), logits.begin() + E, 0.25f);
+        // Token 1: group 0 holds the single best expert and nothing else, every other group
+        // two good ones; by the sum of their two best (noaux_tc) group 0 is out, by its best it
+        // would be in.
+        const int size = E / c.groups;
+        std::fill(logits.begin() + E, logits.begin() + 2 * E, -6.0f);
+        logits[E] = 6.0f;
+        for (int g = 1; g < c.groups; ++g) logits[E + g * size] = logits[E + g * size + 1] = 2.0f;
+        auto correction = random(E, 71, 0.3f);
+        std::fill(correction.begin(), correction.begin() + E / 2, 0.0f);
+        std::vector<int> ids(tokens * K), slots(tokens * K), counts(E, 0);
+        std::vector<float> weights(tokens * K);
+        emu::launch({(unsigned)(tokens + 3) / 4, 1, 1}, {128, 1, 1}, [&] {
+            route_top_k<float>(logits.data(), nullptr, c.sigmoid ? correction.data() : nullptr,
+                               ids.data(), weights.data(), slots.data(), counts.data(), tokens,
+                               E, K, 0, c.renormalize, c.sigmoid, c.groups, c.keep, c.sigmoid,
+                               c.scale);
+        });
+        bool same = true;
+        for (int t = 0; t < tokens; ++t) {
+            std::vector<float> score(E), choice(E);
+            const float* row = &logits[(size_t)t * E];
+            if (c.sigmoid) {
+                for (int e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-row[e]));
+            } else {
+                float m = row[0], sum = 0.0f;
+                for (int e = 0; e < E; ++e) m = std::max(m, row[e]);
+                for (int e = 0; e < E; ++e) sum += (score[e] = std::exp(row[e] - m));
+                for (auto& v : score) v *= 1.0f / sum;
+            }
+            for (int e = 0; e < E; ++e) choice[e] = score[e] + (c.sigmoid ? correction[e] : 0.0f);
+            std::vector<std::pair<float, int>> group_score;
+            for (int g = 0; g < c.groups; ++g) {
+                std::vector<float> m(choice.begin() + g * size, choice.begin() + (g + 1) * size);
+                std::sort(m.begin(), m.end(), std::greater<float>());
+                group_score.push_back({c.sigmoid && size > 1 ? m[0] + m[1] : m[0], g});
+            }
+            std::stable_sort(group_score.begin(), group_score.end(),
+                             [](auto a, auto b) { return a.first > b.first; });
+            for (int j = c.keep; j < c.groups; ++j)
+                for (int e = 0; e < size; ++e)
+                    choice[group_score[j].second * size + e] = -INFINITY;
+            std::vector<int> order(E);
+            for (int e = 0; e < E; ++e) order[e] = e;
+            std::stable_sort(order.begin(), order.end(),
+                             [&](int a, int b) { return choice[a] > choice[b]; });
+            float kept = 0.0f;
+            for (int j = 0; j < K; ++j) kept += score[order[j]];
+            for (int j = 0; j < K; ++j) {
+                const float w = (c.renormalize ? score[order[j]] / kept : score[order[j]]) * c.scale;
+                same &= ids[t * K + j] == order[j];
+                // The warp sums the softmax's denominator in another order than the CPU: a row
+                // of one large and many tiny probabilities differs by a few 1e-6.
+                same &= std::fabs(weights[t * K + j] - w) <= 1e-5f * std::max(1.0f, c.scale);
+                same &= slots[t * K + j] >= 0;
+            }
+        }
+        expect(same, std::string("router: ") + c.name);
+        // Token 0's tie: the lowest experts of the lowest groups.
+        if (!c.sigmoid) expect(ids[0] == 0 && ids[1] == 1, std::string("router ties: ") + c.name);
+        if (c.sigmoid && c.groups > 1)
+            expect(std::find(&ids[K], &ids[2 * K], 0) == &ids[2 * K],
+                   std::string("router: group 0 out by its two best: ") + c.name);
     }
 }
 
@@ -564,6 +652,7 @@ static void elementwise() {
 int main() {
     elementwise();
     router_and_permute();
+    scored_routers();
     norms();
     ropes();
     cache_writes();

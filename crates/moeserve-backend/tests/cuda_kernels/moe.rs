@@ -1,11 +1,11 @@
 //! The MoE block on the device: the router kernel (top-k, renormalised weights, slots) against a
-//! scalar router written as the CPU's (`moeserve-model` `moe/router.rs`: softmax, ties to the
-//! lower expert, renormalise), and a whole expert layer (router → offsets → permute → grouped
+//! scalar router written as the CPU's (`moeserve-model` `moe/router.rs`: softmax or sigmoid
+//! with a correction bias, groups, ties to the lower expert, renormalise, scale), and a whole expert layer (router → offsets → permute → grouped
 //! GEMM → SwiGLU → grouped GEMM → unpermute) against `Σ w · w2(silu(w1 x) · w3 x)`.
 
 use moeserve_backend::cpu;
 use moeserve_backend::cuda::gemm::{GroupedGemm, grouped_expert_matmul};
-use moeserve_backend::cuda::ops::{self, DeviceRouting, RouteArgs};
+use moeserve_backend::cuda::ops::{self, DeviceRouting, RouteArgs, RouterGroups, RouterScores};
 use moeserve_backend::cuda::{CudaBackend, CudaElement, CudaSlice};
 
 use crate::common::*;
@@ -50,6 +50,18 @@ fn route_on<T: CudaElement>(
     capacity: Option<usize>,
     renormalize: bool,
 ) -> RouterBuffers {
+    let softmax = RouterScores::Softmax { groups: None };
+    route_scored(gpu, logits, shape, (capacity, renormalize), softmax, 1.0)
+}
+
+fn route_scored<T: CudaElement>(
+    gpu: &CudaBackend,
+    logits: &CudaSlice<T>,
+    shape: (usize, usize, usize),
+    (capacity, renormalize): (Option<usize>, bool),
+    scores: RouterScores<'_>,
+    scale: f32,
+) -> RouterBuffers {
     let (tokens, experts, top_k) = shape;
     let mut b = RouterBuffers {
         ids: gpu.zeros(tokens * top_k).unwrap(),
@@ -69,6 +81,8 @@ fn route_on<T: CudaElement>(
             top_k,
             capacity,
             renormalize,
+            scores,
+            scale,
         },
     )
     .unwrap();
@@ -133,6 +147,121 @@ fn router_matches_the_cpu_router<T: CudaElement>() {
     }
 }
 for_each_dtype!(router_matches_the_cpu_router, router_matches_the_cpu_router);
+
+/// `(expert ids, weights)` of every token under DeepSeek's routers, as the CPU router's
+/// `Ranking::rank_scored` and `capacity::assign` compute them (dropless): softmax or sigmoid
+/// scores; ranked by the scores plus `correction`; only the experts of the `keep` best groups
+/// (scored by their best, or with sigmoid by the sum of their two best, ties to the lower
+/// group); the weights renormalised in rank order, then scaled.
+fn reference_scored(
+    logits: &[f32],
+    experts: usize,
+    top_k: usize,
+    (sigmoid, correction): (bool, Option<&[f32]>),
+    (groups, keep): (usize, usize),
+    scale: f32,
+) -> (Vec<i32>, Vec<f32>) {
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    let size = experts / groups;
+    for row in logits.chunks_exact(experts) {
+        let mut scores = row.to_vec();
+        if sigmoid {
+            scores
+                .iter_mut()
+                .for_each(|x| *x = 1.0 / (1.0 + (-*x).exp()));
+        } else {
+            cpu::softmax_in_place(&mut scores);
+        }
+        let mut choice = scores.clone();
+        if let Some(c) = correction {
+            choice.iter_mut().zip(c).for_each(|(v, b)| *v += b);
+        }
+        let mut group_scores: Vec<(f32, usize)> = choice
+            .chunks_exact(size)
+            .enumerate()
+            .map(|(g, members)| {
+                let mut sorted = members.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                let score = if sigmoid && size > 1 {
+                    sorted[0] + sorted[1]
+                } else {
+                    sorted[0]
+                };
+                (score, g)
+            })
+            .collect();
+        group_scores.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(_, g) in &group_scores[keep..] {
+            choice[g * size..(g + 1) * size].fill(f32::NEG_INFINITY);
+        }
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|a, b| choice[*b].total_cmp(&choice[*a]).then(a.cmp(b)));
+        let sum: f32 = order[..top_k].iter().map(|e| scores[*e]).sum();
+        for e in &order[..top_k] {
+            ids.push(*e as i32);
+            weights.push(scores[*e] / sum * scale);
+        }
+    }
+    (ids, weights)
+}
+
+/// DeepSeek-V3's `noaux_tc` (sigmoid, correction bias, 8 groups of 32 scored by their two
+/// best, 4 kept, top 8, scaled by 2.5), the same without groups (GLM-4.5's single group), and
+/// DeepSeek-V2's `group_limited_greedy` (softmax, 8 groups of 20 by their best, 3 kept, top 6)
+/// on the device, against the CPU's computation. The correction bias is large enough to move
+/// the choice away from the plain scores, so a kernel that ignored it would fail.
+fn grouped_routers_match_the_cpu_router<T: CudaElement>() {
+    let Some(gpu) = gpu() else { return };
+    for (experts, top_k, sigmoid, groups, keep, scale) in [
+        (256, 8, true, 8, 4, 2.5),
+        (160, 8, true, 1, 1, 1.0),
+        (160, 6, false, 8, 3, 1.0),
+    ] {
+        let tokens = 19;
+        let (logits, logits_f32) =
+            rounded::<T>(&random(tokens * experts, 50 + experts as u64, 3.0));
+        let logits_d = upload(gpu, &logits);
+        let correction = random(experts, 51, 0.3);
+        let correction_d = upload(gpu, &correction);
+        let limit = (groups > 1).then_some(RouterGroups { groups, keep });
+        let scores = if sigmoid {
+            RouterScores::Sigmoid {
+                correction: Some(correction_d.as_view()),
+                groups: limit,
+            }
+        } else {
+            RouterScores::Softmax { groups: limit }
+        };
+        let shape = (tokens, experts, top_k);
+        let r = download(
+            gpu,
+            &route_scored(gpu, &logits_d, shape, (None, true), scores, scale),
+        );
+        let correction = sigmoid.then_some(&correction[..]);
+        let (want_ids, want_weights) = reference_scored(
+            &logits_f32,
+            experts,
+            top_k,
+            (sigmoid, correction),
+            (groups, keep),
+            scale,
+        );
+        let what = format!("{experts} experts, sigmoid {sigmoid}, {groups} groups");
+        assert_eq!(r.ids, want_ids, "{what}");
+        assert_close(
+            &what,
+            moeserve_core::DType::F32,
+            &r.weights,
+            &want_weights,
+            1e-12,
+        );
+        assert_slots_partition(&r, experts, None);
+    }
+}
+for_each_dtype!(
+    grouped_routers_match_the_cpu_router,
+    grouped_routers_match_the_cpu_router
+);
 
 /// Without `norm_topk_prob` (Qwen2-MoE, OLMoE) the chosen pairs keep their softmax
 /// probabilities over all experts.

@@ -20,7 +20,8 @@
 //! into pinned memory at the end, with one wait. `plan.rs` says what a step queues
 //! ([`step_plan`]), and the GPU test checks the backend's counts against it.
 //!
-//! Routing: dropless steps route on the device (`moe_router.cu`); a small step's experts then
+//! Routing: dropless steps route on the device (`moe_router.cu`: every family's softmax or
+//! sigmoid scores, groups, correction bias and scale); a small step's experts then
 //! run on the GEMM that reads the segment offsets on the device (`moe_gemm.cu`), so no layer
 //! waits for the host. With a capacity factor the
 //! router logits are copied back and routed on the host by the CPU's own `moe::route` (drop,
@@ -305,8 +306,9 @@ struct DeviceMoe<T> {
     router_bias: Option<CudaSlice<f32>>,
     /// The same bias on the host, for routing there (capacity factor).
     router_bias_host: Option<Vec<f32>>,
-    /// `gate.e_score_correction_bias` (sigmoid scoring), on the host: routers other than
-    /// Mixtral's softmax route there.
+    /// `gate.e_score_correction_bias` (sigmoid scoring) on the device, for the router kernel,
+    /// and on the host, for routing there (capacity factor, expert parallelism).
+    correction: Option<CudaSlice<f32>>,
     correction_bias: Option<Vec<f32>>,
     /// Per expert `[w1; w3]`: `[2 · intermediate, hidden]` (gate rows, then up rows).
     w13: Vec<CudaSlice<T>>,
@@ -536,6 +538,11 @@ impl<T: CudaElement> DeviceModel<T> {
                     gate: get(Tensor::Gate(l))?,
                     router_bias: None,
                     router_bias_host: None,
+                    correction: correction_bias
+                        .as_deref()
+                        .map(|b| gpu.upload(b))
+                        .transpose()
+                        .map_err(backend)?,
                     correction_bias,
                     w13,
                     w2,

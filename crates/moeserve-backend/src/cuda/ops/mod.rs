@@ -21,8 +21,9 @@ pub use elementwise::{
 };
 pub use mla::{LatentRopeArgs, LatentShape, mla_copy_rope, mla_rope, write_latent};
 pub use moe::{
-    DeviceRouting, ExpertTable, MOE_GEMM_ROWS, RouteArgs, moe_grouped_gemm, moe_permute,
-    moe_segment_offsets, moe_unpermute, route_top_k,
+    DeviceRouting, ExpertTable, MOE_GEMM_ROWS, RouteArgs, RouterGroups, RouterScores,
+    moe_grouped_gemm, moe_permute, moe_segment_offsets, moe_unpermute, route_top_k,
+    router_kernel_takes,
 };
 pub use rows::{
     EmbeddingArgs, GatherRowsArgs, RmsNormArgs, RopeArgs, WriteKvArgs, embedding, fill_uniform,
@@ -42,6 +43,7 @@ pub(super) const ATTENTION_THREADS: u32 = 128;
 /// Limits compiled into moe_router.cu.
 pub(super) const MAX_EXPERTS: usize = 256;
 pub(super) const MAX_TOP_K: usize = 8;
+pub(super) const MAX_ROUTER_GROUPS: usize = 32;
 
 pub(super) fn per_row(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {

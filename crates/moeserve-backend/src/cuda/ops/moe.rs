@@ -6,12 +6,14 @@ use std::marker::PhantomData;
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{
-    MAX_EXPERTS, MAX_TOP_K, ROUTER_WARPS, ROW_THREADS, check, check_len, per_row, typed, untyped,
+    MAX_EXPERTS, MAX_ROUTER_GROUPS, MAX_TOP_K, ROUTER_WARPS, ROW_THREADS, check, check_len,
+    per_row, typed, untyped,
 };
 use crate::cuda::kernels::KernelFile;
 use crate::cuda::{CudaBackend, CudaElement, CudaError, CudaSlice, CudaView, CudaViewMut};
 
-/// The router: softmax, top-k, renormalise, capacity slots (see moe_router.cu).
+/// The router: scores (softmax or sigmoid), group limit, top-k, renormalise, scale, capacity
+/// slots (see moe_router.cu).
 pub struct RouteArgs<'a, T> {
     /// `[num_tokens, num_experts]`
     pub logits: CudaView<'a, T>,
@@ -28,6 +30,51 @@ pub struct RouteArgs<'a, T> {
     pub capacity: Option<usize>,
     /// Whether the kept weights are renormalised to sum to 1 (`norm_topk_prob`).
     pub renormalize: bool,
+    /// How the logits become rankings and weights.
+    pub scores: RouterScores<'a>,
+    /// `routed_scaling_factor`: every kept weight is multiplied by it, after renormalising.
+    pub scale: f32,
+}
+
+/// How a router scores its experts ([`RouteArgs::scores`]), as the CPU router's `Scoring`.
+pub enum RouterScores<'a> {
+    /// Softmax over all experts (Mixtral, Qwen, OLMoE); with `groups`, ranked within the best
+    /// groups by their best probability (DeepSeek-V2's `group_limited_greedy`).
+    Softmax { groups: Option<RouterGroups> },
+    /// `sigmoid(logit)` weights, ranked by them plus `correction` (`e_score_correction_bias`,
+    /// `[num_experts]`) within the best groups by the sum of their two best (DeepSeek-V3's
+    /// `noaux_tc`, GLM-4.5).
+    Sigmoid {
+        correction: Option<CudaView<'a, f32>>,
+        groups: Option<RouterGroups>,
+    },
+}
+
+/// Only the experts of the `keep` best of `groups` equal groups are ranked (`n_group`,
+/// `topk_group`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouterGroups {
+    pub groups: usize,
+    pub keep: usize,
+}
+
+/// Whether [`route_top_k`] takes a router of `experts` experts choosing `top_k` with `scores`
+/// (the limits compiled into moe_router.cu; groups that divide the experts and hold `top_k`).
+pub fn router_kernel_takes(experts: usize, top_k: usize, scores: &RouterScores<'_>) -> bool {
+    let groups = match *scores {
+        RouterScores::Softmax { groups } | RouterScores::Sigmoid { groups, .. } => groups,
+    };
+    (1..=MAX_EXPERTS).contains(&experts)
+        && (1..=MAX_TOP_K.min(experts)).contains(&top_k)
+        && groups.is_none_or(|g| groups_fit(g, experts, top_k))
+}
+
+/// `g` fits the kernel and `experts` experts choosing `top_k`.
+fn groups_fit(RouterGroups { groups, keep }: RouterGroups, experts: usize, top_k: usize) -> bool {
+    (1..=MAX_ROUTER_GROUPS).contains(&groups)
+        && experts.is_multiple_of(groups)
+        && (1..=groups).contains(&keep)
+        && top_k <= keep * (experts / groups)
 }
 
 pub fn route_top_k<T: CudaElement>(
@@ -57,6 +104,25 @@ pub fn route_top_k<T: CudaElement>(
     if let Some(bias) = &a.bias {
         check_len("route_top_k", "bias", bias.len(), e)?;
     }
+    let (sigmoid, correction, groups) = match a.scores {
+        RouterScores::Softmax { groups } => (false, None, groups),
+        RouterScores::Sigmoid { correction, groups } => (true, correction, groups),
+    };
+    if let Some(c) = &correction {
+        check_len("route_top_k", "correction", c.len(), e)?;
+    }
+    if let Some(g @ RouterGroups { groups, keep }) = groups {
+        check("route_top_k", groups_fit(g, e, a.top_k), || {
+            format!(
+                "{keep} of {groups} groups of {e} experts for top_k {} (at most \
+                     {MAX_ROUTER_GROUPS} groups, dividing the experts, holding top_k)",
+                a.top_k
+            )
+        })?;
+    }
+    check("route_top_k", a.scale.is_finite() && a.scale > 0.0, || {
+        format!("scale {} (a number above 0)", a.scale)
+    })?;
     b.memset_zeros(&mut a.expert_counts)?;
     if n == 0 {
         return Ok(());
@@ -65,11 +131,20 @@ pub fn route_top_k<T: CudaElement>(
     let (num_tokens, num_experts, top_k) = (n as i32, e as i32, a.top_k as i32);
     let capacity = a.capacity.unwrap_or(0) as i32;
     let renormalize = i32::from(a.renormalize);
+    let sigmoid = i32::from(sigmoid);
+    // No limit: one group holding every expert.
+    let (groups, keep) = groups.map_or((1, 1), |g| (g.groups as i32, g.keep as i32));
+    // A sigmoid router's groups score the sum of their two best, a softmax router's their best.
+    let group_top_two = sigmoid;
     let null = 0u64;
     let mut l = b.stream().launch_builder(&f);
     l.arg(&a.logits);
     match &a.bias {
         Some(bias) => l.arg(bias),
+        None => l.arg(&null),
+    };
+    match &correction {
+        Some(c) => l.arg(c),
         None => l.arg(&null),
     };
     l.arg(&mut a.topk_ids)
@@ -80,7 +155,12 @@ pub fn route_top_k<T: CudaElement>(
         .arg(&num_experts)
         .arg(&top_k)
         .arg(&capacity)
-        .arg(&renormalize);
+        .arg(&renormalize)
+        .arg(&sigmoid)
+        .arg(&groups)
+        .arg(&keep)
+        .arg(&group_top_two)
+        .arg(&a.scale);
     let blocks = (n as u32).div_ceil(ROUTER_WARPS);
     // SAFETY: lengths and the kernel's compiled limits checked above.
     unsafe {

@@ -1,7 +1,11 @@
 //! The host's share of a CUDA step: the index arrays the kernels read (positions, slots, block
 //! tables, logit rows) and routings made on the host in the kernels' layout.
 
-use moeserve_backend::cuda::ops::{MOE_GEMM_ROWS, Split, attention_tiles, rows_per_block};
+use moeserve_backend::cuda::CudaView;
+use moeserve_backend::cuda::ops::{
+    MOE_GEMM_ROWS, RouterGroups, RouterScores, Split, attention_tiles, router_kernel_takes,
+    rows_per_block,
+};
 
 use crate::Result;
 use crate::batch::{BatchLimits, ForwardBatch, TokenPlace};
@@ -9,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::kv_cache::slot_of;
 use crate::models::LogitsFor;
 use crate::moe::record::LayerRouting;
-use crate::moe::{Capacity, RoutedStep, RoutingCounts, Scoring};
+use crate::moe::{Capacity, GroupLimit, RoutedStep, RoutingCounts, Scoring};
 
 /// The host-side layout of one step: what the kernels index by.
 pub(super) struct StepInputs {
@@ -91,14 +95,40 @@ pub(crate) fn partial_floats(c: &ModelConfig, split: Split, tokens: usize) -> us
     split.partial_floats(tokens, heads, value_dim)
 }
 
-/// Whether a step's MoE layers route on the device: Mixtral's softmax top-k (what the router
-/// kernel computes), dropless, on one GPU. Anything else routes on the host with the CPU's
-/// router (capacity, sigmoid scoring and groups, placement slots).
+/// Whether a step's MoE layers route on the device: dropless, on one GPU, with a router the
+/// kernel takes ([`device_router_scores`]; every family's scoring, within its compiled limits).
+/// Anything else routes on the host with the CPU's router (a capacity, whose overflow must be
+/// chosen in token order; the placement's slots under expert parallelism).
 pub(crate) fn routes_on_device(c: &ModelConfig, capacity: Capacity, expert_parallel: bool) -> bool {
     capacity == Capacity::Dropless
         && !expert_parallel
-        && c.router_scoring == Scoring::Softmax
-        && c.routed_scaling_factor == 1.0
+        && router_kernel_takes(
+            c.num_local_experts,
+            c.num_experts_per_tok,
+            &device_router_scores(c.router_scoring, None),
+        )
+}
+
+/// The router kernel's scoring for the CPU router's `scoring`, with the layer's
+/// `e_score_correction_bias` on the device (sigmoid scoring).
+pub(crate) fn device_router_scores(
+    scoring: Scoring,
+    correction: Option<CudaView<'_, f32>>,
+) -> RouterScores<'_> {
+    let limit = |g: GroupLimit| RouterGroups {
+        groups: g.groups,
+        keep: g.keep,
+    };
+    match scoring {
+        Scoring::Softmax => RouterScores::Softmax { groups: None },
+        Scoring::SoftmaxGrouped { group_limit } => RouterScores::Softmax {
+            groups: Some(limit(group_limit)),
+        },
+        Scoring::Sigmoid { group_limit } => RouterScores::Sigmoid {
+            correction,
+            groups: group_limit.map(limit),
+        },
+    }
 }
 
 /// Whether a device-routed step of `tokens` tokens runs its experts on the GEMM that reads the
@@ -327,6 +357,40 @@ mod tests {
         assert_eq!(sampled, 3);
         assert_eq!(greedy_order(&[false, false]), (vec![0, 1], 2));
         assert_eq!(greedy_order(&[true]), (vec![0], 0));
+    }
+
+    /// Every family's dropless router runs on the device, within the kernel's limits; a
+    /// capacity, expert parallelism or a router past those limits routes on the host.
+    #[test]
+    fn dropless_routers_within_the_kernels_limits_route_on_the_device() {
+        use crate::models::cuda::plan::tests::config;
+        use moeserve_formats::presets::Preset;
+        for preset in [
+            Preset::Mixtral8x7b2l,
+            Preset::Qwen3Moe30bA3b2l,
+            Preset::DeepseekV2Lite2l,
+            Preset::DeepseekV32l,
+            Preset::GptOss20b2l,
+        ] {
+            let c = config(preset, 2);
+            assert!(
+                routes_on_device(&c, Capacity::Dropless, false),
+                "{preset:?}"
+            );
+            assert!(
+                !routes_on_device(&c, Capacity::Dropless, true),
+                "{preset:?}, EP"
+            );
+            let capacity = Capacity::from_factor(Some(1.0), crate::moe::OverflowPolicy::Drop);
+            assert!(
+                !routes_on_device(&c, capacity, false),
+                "{preset:?}, capacity"
+            );
+        }
+        // Kimi-K2's 384 experts are more than the kernel's 256 (8 per lane of a warp).
+        let mut kimi = config(Preset::DeepseekV32l, 2);
+        kimi.num_local_experts = 384;
+        assert!(!routes_on_device(&kimi, Capacity::Dropless, false));
     }
 
     #[test]

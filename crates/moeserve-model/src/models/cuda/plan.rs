@@ -276,6 +276,7 @@ impl DecoderOps for Planner<'_> {
 pub(crate) mod tests {
     use super::*;
     use crate::config::ModelConfig;
+    use crate::moe::OverflowPolicy;
     use moeserve_formats::presets::Preset;
     use std::path::Path;
 
@@ -373,8 +374,23 @@ pub(crate) mod tests {
         assert_eq!(traced.syncs, 1 + 2 * layers);
     }
 
-    /// Routers the kernel does not compute (sigmoid, groups, a capacity) route on the host:
-    /// one wait per MoE layer for the logits.
+    /// Every family's dropless router runs on the device: DeepSeek-V3's sigmoid `noaux_tc`
+    /// (256 experts in 8 groups, a correction bias, a scale) and DeepSeek-V2-Lite's softmax
+    /// make a decode step that waits for the host once, as Mixtral's does.
+    #[test]
+    fn every_familys_dropless_router_runs_on_the_device() {
+        for (preset, layers) in [(Preset::DeepseekV32l, 61), (Preset::DeepseekV2Lite2l, 27)] {
+            let c = config(preset, layers);
+            let plan = step_plan(&c, StepShape::decode(1));
+            assert_eq!(plan.syncs, 1, "{preset:?}: {plan:?}");
+            assert_eq!(plan.htod, 7, "{preset:?}: {plan:?}");
+            // The logits and the routing record.
+            assert_eq!(plan.dtoh, 3, "{preset:?}: {plan:?}");
+        }
+    }
+
+    /// With a capacity factor the host routes (the overflow is chosen in token order, as on
+    /// the CPU): one wait per MoE layer for the logits.
     #[test]
     fn host_routed_layers_wait_once_each() {
         let c = config(Preset::DeepseekV32l, 61);
@@ -382,6 +398,10 @@ pub(crate) mod tests {
         assert!(moe_layers > 0);
         let shape = StepShape {
             active_experts: 8,
+            capacity: Capacity::Factor {
+                alpha: 1.25,
+                overflow: OverflowPolicy::Drop,
+            },
             ..StepShape::decode(1)
         };
         let plan = step_plan(&c, shape);

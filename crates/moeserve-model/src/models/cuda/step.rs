@@ -1,7 +1,7 @@
 //! One step of [`CudaMoeModel`](super::CudaMoeModel) on the device: the decoder's operations
 //! (`ops::DecoderOps`) over the step's buffers, the weights of `cuda.rs` and the kernels of
-//! `cuda/`. Routing is made on the device for Mixtral's softmax when dropless on one GPU, else on
-//! the host with the CPU's router; a shared expert is added after the routed ones. Multi-head
+//! `cuda/`. Routing is made on the device when dropless on one GPU (every family's scoring: see
+//! `cuda/moe_router.cu`), else on the host with the CPU's router; a shared expert is added after the routed ones. Multi-head
 //! latent attention runs as on the CPU (`layers/mla.rs`): the key up-projection absorbed into
 //! the query, attention over the cached latent rows, the value up-projection after it; the
 //! per-head products are one strided batched cuBLAS call each. The MoE block is in

@@ -9,7 +9,8 @@ use moeserve_core::ExpertId;
 
 use super::super::expert_parallel::{LayerRows, SegmentLayout, Span, span_seconds};
 use super::super::host_step::{
-    HostRouting, dropless_routing, experts_on_device_offsets, routes_on_device,
+    HostRouting, device_router_scores, dropless_routing, experts_on_device_offsets,
+    routes_on_device,
 };
 use super::super::workspace::ViewMut;
 use super::super::{DeviceMlp, DeviceMoe};
@@ -28,6 +29,9 @@ pub(super) struct PendingRecord {
     device_pairs: Vec<u64>,
     /// Each device's expert compute, as two marks on its stream (`None`: it had no rows).
     spans: Vec<Option<Span>>,
+    /// Tokens through the layer's shared expert (all of them; 0 without one), as the CPU
+    /// counts them.
+    shared_expert_tokens: u64,
 }
 
 /// Where a layer's rows sit in the step's routing record.
@@ -70,6 +74,7 @@ impl PendingRecord {
             false => self.device_pairs,
         };
         summary.device_seconds = span_seconds(&self.spans)?;
+        summary.counts.shared_expert_tokens = self.shared_expert_tokens;
         Ok(summary)
     }
 }
@@ -127,6 +132,11 @@ impl<T: CudaElement> CudaStep<'_, T> {
                     top_k: k,
                     capacity: None,
                     renormalize: c.norm_topk_prob,
+                    scores: device_router_scores(
+                        c.router_scoring,
+                        block.correction.as_ref().map(|b| b.as_view()),
+                    ),
+                    scale: c.routed_scaling_factor,
                 },
             )?;
             ops::moe_segment_offsets(gpu, b.counts.as_view(), offsets.as_view_mut(), None)?;
@@ -297,6 +307,7 @@ impl<T: CudaElement> CudaStep<'_, T> {
                 moe_layer,
                 device_pairs,
                 spans,
+                shared_expert_tokens: if block.shared.is_some() { t as u64 } else { 0 },
             });
         }
         let delta = &mut self.acts[Act::Delta.index()];
@@ -338,5 +349,38 @@ fn add_router_bias(logits: &mut [f32], bias: Option<&[f32]>, experts: usize) {
         for row in logits.chunks_exact_mut(experts) {
             row.iter_mut().zip(bias).for_each(|(l, b)| *l += b);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device-routed layer's summary, made from the routing record read back at the step's
+    /// end: each expert's pairs from the offsets, the choices, and the shared expert's tokens
+    /// as the CPU counts them (every token of the step).
+    #[test]
+    fn a_device_routed_layers_summary_counts_pairs_and_shared_expert_tokens() {
+        let shape = RecordShape {
+            pairs: 4,
+            width: 4,
+            top_k: 2,
+        };
+        // Layer 1 of two: 2 tokens, top 2 of 3 experts.
+        let ids = [0, 0, 0, 0, 2, 0, 2, 1];
+        let offsets = [0, 0, 0, 0, 0, 1, 2, 4];
+        let record = PendingRecord {
+            summary: None,
+            moe_layer: 1,
+            device_pairs: Vec::new(),
+            spans: Vec::new(),
+            shared_expert_tokens: 2,
+        };
+        let summary = record.complete(&ids, &offsets, shape).unwrap();
+        assert_eq!(summary.expert_load, [1, 1, 2]);
+        assert_eq!(summary.chosen_experts, [2, 0, 2, 1]);
+        assert_eq!(summary.counts.pairs, 4);
+        assert_eq!(summary.counts.shared_expert_tokens, 2);
+        assert_eq!(summary.device_pairs, [4]);
     }
 }
