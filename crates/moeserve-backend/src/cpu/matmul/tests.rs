@@ -97,6 +97,17 @@ fn several_products_of_one_input_equal_each_alone_bit_for_bit() {
             (ns.iter().zip(0..))
                 .map(|(&n, i)| reference::mxfp4_weight_of(vec![n, k], &values(n, i)))
                 .collect(),
+            // Integer weights that quantize the input alike: quantized once, one job.
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| reference::int8_weight_of(vec![n, k], &values(n, i)))
+                .collect(),
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| reference::int4_weight_of(vec![n, k], 32, false, &values(n, i)))
+                .collect(),
+            // GPTQ act-order: each weight its own order, so one by one.
+            (ns.iter().zip(0..))
+                .map(|(&n, i)| reference::int4_weight_of(vec![n, k], 64, true, &values(n, i)))
+                .collect(),
             // Mixed: an integer weight among them runs the products one by one.
             vec![
                 weight_of(DType::BF16, vec![ns[0], k], &values(ns[0], 0)),
