@@ -83,10 +83,13 @@ pub fn matmul_wt_many<const N: usize>(
     #[cfg(not(target_arch = "x86_64"))]
     let together = false;
     #[cfg(target_arch = "x86_64")]
-    if !together && isa.packs_weights() && m > 0 && k > 0 {
-        if let Some(how) = shared_quantizer(isa, k, &products) {
-            return run_integer_many(how, x, m, k, products);
-        }
+    if !together
+        && isa.packs_weights()
+        && m > 0
+        && k > 0
+        && let Some(how) = shared_quantizer(isa, k, &products)
+    {
+        return run_integer_many(how, x, m, k, products);
     }
     if !together {
         for (w, out) in products {
