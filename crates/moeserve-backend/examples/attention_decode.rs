@@ -9,8 +9,9 @@
 //! Environment, to tell the kernel from the cache's access pattern:
 //! - `ATTN_READ_ONLY=1`: no attention, each task only reads its rows (four lines each, in slot
 //!   order): what the access pattern alone allows;
-//! - `ATTN_LAYOUT=head`: each KV head's rows contiguous (`[head][slot][head_dim]`) instead of the
-//!   engine's cache rows (`[slot][kv_heads · head_dim]`, a head's 256 bytes a kilobyte apart);
+//! - `ATTN_LAYOUT=head`: each KV head's rows contiguous (`[head][slot][head_dim]`) instead of
+//!   whole cache rows (`[slot][kv_heads · head_dim]`, a head's 256 bytes a kilobyte apart: the
+//!   engine's cache until it kept a block's rows of each head together, between the two);
 //! - `ATTN_BLOCKS=sequential`: the sequence's blocks in address order instead of shuffled (a
 //!   cache that has served and freed other sequences);
 //! - `RAYON_NUM_THREADS=1`: one core.

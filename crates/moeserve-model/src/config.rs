@@ -317,6 +317,14 @@ impl ModelConfig {
         }
     }
 
+    /// The heads a KV cache row is made of: `num_key_value_heads`, or one latent row (MLA).
+    pub fn kv_cache_heads(&self) -> usize {
+        match &self.mla {
+            Some(_) => 1,
+            None => self.num_key_value_heads,
+        }
+    }
+
     /// What one token's KV cache row of one layer holds, for logs: `latent 512 + rope 64` (MLA)
     /// or `keys and values 2 × 8 heads × 128`.
     pub fn kv_cache_row_summary(&self) -> String {

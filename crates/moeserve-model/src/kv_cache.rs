@@ -9,9 +9,15 @@
 //! when written (attention widens them back as it loads them).
 //!
 //! ```text
-//! k: [num_layers][num_blocks][block_size][key_dim]     (grouped-query: num_kv_heads * head_dim)
-//! v: [num_layers][num_blocks][block_size][value_dim]   (the same width, or none)
+//! k: [num_layers][num_blocks][kv_heads][block_size][key_dim / kv_heads]
+//! v: [num_layers][num_blocks][kv_heads][block_size][value_dim / kv_heads]   (or none)
 //! ```
+//!
+//! Within a block each KV head's rows lie together, as vLLM's caches keep them: attention
+//! reads one head's rows for a sequence, a block's worth (4 KiB of f32 at 16 tokens of 64)
+//! in one run instead of a few hundred bytes out of every cache row. A head's rows are then
+//! addressed by *head rows* ([`KvCacheLayout::head_row`]): row `head_row(slot, h)` of a layer's
+//! `[num_slots · kv_heads, key_dim / kv_heads]` rows is head `h` of `slot`.
 //!
 //! Multi-head latent attention (DeepSeek-V2/V3) caches one compressed row per token and layer,
 //! `[kv_lora_rank | qk_rope_head_dim]`, whatever the number of heads: it is every head's key,
@@ -123,6 +129,9 @@ pub struct KvCacheLayout {
     /// One token's value row in one layer: `key_dim`, or 0 for MLA (values are read from the
     /// key rows).
     pub value_dim: usize,
+    /// The heads a key (and value) row is made of (`num_key_value_heads`; 1 for MLA's latent
+    /// row), each stored with its block's other rows of that head.
+    pub kv_heads: usize,
 }
 
 impl KvCacheLayout {
@@ -135,7 +144,15 @@ impl KvCacheLayout {
             block_size,
             key_dim,
             value_dim,
+            kv_heads: config.kv_cache_heads(),
         }
+    }
+
+    /// The row of head `head` of `slot` among a layer's head rows (see the module note): the
+    /// head's rows of one block are consecutive.
+    pub fn head_row(&self, slot: usize, head: usize) -> usize {
+        let (block, offset) = (slot / self.block_size, slot % self.block_size);
+        (block * self.kv_heads + head) * self.block_size + offset
     }
 
     /// Bytes one token occupies across all layers (keys and values) in an f32 cache.
@@ -180,32 +197,59 @@ impl PagedKvCache {
         &self.layout
     }
 
-    /// The row index of `slot` in `layer`.
+    /// The row index of `slot` in `layer`: where its block starts, in token rows.
     fn row(&self, layer: usize, slot: usize) -> usize {
         debug_assert!(layer < self.layout.num_layers && slot < self.layout.num_slots());
         layer * self.layout.num_slots() + slot
     }
 
+    /// Where head `head` of `slot` in `layer` starts among rows `width` wide (a whole key or
+    /// value row).
+    fn head_start(&self, layer: usize, slot: usize, head: usize, width: usize) -> usize {
+        let h = self.layout.kv_heads;
+        let layer_start = self.row(layer, 0) * width;
+        layer_start + self.layout.head_row(slot, head) * (width / h)
+    }
+
     /// Stores one token's key and value rows (`key_dim` and `value_dim` wide) at `slot` of
-    /// `layer`, rounded to the cache's element type.
+    /// `layer`, rounded to the cache's element type, each head with its block's rows of it.
     pub fn write(&mut self, layer: usize, slot: usize, key: &[f32], value: &[f32]) {
-        let r = self.row(layer, slot);
-        let (dk, dv) = (self.layout.key_dim, self.layout.value_dim);
+        let (dk, dv, h) = (
+            self.layout.key_dim,
+            self.layout.value_dim,
+            self.layout.kv_heads,
+        );
         assert!(key.len() == dk && value.len() == dv, "KV row widths");
-        self.k.write(r * dk, key);
-        self.v.write(r * dv, value);
+        for (head, part) in key.chunks_exact(dk / h).enumerate() {
+            let at = self.head_start(layer, slot, head, dk);
+            self.k.write(at, part);
+        }
+        if dv > 0 {
+            for (head, part) in value.chunks_exact(dv / h).enumerate() {
+                let at = self.head_start(layer, slot, head, dv);
+                self.v.write(at, part);
+            }
+        }
     }
 
-    /// The key row at `slot` of `layer`, widened to f32.
+    /// The key row at `slot` of `layer`, its heads gathered and widened to f32.
     pub fn key(&self, layer: usize, slot: usize) -> Vec<f32> {
-        let (r, d) = (self.row(layer, slot), self.layout.key_dim);
-        self.k.read(r * d..(r + 1) * d)
+        self.gather(&self.k, layer, slot, self.layout.key_dim)
     }
 
-    /// The value row at `slot` of `layer`, widened to f32.
+    /// The value row at `slot` of `layer`, its heads gathered and widened to f32.
     pub fn value(&self, layer: usize, slot: usize) -> Vec<f32> {
-        let (r, d) = (self.row(layer, slot), self.layout.value_dim);
-        self.v.read(r * d..(r + 1) * d)
+        self.gather(&self.v, layer, slot, self.layout.value_dim)
+    }
+
+    fn gather(&self, rows: &Rows, layer: usize, slot: usize, width: usize) -> Vec<f32> {
+        let part = width / self.layout.kv_heads;
+        (0..self.layout.kv_heads)
+            .flat_map(|head| {
+                let at = self.head_start(layer, slot, head, width);
+                rows.read(at..at + part)
+            })
+            .collect()
     }
 
     /// Copies every layer's rows of block `src` into block `dst` (a forked sequence's own copy
@@ -224,7 +268,9 @@ impl PagedKvCache {
         }
     }
 
-    /// All key and value rows of `layer`: `[num_slots, key_dim]` and `[num_slots, value_dim]`.
+    /// All key and value rows of `layer`, `num_slots · key_dim` and `num_slots · value_dim`
+    /// elements: head rows (`[num_slots · kv_heads, key_dim / kv_heads]`, addressed by
+    /// [`KvCacheLayout::head_row`]).
     pub fn layer_rows(&self, layer: usize) -> LayerRows<'_> {
         let (r, n) = (self.row(layer, 0), self.layout.num_slots());
         let (k, v) = (
@@ -256,6 +302,7 @@ mod tests {
             block_size: 4,
             key_dim: 2,
             value_dim: 2,
+            kv_heads: 1,
         };
         let mut cache = PagedKvCache::new(layout);
         cache.write(1, 5, &[1.0, 2.0], &[3.0, 4.0]);
@@ -273,6 +320,7 @@ mod tests {
             block_size: 2,
             key_dim: 2,
             value_dim: 1,
+            kv_heads: 1,
         };
         let mut cache = PagedKvCache::new(layout);
         for layer in 0..2 {
@@ -291,6 +339,62 @@ mod tests {
         }
     }
 
+    /// Each KV head's rows of a block lie together: head `h` of every slot of a block is one
+    /// run of `block_size` rows, found by `head_row`; whole rows read back as written, and a
+    /// block copy moves every head of it.
+    #[test]
+    fn a_blocks_rows_of_one_head_lie_together() {
+        let layout = KvCacheLayout {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 4,
+            key_dim: 6,
+            value_dim: 6,
+            kv_heads: 3,
+        };
+        let mut cache = PagedKvCache::new(layout);
+        let row = |layer: usize, slot: usize, sign: f32| -> Vec<f32> {
+            (0..6)
+                .map(|i| sign * (100 * layer + 10 * slot + i) as f32)
+                .collect()
+        };
+        for layer in 0..2 {
+            for slot in 0..12 {
+                cache.write(layer, slot, &row(layer, slot, 1.0), &row(layer, slot, -1.0));
+            }
+        }
+        for layer in 0..2 {
+            let LayerRows::F32(keys, values) = cache.layer_rows(layer) else {
+                panic!("an f32 cache")
+            };
+            for slot in 0..12 {
+                assert_eq!(cache.key(layer, slot), row(layer, slot, 1.0));
+                assert_eq!(cache.value(layer, slot), row(layer, slot, -1.0));
+                for head in 0..3 {
+                    let r = layout.head_row(slot, head);
+                    assert_eq!(
+                        keys[r * 2..r * 2 + 2],
+                        row(layer, slot, 1.0)[head * 2..][..2]
+                    );
+                    assert_eq!(
+                        values[r * 2..r * 2 + 2],
+                        row(layer, slot, -1.0)[head * 2..][..2]
+                    );
+                }
+            }
+            // Head 1 of block 2: slots 8..12, consecutive rows.
+            let run: Vec<usize> = (8..12).map(|slot| layout.head_row(slot, 1)).collect();
+            assert_eq!(run, [28, 29, 30, 31]);
+        }
+        cache.copy_block(2, 0);
+        for layer in 0..2 {
+            for (dst, src) in [(0, 8), (1, 9), (2, 10), (3, 11), (4, 4)] {
+                assert_eq!(cache.key(layer, dst), row(layer, src, 1.0));
+                assert_eq!(cache.value(layer, dst), row(layer, src, -1.0));
+            }
+        }
+    }
+
     #[test]
     fn slot_follows_the_block_table() {
         assert_eq!(slot_of(&[7, 2], 4, 0), 28);
@@ -305,6 +409,7 @@ mod tests {
             block_size: 4,
             key_dim: 5,
             value_dim: 0,
+            kv_heads: 1,
         };
         let mut cache = PagedKvCache::new(layout);
         cache.write(1, 7, &[1.0, 2.0, 3.0, 4.0, 5.0], &[]);
@@ -325,6 +430,7 @@ mod tests {
             block_size: 2,
             key_dim: 3,
             value_dim: 3,
+            kv_heads: 1,
         };
         let mut cache = PagedKvCache::with_dtype(layout, KvDtype::Bf16);
         let key = [1.0, 1.0 + 1.0 / 256.0, -2.7182817];

@@ -234,13 +234,17 @@ impl Attention {
             Some(w) => (place.position + 1).saturating_sub(w),
             None => 0,
         };
-        let block_size = kv.layout().block_size;
+        let layout = kv.layout();
         slots.clear();
-        slots.extend((first..=place.position).map(|p| slot_of(table, block_size, p)));
+        // This head's rows of the visible slots (a block's rows of one head lie together).
+        slots.extend(
+            (first..=place.position)
+                .map(|p| layout.head_row(slot_of(table, layout.block_size, p), kvh)),
+        );
         let sinks = (self.sinks.as_deref()).map(|s| &s[kvh * group..(kvh + 1) * group]);
         let head = CachedHead {
-            stride: kv.layout().key_dim,
-            offset: kvh * d,
+            stride: d,
+            offset: 0,
             head_dim: d,
             value_dim: d,
             scale: (d as f32).powf(-0.5),
@@ -253,9 +257,10 @@ impl Attention {
 /// attention: what [`attention::KvHeadQuery`] needs beyond the rows' element type.
 #[derive(Clone, Copy)]
 pub(crate) struct CachedHead {
-    /// Elements per cached key (and value) row.
+    /// Elements from one of the head's cached rows to the next: `head_dim` where the rows are
+    /// head rows (`KvCacheLayout::head_row`), the latent row's width for MLA.
     pub stride: usize,
-    /// The head's first element in a row.
+    /// The head's first element in its row.
     pub offset: usize,
     pub head_dim: usize,
     pub value_dim: usize,

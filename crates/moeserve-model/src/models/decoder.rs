@@ -584,6 +584,7 @@ impl MoeModel {
         let layout = *kv.layout();
         if layout.num_layers != c.num_hidden_layers
             || (layout.key_dim, layout.value_dim) != c.kv_cache_row()
+            || layout.kv_heads != c.kv_cache_heads()
         {
             return Err(ModelError::InvalidInput {
                 message: format!("KV cache layout {layout:?} does not fit the model"),
