@@ -185,6 +185,13 @@ impl PagedKvCache {
     }
 
     pub fn with_dtype(layout: KvCacheLayout, dtype: KvDtype) -> Self {
+        let h = layout.kv_heads;
+        assert!(
+            h > 0 && layout.key_dim.is_multiple_of(h) && layout.value_dim.is_multiple_of(h),
+            "KV rows of {} and {} values do not split into {h} heads",
+            layout.key_dim,
+            layout.value_dim
+        );
         let rows = layout.num_layers * layout.num_slots();
         PagedKvCache {
             layout,
@@ -197,7 +204,8 @@ impl PagedKvCache {
         &self.layout
     }
 
-    /// The row index of `slot` in `layer`: where its block starts, in token rows.
+    /// `layer`'s first token row plus `slot` (a block's rows, every head of them, start where
+    /// its first slot's would: heads are ordered within blocks).
     fn row(&self, layer: usize, slot: usize) -> usize {
         debug_assert!(layer < self.layout.num_layers && slot < self.layout.num_slots());
         layer * self.layout.num_slots() + slot

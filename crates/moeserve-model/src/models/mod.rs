@@ -16,6 +16,7 @@ mod cuda;
 mod cuda;
 pub mod decoder;
 pub(crate) mod ops;
+mod pool;
 pub(crate) mod workspace;
 
 pub use cuda::CudaMoeModel;
