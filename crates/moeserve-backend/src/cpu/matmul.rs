@@ -12,7 +12,9 @@ use super::packed::{PANEL, PackedPanels, PackedWeight};
 use super::{Isa, isa};
 use crate::{Weight, WeightData};
 
+mod many;
 mod tiled_rows;
+pub use many::matmul_wt_many;
 pub(super) use tiled_rows::{TiledRows, row_tiles, tile_of};
 
 /// Weight rows per parallel task on the scalar path.
@@ -56,148 +58,6 @@ pub fn matmul_wt(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
 /// elements; a step's workspace keeps one, so steps allocate nothing).
 pub fn matmul_wt_in(x: &[f32], m: usize, w: &Weight, out: &mut [f32], tiled: &mut Vec<f32>) {
     matmul_wt_on(isa(), x, m, w, out, tiled)
-}
-
-/// `outs[i] = x · Wᵢᵀ` for `N` weights of the same input width (a layer's q, k and v
-/// projections), as [`matmul_wt_in`] gives each, but as one parallel job: the input tiled
-/// (or, for integer weights that quantize it alike, quantized) once, one fork-join for all
-/// their panels instead of one per product. At batch 1 each of these products is tens of
-/// microseconds, and a worker that fell asleep before one wakes late into it: a profile
-/// found 31 % of their time on one thread. Integer weights that quantize their input
-/// differently (GPTQ act-order) and the portable kernels run the products one by one.
-pub fn matmul_wt_many<const N: usize>(
-    x: &[f32],
-    m: usize,
-    products: [(&Weight, &mut [f32]); N],
-    tiled: &mut Vec<f32>,
-) {
-    let isa = isa();
-    let k = products.first().map_or(0, |(w, _)| w.shape()[1]);
-    #[cfg(target_arch = "x86_64")]
-    let together = isa.packs_weights()
-        && m > 0
-        && k > 0
-        && (products.iter()).all(|(w, _)| {
-            w.shape().len() == 2 && w.shape()[1] == k && quantizer(isa, w.packed()).is_none()
-        });
-    #[cfg(not(target_arch = "x86_64"))]
-    let together = false;
-    #[cfg(target_arch = "x86_64")]
-    if !together
-        && isa.packs_weights()
-        && m > 0
-        && k > 0
-        && let Some(how) = shared_quantizer(isa, k, &products)
-    {
-        return run_integer_many(how, x, m, k, products);
-    }
-    if !together {
-        for (w, out) in products {
-            matmul_wt_on(isa, x, m, w, out, tiled);
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        assert_eq!(x.len(), m * k, "matmul_wt_many: x is not {m}×{k}");
-        let products = products.map(|(w, out)| {
-            let n = w.shape()[0];
-            assert_eq!(out.len(), m * n, "matmul_wt_many: an output is not {m}×{n}");
-            (w, OutPtr(out.as_mut_ptr()), Dims { m, n, k })
-        });
-        let x = TiledRows::pack(isa, x, m, k, tiled);
-        let per_task = if pairs_panels(isa, m) { 2 } else { 1 };
-        let tasks = products.map(|(_, _, d)| d.n.div_ceil(PANEL).div_ceil(per_task));
-        let all = Dims {
-            m,
-            n: products.iter().map(|(_, _, d)| d.n).sum(),
-            k,
-        };
-        for_each_task(tasks.iter().sum(), all, |mut t| {
-            // The product this task belongs to, and its first panel there.
-            let mut i = 0;
-            while t >= tasks[i] {
-                t -= tasks[i];
-                i += 1;
-            }
-            let (w, out, d) = products[i];
-            let q = t * per_task;
-            PANEL_OUT.with_borrow_mut(|acc| {
-                acc.resize(per_task * m * PANEL, 0.0);
-                let (a, b) = acc.split_at_mut(m * PANEL);
-                if per_task == 2 && q + 1 < d.n.div_ceil(PANEL) {
-                    weight_panel_pair(isa, x, [(w, q, None), (w, q + 1, None)], a, b);
-                    // SAFETY: only this task computes panel q + 1 of this product.
-                    unsafe { write_panel(b, d, q + 1, out) };
-                } else {
-                    weight_panel(isa, x, None, w, q, a);
-                }
-                // SAFETY: only this task computes panel q of this product.
-                unsafe { write_panel(a, d, q, out) };
-            })
-        });
-    }
-}
-
-/// The quantizer every product of [`matmul_wt_many`] takes its input through, when all are
-/// 2-D integer weights of input width `k` that quantize it alike ([`Quantizer::same_as`]).
-#[cfg(target_arch = "x86_64")]
-fn shared_quantizer<'w, const N: usize>(
-    isa: Isa,
-    k: usize,
-    products: &[(&'w Weight, &mut [f32]); N],
-) -> Option<Quantizer<'w>> {
-    let mut hows = products.iter().map(|(w, _)| {
-        (w.shape().len() == 2 && w.shape()[1] == k)
-            .then(|| quantizer(isa, w.packed()))
-            .flatten()
-    });
-    let first = hows.next()??;
-    hows.all(|how| how.is_some_and(|h| h.same_as(&first)))
-        .then_some(first)
-}
-
-/// [`matmul_wt_many`] of integer weights that quantize their input alike: `x` quantized once,
-/// then one task per panel of every product — each panel's sums as [`run_integer`] gives
-/// them, so the same bits as the products one by one.
-#[cfg(target_arch = "x86_64")]
-fn run_integer_many<const N: usize>(
-    how: Quantizer<'_>,
-    x: &[f32],
-    m: usize,
-    k: usize,
-    products: [(&Weight, &mut [f32]); N],
-) {
-    assert_eq!(x.len(), m * k, "matmul_wt_many: x is not {m}×{k}");
-    let products = products.map(|(w, out)| {
-        let n = w.shape()[0];
-        assert_eq!(out.len(), m * n, "matmul_wt_many: an output is not {m}×{n}");
-        (w.packed(), OutPtr(out.as_mut_ptr()), Dims { m, n, k })
-    });
-    let mut buf = QUANTIZED_X.take();
-    let xq = buf.quantize(how, TiledRows::rows(x, m, k));
-    let tasks = products.map(|(_, _, d)| d.n.div_ceil(PANEL));
-    let all = Dims {
-        m,
-        n: products.iter().map(|(_, _, d)| d.n).sum(),
-        k,
-    };
-    for_each_task(tasks.iter().sum(), all, |mut q| {
-        // The product this task belongs to, and its panel there.
-        let mut i = 0;
-        while q >= tasks[i] {
-            q -= tasks[i];
-            i += 1;
-        }
-        let (w, out, d) = products[i];
-        PANEL_OUT.with_borrow_mut(|acc| {
-            acc.resize(m * PANEL, 0.0);
-            integer_panel_product(w, xq, q, acc);
-            // SAFETY: only this task computes panel q of product i.
-            unsafe { write_panel(acc, d, q, out) };
-        })
-    });
-    QUANTIZED_X.set(buf);
 }
 
 /// [`matmul_wt`] on the kernels of `isa`, which the CPU must support.
