@@ -5,8 +5,8 @@
 //   `MixtralSparseMoeBlock`), or `sigmoid(logit)` (DeepSeek-V3, GLM-4.5), ranked by the score
 //   plus `e_score_correction_bias` where the layer has one, weighted by the score alone.
 // - Groups (`n_group`, `topk_group`): only the experts of the `keep_groups` best of `groups`
-//   equal groups are ranked; a group scores the sum of its two best ranking values (`noaux_tc`,
-//   `group_top_two`) or its best (`group_limited_greedy`); ties go to the lower group.
+//   equal groups are ranked; a group scores the sum of its two best ranking values (sigmoid:
+//   `noaux_tc`) or its best (softmax: `group_limited_greedy`); ties go to the lower group.
 // - Top-k by the ranking values, ties to the lower expert index (as the CPU's sort); the kept
 //   pairs' weights renormalised to sum to 1 (`renormalize`: Mixtral, `norm_topk_prob`) in rank
 //   order, then multiplied by `scale` (`routed_scaling_factor`).
@@ -38,9 +38,10 @@ __device__ __forceinline__ void warp_best(float& value, int& expert, float& weig
 }
 
 // Sets the ranking values of the experts outside the `keep_groups` best groups to -inf. Every
-// lane computes the same group scores (warp reductions) and the same choice of groups.
+// lane computes the same group scores (warp reductions: the sum of a group's two best with
+// `top_two`, else its best) and the same choice of groups.
 __device__ void mask_groups(float* choice, int lane, int num_experts, int groups,
-                            int keep_groups, int group_top_two) {
+                            int keep_groups, int top_two) {
     const int size = num_experts / groups;
     float score[MAX_GROUPS];
     for (int g = 0; g < groups; ++g) {
@@ -60,7 +61,7 @@ __device__ void mask_groups(float* choice, int lane, int num_experts, int groups
             second = fmaxf(fminf(best, other), fmaxf(second, other_second));
             best = fmaxf(best, other);
         }
-        score[g] = group_top_two && size > 1 ? best + second : best;
+        score[g] = top_two && size > 1 ? best + second : best;
     }
     unsigned kept = 0;
     for (int j = 0; j < keep_groups; ++j) {
@@ -87,7 +88,7 @@ __device__ void route_top_k(const T* logits, const float* bias, const float* cor
                             int* topk_ids, float* topk_weights, int* slots, int* expert_counts,
                             int num_tokens, int num_experts, int top_k, int capacity,
                             int renormalize, int sigmoid, int groups, int keep_groups,
-                            int group_top_two, float scale) {
+                            float scale) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= num_tokens) return;
@@ -126,7 +127,7 @@ __device__ void route_top_k(const T* logits, const float* bias, const float* cor
             choice[r] = weight[r];
         }
     }
-    if (groups > 1) mask_groups(choice, lane, num_experts, groups, keep_groups, group_top_two);
+    if (groups > 1) mask_groups(choice, lane, num_experts, groups, keep_groups, sigmoid);
     int chosen[MAX_TOP_K];
     float chosen_weight[MAX_TOP_K];
     for (int j = 0; j < top_k; ++j) {
@@ -163,9 +164,9 @@ __device__ void route_top_k(const T* logits, const float* bias, const float* cor
         const T* logits, const float* bias, const float* correction, int* topk_ids,            \
         float* topk_weights, int* slots, int* expert_counts, int num_tokens, int num_experts,   \
         int top_k, int capacity, int renormalize, int sigmoid, int groups, int keep_groups,    \
-        int group_top_two, float scale) {                                                      \
+        float scale) {                                                                         \
         route_top_k<T>(logits, bias, correction, topk_ids, topk_weights, slots, expert_counts, \
                        num_tokens, num_experts, top_k, capacity, renormalize, sigmoid, groups, \
-                       keep_groups, group_top_two, scale);                                     \
+                       keep_groups, scale);                                                    \
     }
 MOESERVE_FOR_EACH_DTYPE(DEFINE_ROUTE_TOP_K)

@@ -313,7 +313,7 @@ static void router_and_permute() {
         emu::launch({(unsigned)(tokens + 3) / 4, 1, 1}, {128, 1, 1}, [&] {
             route_top_k<float>(logits.data(), bias.data(), nullptr, ids.data(), weights.data(),
                                slots.data(), counts.data(), tokens, experts, top_k, capacity, 1,
-                               0, 1, 1, 0, 1.0f);
+                               0, 1, 1, 1.0f);
         });
         bool same = true;
         std::vector<std::vector<int>> seen(experts);
@@ -416,8 +416,7 @@ static void scored_routers() {
         emu::launch({(unsigned)(tokens + 3) / 4, 1, 1}, {128, 1, 1}, [&] {
             route_top_k<float>(logits.data(), nullptr, c.sigmoid ? correction.data() : nullptr,
                                ids.data(), weights.data(), slots.data(), counts.data(), tokens,
-                               E, K, 0, c.renormalize, c.sigmoid, c.groups, c.keep, c.sigmoid,
-                               c.scale);
+                               E, K, 0, c.renormalize, c.sigmoid, c.groups, c.keep, c.scale);
         });
         bool same = true;
         for (int t = 0; t < tokens; ++t) {

@@ -134,8 +134,6 @@ pub fn route_top_k<T: CudaElement>(
     let sigmoid = i32::from(sigmoid);
     // No limit: one group holding every expert.
     let (groups, keep) = groups.map_or((1, 1), |g| (g.groups as i32, g.keep as i32));
-    // A sigmoid router's groups score the sum of their two best, a softmax router's their best.
-    let group_top_two = sigmoid;
     let null = 0u64;
     let mut l = b.stream().launch_builder(&f);
     l.arg(&a.logits);
@@ -159,7 +157,6 @@ pub fn route_top_k<T: CudaElement>(
         .arg(&sigmoid)
         .arg(&groups)
         .arg(&keep)
-        .arg(&group_top_two)
         .arg(&a.scale);
     let blocks = (n as u32).div_ceil(ROUTER_WARPS);
     // SAFETY: lengths and the kernel's compiled limits checked above.
