@@ -155,6 +155,27 @@ impl KvCacheLayout {
         (block * self.kv_heads + head) * self.block_size + offset
     }
 
+    /// Appends to `rows` head `head`'s rows (see [`Self::head_row`]) of `positions` of a
+    /// sequence whose blocks are `block_table`: one run per block, no division per position
+    /// (attention builds these lists for every head, layer and step).
+    pub fn extend_head_rows(
+        &self,
+        block_table: &[u32],
+        positions: std::ops::RangeInclusive<usize>,
+        head: usize,
+        rows: &mut Vec<usize>,
+    ) {
+        let bs = self.block_size;
+        let (mut p, last) = (*positions.start(), *positions.end());
+        while p <= last {
+            let (block, offset) = (p / bs, p % bs);
+            let run = (bs - offset).min(last + 1 - p);
+            let start = (block_table[block] as usize * self.kv_heads + head) * bs + offset;
+            rows.extend(start..start + run);
+            p += run;
+        }
+    }
+
     /// Bytes one token occupies across all layers (keys and values) in an f32 cache.
     pub fn bytes_per_token(&self) -> usize {
         self.bytes_per_token_in(std::mem::size_of::<f32>())
@@ -393,6 +414,17 @@ mod tests {
             // Head 1 of block 2: slots 8..12, consecutive rows.
             let run: Vec<usize> = (8..12).map(|slot| layout.head_row(slot, 1)).collect();
             assert_eq!(run, [28, 29, 30, 31]);
+            // A sequence's rows by its block table, a block's run at a time: the rows of its
+            // slots one by one, from any first to any last position.
+            let table = [2, 0, 1];
+            for (first, last, head) in [(0, 11, 0), (3, 9, 2), (5, 5, 1), (4, 7, 1)] {
+                let mut rows = Vec::new();
+                layout.extend_head_rows(&table, first..=last, head, &mut rows);
+                let want: Vec<usize> = (first..=last)
+                    .map(|p| layout.head_row(slot_of(&table, 4, p), head))
+                    .collect();
+                assert_eq!(rows, want, "positions {first}..={last}, head {head}");
+            }
         }
         cache.copy_block(2, 0);
         for layer in 0..2 {

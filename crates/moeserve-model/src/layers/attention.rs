@@ -234,13 +234,10 @@ impl Attention {
             Some(w) => (place.position + 1).saturating_sub(w),
             None => 0,
         };
-        let layout = kv.layout();
         slots.clear();
-        // This head's rows of the visible slots (a block's rows of one head lie together).
-        slots.extend(
-            (first..=place.position)
-                .map(|p| layout.head_row(slot_of(table, layout.block_size, p), kvh)),
-        );
+        // This head's rows of the visible positions (a block's rows of one head lie together).
+        kv.layout()
+            .extend_head_rows(table, first..=place.position, kvh, slots);
         let sinks = (self.sinks.as_deref()).map(|s| &s[kvh * group..(kvh + 1) * group]);
         let head = CachedHead {
             stride: d,
